@@ -1,0 +1,122 @@
+"""The ``cgx-ps`` command line: long-running shards, a local cluster, and the demo.
+
+    cgx-ps server  --port 7070 --shard-index 0 --num-shards 2     one shard (one process)
+    cgx-ps cluster --shards 2                                      N local shards, Ctrl-C stops all
+    cgx-ps demo    --workers 2 --shards 2                          shards + workers train a model
+    cgx-ps codec-demo                                              codec sizes, error and speed
+
+Every option that a deployment sets has an environment variable (CGX_PS_*), so Kubernetes
+manifests can set it from a ConfigMap or the downward API without repeating it in args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+__all__ = ["build_parser", "main", "DEFAULT_PORT", "DEFAULT_METRICS_PORT"]
+
+DEFAULT_PORT = 7070
+DEFAULT_METRICS_PORT = 9400
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"cgx-ps: environment variable {name}={value!r} is not an integer") from None
+
+
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--round-timeout", type=float, default=float(os.environ.get("CGX_PS_ROUND_TIMEOUT", 60.0)),
+                   help="seconds a round may wait for its last node before it fails for everyone "
+                        "(env CGX_PS_ROUND_TIMEOUT; default %(default)s)")
+    p.add_argument("--max-inflight-mb", type=float,
+                   default=float(os.environ.get("CGX_PS_MAX_INFLIGHT_MB", 1024)),
+                   help="cap on pushed bytes buffered but not yet summed; beyond it pushes wait "
+                        "(env CGX_PS_MAX_INFLIGHT_MB; default %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("CGX_PS_DRAIN_TIMEOUT", 20.0)),
+                   help="on SIGTERM, seconds to finish rounds in flight before exiting "
+                        "(env CGX_PS_DRAIN_TIMEOUT; default %(default)s)")
+    p.add_argument("--error-feedback", action="store_true",
+                   default=os.environ.get("CGX_PS_ERROR_FEEDBACK", "") not in ("", "0", "false"),
+                   help="carry the re-quantization error of each block into the next round "
+                        "(env CGX_PS_ERROR_FEEDBACK)")
+    p.add_argument("--log-level", default=os.environ.get("CGX_PS_LOG_LEVEL", "INFO"),
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cgx-ps", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    server = sub.add_parser("server", help="run one parameter-server shard")
+    server.add_argument("--host", default=os.environ.get("CGX_PS_HOST", "0.0.0.0"),
+                        help="address to bind (env CGX_PS_HOST; default %(default)s)")
+    server.add_argument("--port", type=int, default=_env_int("CGX_PS_PORT", DEFAULT_PORT),
+                        help="gRPC port, 0 picks a free one (env CGX_PS_PORT; default %(default)s)")
+    server.add_argument("--shard-index", type=int, default=_env_int("CGX_PS_SHARD_INDEX", 0),
+                        help="this shard's index (env CGX_PS_SHARD_INDEX; default %(default)s)")
+    server.add_argument("--num-shards", type=int, default=_env_int("CGX_PS_NUM_SHARDS", 1),
+                        help="total shards (env CGX_PS_NUM_SHARDS; default %(default)s)")
+    server.add_argument("--metrics-port", type=int,
+                        default=_env_int("CGX_PS_METRICS_PORT", DEFAULT_METRICS_PORT),
+                        help="Prometheus metrics HTTP port, -1 disables "
+                             "(env CGX_PS_METRICS_PORT; default %(default)s)")
+    server.add_argument("--port-file", default=None,
+                        help="write the bound gRPC and metrics ports here as JSON once serving")
+    _add_server_options(server)
+
+    cluster = sub.add_parser("cluster", help="run N local shard processes until Ctrl-C/SIGTERM")
+    cluster.add_argument("--shards", type=int, default=2)
+    cluster.add_argument("--host", default="127.0.0.1")
+    cluster.add_argument("--base-port", type=int, default=DEFAULT_PORT,
+                         help="shard i listens on base-port + i (default %(default)s)")
+    cluster.add_argument("--metrics-base-port", type=int, default=-1,
+                         help="shard i serves metrics on this + i; -1 disables (default)")
+    _add_server_options(cluster)
+
+    demo = sub.add_parser("demo", help="local cluster: shards plus workers training a real model")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
+    demo.add_argument("--shards", type=int, default=2, help="shard processes (default %(default)s)")
+    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--batch-size", type=int, default=32, help="per worker")
+    demo.add_argument("--compression", default="4bit",
+                      help="fp32, fp16, Nbit (N in 1..8) or adaptive (default %(default)s)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
+
+    codec = sub.add_parser("codec-demo", help="encode a random gradient: sizes, error and speed")
+    codec.add_argument("--numel", type=int, default=25_000_000)
+    codec.add_argument("--bucket-size", type=int, default=1024)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "server":
+        from .server.main import run_server
+
+        return run_server(args)
+    if args.command == "cluster":
+        from .server.cluster import run_cluster
+
+        return run_cluster(args)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    if args.command == "codec-demo":
+        from .codec_demo import run_codec_demo
+
+        return run_codec_demo(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

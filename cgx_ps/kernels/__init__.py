@@ -1,0 +1,29 @@
+"""cgx_ps.kernels — gradient codecs of one versioned wire format (docs/wire-format.md).
+
+    block = quantize(grad, bits=4, bucket_size=1024, stochastic=True, seed=step)
+    payload = block.to_bytes()                       # what travels
+    dequantize(payload, out=acc, accumulate=True)    # what a server does with it
+
+Implementations: plain-torch reference (``reference``), fused multithreaded CPU kernels (``cpu``,
+numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks one. This package
+imports nothing else of cgx_ps, so it can be reused on its own.
+"""
+
+from .api import EncodedBlock, Impl, decode_header, dequantize, encode, quantize
+from .errors import CodecError
+from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
+
+__all__ = [
+    "Codec",
+    "CodecError",
+    "EncodedBlock",
+    "HEADER_SIZE",
+    "Header",
+    "Impl",
+    "WIRE_VERSION",
+    "body_size",
+    "decode_header",
+    "dequantize",
+    "encode",
+    "quantize",
+]

@@ -1,0 +1,146 @@
+"""The versioned, little-endian block wire format (docs/wire-format.md).
+
+Every encoded block is ``header (32 bytes) | body``. The header is parsed and validated here,
+before any kernel touches the body, so kernels can trust sizes and never read out of bounds.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from dataclasses import dataclass
+
+from .errors import CodecError
+
+__all__ = [
+    "Codec",
+    "Header",
+    "HEADER_SIZE",
+    "WIRE_VERSION",
+    "MAGIC",
+    "FLAG_STOCHASTIC",
+    "body_size",
+    "num_buckets",
+    "parse_header",
+    "pack_header",
+    "validate_settings",
+]
+
+MAGIC = b"CGXB"
+WIRE_VERSION = 1
+# magic, version, codec, bits, flags, numel, bucket_size, crc32(body), 8 reserved zero bytes
+_HEADER = struct.Struct("<4sBBBBQII8s")
+HEADER_SIZE = _HEADER.size  # 32: keeps the float32 metadata that follows 8-byte aligned
+FLAG_STOCHASTIC = 0x01
+_KNOWN_FLAGS = FLAG_STOCHASTIC
+_RESERVED = bytes(8)
+MAX_BUCKET_SIZE = 1 << 24
+
+
+class Codec(enum.IntEnum):
+    """Codec ids: the byte in every header. Mirrors ``cgx_ps.v1.Codec`` (checked by tests)."""
+
+    FP32 = 1
+    FP16 = 2
+    BF16 = 3
+    MAXMIN = 4
+
+
+_ELEMENT_BYTES = {Codec.FP32: 4, Codec.FP16: 2, Codec.BF16: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    codec: Codec
+    bits: int
+    flags: int
+    numel: int
+    bucket_size: int
+    crc32: int
+
+    @property
+    def stochastic(self) -> bool:
+        return bool(self.flags & FLAG_STOCHASTIC)
+
+    @property
+    def body_size(self) -> int:
+        return body_size(self.codec, self.numel, self.bits, self.bucket_size)
+
+
+def validate_settings(codec: Codec, bits: int, bucket_size: int) -> None:
+    """Raise CodecError unless (codec, bits, bucket_size) is encodable."""
+    if codec == Codec.MAXMIN:
+        if not 1 <= bits <= 8:
+            raise CodecError(f"bits must be in 1..8 for max-min quantization, got {bits}")
+        # Multiples of 8 keep every bucket byte-aligned in the packed level stream, so buckets
+        # can be encoded and decoded independently (one thread or CUDA block per bucket).
+        if bucket_size < 8 or bucket_size % 8 or bucket_size > MAX_BUCKET_SIZE:
+            raise CodecError(
+                f"bucket_size must be a multiple of 8 in 8..{MAX_BUCKET_SIZE}, got {bucket_size}"
+            )
+    elif codec not in _ELEMENT_BYTES:
+        raise CodecError(f"unknown codec id {int(codec)}")
+
+
+def num_buckets(numel: int, bucket_size: int) -> int:
+    return -(-numel // bucket_size)
+
+
+def body_size(codec: Codec, numel: int, bits: int, bucket_size: int) -> int:
+    if codec == Codec.MAXMIN:
+        # (min, unit) float32 pairs per bucket, then levels packed LSB-first, `bits` per element
+        return 8 * num_buckets(numel, bucket_size) + (numel * bits + 7) // 8
+    return _ELEMENT_BYTES[codec] * numel
+
+
+def pack_header(header: Header) -> bytes:
+    return _HEADER.pack(
+        MAGIC, WIRE_VERSION, int(header.codec), header.bits, header.flags,
+        header.numel, header.bucket_size, header.crc32, _RESERVED,
+    )
+
+
+def parse_header(payload: bytes | bytearray | memoryview) -> Header:
+    """Parse and validate a header; check the payload's length against it."""
+    size = len(payload)
+    if size < HEADER_SIZE:
+        raise CodecError(f"payload truncated: {size} bytes, a block header alone is {HEADER_SIZE}")
+    magic, version, codec_id, bits, flags, numel, bucket_size, crc, reserved = _HEADER.unpack_from(
+        payload, 0
+    )
+    if magic != MAGIC:
+        raise CodecError(f"not a cgx-ps block: magic {magic!r}, expected {MAGIC!r}")
+    if version != WIRE_VERSION:
+        raise CodecError(f"unsupported wire version {version} (this build reads {WIRE_VERSION})")
+    try:
+        codec = Codec(codec_id)
+    except ValueError:
+        raise CodecError(f"unknown codec id {codec_id}") from None
+    if flags & ~_KNOWN_FLAGS:
+        raise CodecError(f"unknown header flags 0x{flags:02x}")
+    if reserved != _RESERVED:
+        raise CodecError("reserved header bytes are not zero (corrupted header?)")
+    if codec == Codec.MAXMIN:
+        validate_settings(codec, bits, bucket_size)
+    header = Header(codec, bits, flags, numel, bucket_size, crc)
+    expected = HEADER_SIZE + header.body_size
+    if size != expected:
+        kind = "truncated" if size < expected else "too long"
+        raise CodecError(
+            f"payload {kind}: {size} bytes, header declares {numel} elements "
+            f"({codec.name}, bits={bits}, bucket_size={bucket_size}) = {expected} bytes"
+        )
+    return header
+
+
+def body_crc32(payload: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(memoryview(payload)[HEADER_SIZE:])
+
+
+def check_crc(payload: bytes | bytearray | memoryview, header: Header) -> None:
+    actual = body_crc32(payload)
+    if actual != header.crc32:
+        raise CodecError(
+            f"payload corrupted: body crc32 0x{actual:08x}, header says 0x{header.crc32:08x}"
+        )
