@@ -70,10 +70,10 @@ class EncodedBlock:
         host = self.payload
         if isinstance(host, torch.Tensor):
             host = host.cpu().numpy()
-        out = bytearray(memoryview(host))
-        header = dataclasses.replace(self.header, crc32=wire.body_crc32(out))
-        out[:HEADER_SIZE] = wire.pack_header(header)
-        return bytes(out)
+        header = dataclasses.replace(self.header, crc32=wire.body_crc32(host))
+        host[:HEADER_SIZE] = np.frombuffer(wire.pack_header(header), dtype=np.uint8)
+        self.header = header
+        return host.tobytes()
 
 
 def quantize(
@@ -178,21 +178,24 @@ def _encode_maxmin_cpu(x: torch.Tensor, body: np.ndarray, h: Header, seed: int, 
     bad, overflow = cpu.encode_maxmin_into(x.numpy(), meta, packed, h.bits, h.bucket_size,
                                            h.stochastic, seed)
     if bad >= 0:
-        raise CodecError(f"gradient contains NaN/Inf (first at element {bad}: {float(x[bad])})")
+        chunk = x[bad * h.bucket_size: (bad + 1) * h.bucket_size]
+        first = bad * h.bucket_size + int((~torch.isfinite(chunk)).nonzero()[0, 0])
+        raise CodecError(f"gradient contains NaN/Inf (first at element {first}: {float(x[first])})")
     if overflow >= 0:
         raise CodecError(f"bucket {overflow}: max - min overflows float32; gradient out of range")
 
 
 def _encode_float_cpu(x: torch.Tensor, body: np.ndarray, codec: Codec) -> None:
-    finite = torch.isfinite(x)
-    if not bool(finite.all()):
-        bad = int((~finite).nonzero()[0, 0])
+    bad = cpu.first_nonfinite(x.numpy(), "<f4")
+    if bad >= 0:
         raise CodecError(f"tensor contains NaN/Inf (first at element {bad}: {float(x[bad])})")
     y = x if codec == Codec.FP32 else x.to(_FP_DTYPES[codec])
-    if codec != Codec.FP32 and not bool(torch.isfinite(y).all()):
-        bad = int((~torch.isfinite(y)).nonzero()[0, 0])
-        raise CodecError(f"element {bad} ({float(x[bad])}) overflows {codec.name.lower()}")
-    body[:] = y.view(torch.uint8).numpy() if y.numel() else body
+    raw = y.view(torch.uint8).numpy()
+    if codec != Codec.FP32:
+        bad = cpu.first_nonfinite(raw, "<f2" if codec == Codec.FP16 else "bf16")
+        if bad >= 0:
+            raise CodecError(f"element {bad} ({float(x[bad])}) overflows {codec.name.lower()}")
+    body[:] = raw
 
 
 def decode_header(payload: BytesLike) -> Header:
@@ -222,7 +225,7 @@ def dequantize(
         payload = block_or_bytes
         header = wire.parse_header(payload)
         wire.check_crc(payload, header)
-    target = out if out is not None else None
+    target = out
     if target is not None:
         if target.numel() != header.numel:
             raise CodecError(f"out has {target.numel()} elements, the block holds {header.numel}")
@@ -236,16 +239,20 @@ def dequantize(
     if impl == "cuda":
         from . import cuda
 
-        return cuda.decode(payload, header, target, accumulate)
+        result = cuda.decode(payload, header, target, accumulate)
+        return target if target is not None else result
     if isinstance(payload, torch.Tensor):
         payload = payload.cpu().numpy()
     body = np.frombuffer(payload, dtype=np.uint8, offset=HEADER_SIZE)
-    flat = target.view(-1) if target is not None else None
-    if flat is not None and flat.dtype != torch.float32:
-        # Decode in float32, then round once into the caller's dtype.
-        tmp = _decode_cpu(body, header, None, False, impl)
-        return flat.add_(tmp) if accumulate else flat.copy_(tmp)
-    return _decode_cpu(body, header, flat, accumulate, impl)
+    if target is None:
+        return _decode_cpu(body, header, None, False, impl)
+    flat = target.view(-1)
+    if flat.dtype == torch.float32:
+        _decode_cpu(body, header, flat, accumulate, impl)
+    else:  # decode in float32, then round once into the caller's dtype
+        decoded = _decode_cpu(body, header, None, False, impl)
+        flat.add_(decoded) if accumulate else flat.copy_(decoded)
+    return target
 
 
 def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulate: bool,
@@ -277,16 +284,16 @@ def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulat
 
 def _float_values(body: np.ndarray, h: Header) -> np.ndarray:
     """The body of an FP32/FP16/BF16 payload as a numpy array (a view where possible)."""
+    kind = {Codec.FP32: "<f4", Codec.FP16: "<f2", Codec.BF16: "bf16"}[h.codec]
+    bad = cpu.first_nonfinite(body, kind)
+    if bad >= 0:
+        raise CodecError(f"payload contains NaN/Inf (first at element {bad})")
     if h.codec == Codec.FP32:
-        values = body.view("<f4")
-    elif h.codec == Codec.FP16:
-        values = body.view("<f2")
-    else:  # bfloat16 is the top half of a float32
-        values = (body.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
-    finite = np.isfinite(values)
-    if not finite.all():
-        raise CodecError(f"payload contains NaN/Inf (first at element {int(np.argmin(finite))})")
-    return values
+        return body.view("<f4")
+    if h.codec == Codec.FP16:
+        return body.view("<f2")
+    # bfloat16 is the top half of a float32
+    return (body.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _validate_meta(meta: np.ndarray, bits: int) -> None:

@@ -25,8 +25,10 @@ def encode_maxmin(
     # Pad the last bucket with its own first element: it changes neither its min nor its max.
     tail = x[(nb - 1) * bucket_size].expand(pad)
     buckets = torch.cat([x, tail]).view(nb, bucket_size)
-    mn = buckets.amin(dim=1, keepdim=True)
-    mx = buckets.amax(dim=1, keepdim=True)
+    # "+ 0.0" turns a -0.0 extreme into +0.0, so the stored min never depends on which zero
+    # an implementation's min() happened to keep.
+    mn = buckets.amin(dim=1, keepdim=True) + 0.0
+    mx = buckets.amax(dim=1, keepdim=True) + 0.0
     max_level = float((1 << bits) - 1)
     unit = (mx - mn) / torch.full_like(mn, max_level)
     if not torch.isfinite(unit).all():

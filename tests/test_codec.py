@@ -1,0 +1,256 @@
+"""Codec contract: bounds, unbiasedness, byte-identical implementations, and every bad input."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from cgx_ps.kernels import (HEADER_SIZE, Codec, CodecError, decode_header, dequantize, encode,
+                            quantize)
+from cgx_ps.kernels import cpu, rng, wire
+
+LENGTHS = [1, 7, 8, 1023, 1024, 1025, 10_007]
+BUCKETS = [8, 24, 1024]
+
+
+def _data(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # mixed scales, like real gradients: most small, some large
+    return torch.randn(n, generator=g) * torch.logspace(-4, 1, n).roll(n // 3)
+
+
+def _units(payload: bytes, n: int, bucket_size: int) -> torch.Tensor:
+    """Per-element unit read back from the payload's metadata."""
+    nb = wire.num_buckets(n, bucket_size)
+    meta = np.frombuffer(payload, dtype="<f4", count=2 * nb, offset=HEADER_SIZE).reshape(nb, 2)
+    return torch.from_numpy(meta[:, 1].copy()).repeat_interleave(bucket_size)[:n]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_round_trip_within_bound(bits: int, stochastic: bool) -> None:
+    for n in LENGTHS:
+        for bs in BUCKETS:
+            x = _data(n, seed=bits)
+            payload = quantize(x, bits, bs, stochastic=stochastic, seed=3).to_bytes()
+            y = dequantize(payload)
+            unit = _units(payload, n, bs)
+            slack = 1e-6 * x.abs().max() + 1e-30  # float32 rounding of min + unit * level
+            err = (x - y).abs()
+            if stochastic:
+                assert bool((err < unit + slack).all()), (n, bs)
+            else:
+                assert bool((err <= unit / 2 + slack).all()), (n, bs)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bucket_size", BUCKETS)
+def test_cpu_kernel_byte_identical_to_reference(bits: int, stochastic: bool, bucket_size: int) -> None:
+    for n in LENGTHS:
+        x = _data(n, seed=n)
+        ref = quantize(x, bits, bucket_size, stochastic=stochastic, seed=11, impl="reference")
+        fast = quantize(x, bits, bucket_size, stochastic=stochastic, seed=11, impl="cpu")
+        assert fast.to_bytes() == ref.to_bytes(), n
+        payload = ref.to_bytes()
+        assert torch.equal(dequantize(payload, impl="cpu"), dequantize(payload, impl="reference"))
+
+
+def test_multithreaded_split_matches_reference() -> None:
+    old = cpu.num_threads()
+    cpu.set_num_threads(3)  # several bucket ranges, uneven split
+    try:
+        x = _data(300_001)
+        for stochastic in (False, True):
+            ref = quantize(x, 4, 512, stochastic=stochastic, seed=5, impl="reference").to_bytes()
+            assert quantize(x, 4, 512, stochastic=stochastic, seed=5).to_bytes() == ref
+            out = torch.ones(x.numel())
+            dequantize(ref, out=out, accumulate=True)
+            assert torch.equal(out, 1 + dequantize(ref, impl="reference"))
+    finally:
+        cpu.set_num_threads(old)
+
+
+def test_stochastic_rounding_is_unbiased_and_nearest_is_not() -> None:
+    x = torch.linspace(-1, 1, 512) + 0.0123  # values that sit between levels
+    seeds = 4000
+    acc = torch.zeros_like(x)
+    for seed in range(seeds):
+        dequantize(quantize(x, 2, 512, stochastic=True, seed=seed), out=acc, accumulate=True)
+    mean = acc / seeds
+    unit = (x.max() - x.min()) / 3
+    # one draw has std <= unit / 2; the mean of `seeds` draws, <= unit / (2 sqrt(seeds))
+    sigma = unit / (2 * seeds**0.5)
+    assert float((mean - x).abs().max()) < 6 * sigma
+    nearest_err = (dequantize(quantize(x, 2, 512)) - x).abs().max()
+    assert float(nearest_err) > 20 * sigma  # the test could tell a biased rounding apart
+
+
+def test_seed_reproducible_and_distinct() -> None:
+    x = _data(5000)
+    a = quantize(x, 3, 1024, stochastic=True, seed=42).to_bytes()
+    assert a == quantize(x, 3, 1024, stochastic=True, seed=42).to_bytes()
+    assert a != quantize(x, 3, 1024, stochastic=True, seed=43).to_bytes()
+
+
+def test_uniforms_in_unit_interval_and_hash_of_zero_is_zero() -> None:
+    r = rng.uniforms(7, 0, 100_000)
+    assert r.dtype == np.float32 and r.min() >= 0 and r.max() < 1
+    assert abs(float(r.mean()) - 0.5) < 0.01
+    assert int(rng.mix32(np.array([0], dtype=np.uint64))[0]) == 0  # so i_hi = 0 adds nothing
+
+
+def test_constant_buckets_decode_exactly() -> None:
+    x = torch.cat([torch.full((1024,), 0.123), torch.zeros(1024), torch.full((5,), -7.5)])
+    for bits in (1, 4, 8):
+        for stochastic in (False, True):
+            assert torch.equal(dequantize(quantize(x, bits, 1024, stochastic=stochastic)), x)
+
+
+def test_empty_and_one_element() -> None:
+    block = quantize(torch.empty(0))
+    payload = block.to_bytes()
+    assert len(payload) == HEADER_SIZE and block.numel == 0
+    assert dequantize(payload).numel() == 0
+    one = torch.tensor([3.25])
+    assert torch.equal(dequantize(quantize(one, 4).to_bytes()), one)
+
+
+def test_sizes_and_header_fields() -> None:
+    x = _data(10_000)
+    block = quantize(x, 3, 1024, stochastic=True)
+    payload = block.to_bytes()
+    nb = 10
+    assert len(payload) == HEADER_SIZE + 8 * nb + (10_000 * 3 + 7) // 8 == block.nbytes
+    h = decode_header(payload)
+    assert (h.codec, h.bits, h.bucket_size, h.numel, h.stochastic) == (Codec.MAXMIN, 3, 1024, 10_000, True)
+    assert len(encode(x, Codec.FP32).to_bytes()) == HEADER_SIZE + 40_000
+    assert len(encode(x, Codec.FP16).to_bytes()) == HEADER_SIZE + 20_000
+
+
+def test_float_codecs() -> None:
+    x = _data(3001)
+    assert torch.equal(dequantize(encode(x, Codec.FP32).to_bytes()), x)
+    assert torch.equal(dequantize(encode(x, Codec.FP16).to_bytes()), x.half().float())
+    assert torch.equal(dequantize(encode(x, Codec.BF16).to_bytes()), x.bfloat16().float())
+    # half-precision input is accepted and widened first
+    assert torch.equal(dequantize(encode(x.half(), Codec.FP32).to_bytes()), x.half().float())
+
+
+def test_dequantize_accumulate_and_out_dtypes() -> None:
+    x = _data(4000)
+    payload = quantize(x, 4, 1024).to_bytes()
+    decoded = dequantize(payload)
+    out = torch.full((40, 100), 2.0)  # any shape with the right numel
+    assert dequantize(payload, out=out, accumulate=True) is out
+    assert torch.equal(out.view(-1), 2.0 + decoded)
+    half = torch.zeros(4000, dtype=torch.float16)
+    dequantize(payload, out=half)
+    assert torch.equal(half, decoded.half())
+    with pytest.raises(CodecError, match="3999 elements"):
+        dequantize(payload, out=torch.zeros(3999))
+    with pytest.raises(CodecError, match="needs out"):
+        dequantize(payload, accumulate=True)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+def test_nonfinite_gradient_rejected(bad: float, impl: str) -> None:
+    x = _data(5000)
+    x[3071] = bad
+    with pytest.raises(CodecError, match=r"NaN/Inf \(first at element 3071"):
+        quantize(x, 4, 1024, impl=impl)
+    with pytest.raises(CodecError, match="element 3071"):
+        encode(x, Codec.FP32)
+
+
+def test_overflowing_range_and_fp16_overflow_rejected() -> None:
+    with pytest.raises(CodecError, match="overflows float32"):
+        quantize(torch.tensor([-3e38, 3e38, 0.0, 1.0]), 4, 8)
+    with pytest.raises(CodecError, match="overflows fp16"):
+        encode(torch.tensor([1.0, 1e6]), Codec.FP16)
+
+
+@pytest.mark.parametrize("bits", [0, 9, 16])
+def test_bits_out_of_range(bits: int) -> None:
+    with pytest.raises(CodecError, match="bits must be in 1..8"):
+        quantize(torch.ones(10), bits)
+
+
+@pytest.mark.parametrize("bucket_size", [0, 7, 1001, 1 << 25])
+def test_bad_bucket_size(bucket_size: int) -> None:
+    with pytest.raises(CodecError, match="bucket_size must be a multiple of 8"):
+        quantize(torch.ones(10), 4, bucket_size)
+
+
+def test_non_float_or_non_tensor_rejected() -> None:
+    with pytest.raises(CodecError, match="floating-point"):
+        quantize(torch.ones(10, dtype=torch.int32))
+    with pytest.raises(CodecError, match="torch.Tensor"):
+        quantize([1.0, 2.0])  # type: ignore[arg-type]
+
+
+def _payload() -> bytes:
+    return quantize(_data(3000), 4, 1024, stochastic=True).to_bytes()
+
+
+def _with_header(payload: bytes, **changes: int) -> bytes:
+    fields = dict(zip(["magic", "version", "codec", "bits", "flags", "numel", "bucket_size", "crc",
+                       "reserved"], struct.unpack_from("<4sBBBBQII8s", payload)))
+    fields.update(changes)
+    return struct.pack("<4sBBBBQII8s", *fields.values()) + payload[HEADER_SIZE:]
+
+
+@pytest.mark.parametrize(
+    "mangle, message",
+    [
+        (lambda p: p[:20], "truncated: 20 bytes"),
+        (lambda p: p[:-1], "payload truncated"),
+        (lambda p: p + b"\0", "payload too long"),
+        (lambda p: b"XXXX" + p[4:], "not a cgx-ps block"),
+        (lambda p: _with_header(p, version=2), "unsupported wire version 2"),
+        (lambda p: _with_header(p, codec=9), "unknown codec id 9"),
+        (lambda p: _with_header(p, codec=0), "unknown codec id 0"),
+        (lambda p: _with_header(p, bits=0), "bits must be in 1..8"),
+        (lambda p: _with_header(p, bits=12), "bits must be in 1..8"),
+        (lambda p: _with_header(p, numel=3001), "header declares 3001 elements"),
+        (lambda p: _with_header(p, flags=0x80), "unknown header flags"),
+        (lambda p: _with_header(p, reserved=b"\1" * 8), "reserved header bytes"),
+        (lambda p: p[:-5] + bytes([p[-5] ^ 0xFF]) + p[-4:], "crc32"),
+    ],
+)
+def test_corrupted_payloads_rejected_and_out_untouched(mangle, message: str) -> None:
+    bad = mangle(_payload())
+    out = torch.full((3000,), 5.0)
+    with pytest.raises(CodecError, match=message):
+        dequantize(bad, out=out, accumulate=True)
+    assert bool((out == 5.0).all())
+
+
+def _recrc(payload: bytes) -> bytes:
+    return _with_header(payload, crc=wire.body_crc32(payload))
+
+
+@pytest.mark.parametrize("meta_index, value", [(0, float("nan")), (1, float("inf")), (3, -1.0),
+                                               (1, 3e38)])
+def test_bad_metadata_with_valid_crc_rejected(meta_index: int, value: float) -> None:
+    p = bytearray(_payload())
+    struct.pack_into("<f", p, HEADER_SIZE + 4 * meta_index, value)
+    bad = _recrc(bytes(p))
+    out = torch.zeros(3000)
+    with pytest.raises(CodecError, match=f"bucket {meta_index // 2} has invalid metadata"):
+        dequantize(bad, out=out, accumulate=True)
+    assert bool((out == 0).all())
+
+
+def test_nonfinite_float_payload_rejected() -> None:
+    p = bytearray(encode(torch.ones(100), Codec.FP32).to_bytes())
+    struct.pack_into("<f", p, HEADER_SIZE + 4 * 17, float("nan"))
+    with pytest.raises(CodecError, match="NaN/Inf \\(first at element 17\\)"):
+        dequantize(_recrc(bytes(p)))
