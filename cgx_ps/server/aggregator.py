@@ -1,0 +1,257 @@
+"""Where gradients are summed: per-block rounds of dequantize-accumulate, then one re-quantize.
+
+Each owned block has its own round counter. A node's push for (block, round) is decoded straight
+into the block's float32 accumulator (the first push overwrites, later ones add), on a kernel
+thread so the event loop keeps receiving. When every node has pushed, the sum is encoded once
+with the block's codec and the same bytes go to every node. Blocks are independent, so early
+blocks are returned while later ones are still arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+import torch
+
+from ..kernels import CodecError, decode_header, dequantize, encode
+from ..layout import block_payload_size, codec_of
+from ..v1 import ps_pb2
+from .metrics import ShardMetrics
+
+__all__ = ["Aggregator", "PushRejected", "RoundFailure", "PushOutcome", "result_seed"]
+
+log = logging.getLogger(__name__)
+
+
+class PushRejected(Exception):
+    """A push that is refused; carries the gRPC status code for the node's stream."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    block_id: int
+    round: int
+    message: str
+    missing_nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    accepted: bool  # False: a duplicate, ignored
+    resend: bytes | None = None  # a retry of the round just finished: its result again
+
+
+@dataclass(eq=False)
+class _Block:
+    spec: ps_pb2.BlockSpec
+    payload_size: int
+    round: int = 0
+    acc: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    pushed: set[str] = field(default_factory=set)
+    first_push_at: float = 0.0
+    timer: asyncio.TimerHandle | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_result: bytes | None = None  # result of round - 1, for retried pushes
+    last_nodes: frozenset[str] = frozenset()
+
+
+def result_seed(block_id: int, round_: int) -> int:
+    # Distinct from any worker seed stream, deterministic, different every round.
+    return (1 << 62) | (round_ << 24) | block_id
+
+
+class Aggregator:
+    def __init__(
+        self,
+        blocks: list[ps_pb2.BlockSpec],
+        num_nodes: int,
+        executor: Executor,
+        on_result: Callable[[int, int, bytes], None],
+        on_failure: Callable[[RoundFailure], None],
+        round_timeout_s: float,
+        error_feedback: bool = False,
+        metrics: ShardMetrics | None = None,
+    ) -> None:
+        self.blocks = {b.block_id: _Block(b, block_payload_size(b)) for b in blocks}
+        self.num_nodes = num_nodes
+        self.executor = executor
+        self.on_result = on_result
+        self.on_failure = on_failure
+        self.round_timeout_s = round_timeout_s
+        self.error_feedback = error_feedback
+        self.metrics = metrics
+        self.failed: RoundFailure | None = None
+        self.known_nodes: set[str] = set()
+
+    # ---- queries used by the service ----------------------------------------------------------
+
+    def expected_size(self, block_id: int) -> int:
+        return self._block(block_id).payload_size
+
+    def next_round(self, block_id: int) -> int:
+        return self._block(block_id).round
+
+    def started(self) -> bool:
+        """Has any node pushed anything in this session?"""
+        return any(b.round or b.pushed for b in self.blocks.values())
+
+    def rounds_in_flight(self) -> int:
+        return sum(1 for b in self.blocks.values() if b.pushed)
+
+    def _block(self, block_id: int) -> _Block:
+        try:
+            return self.blocks[block_id]
+        except KeyError:
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"block {block_id} is not owned by this shard") from None
+
+    # ---- the hot path ---------------------------------------------------------------------------
+
+    async def push(self, node_id: str, block_id: int, round_: int, payload: bytes) -> PushOutcome:
+        block = self._block(block_id)
+        async with block.lock:
+            outcome = self._check_round(block, node_id, round_)
+            if outcome is not None:
+                return outcome
+            self._check_header(block, payload)
+            loop = asyncio.get_running_loop()
+            first = not block.pushed
+            if block.acc is None:
+                block.acc = torch.empty(block.spec.numel, dtype=torch.float32)
+            decode = functools.partial(dequantize, payload, out=block.acc, accumulate=not first)
+            try:
+                await loop.run_in_executor(self.executor, decode)
+            except CodecError as exc:
+                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"block {block_id} round {round_}: {exc}") from None
+            if first:
+                block.first_push_at = time.monotonic()
+                block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
+            block.pushed.add(node_id)
+            self.known_nodes.add(node_id)
+            if self.metrics:
+                self.metrics.bytes_in.inc(len(payload))
+                self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
+            if len(block.pushed) == self.num_nodes:
+                await self._finish(block, round_)
+            return PushOutcome(accepted=True)
+
+    def _check_round(self, block: _Block, node_id: str, round_: int) -> PushOutcome | None:
+        if self.failed is not None:
+            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"session failed earlier: {self.failed.message}")
+        if round_ == block.round:
+            if node_id in block.pushed:
+                return PushOutcome(accepted=False)  # retry of a push already summed
+            return None
+        if round_ + 1 == block.round and node_id in block.last_nodes:
+            return PushOutcome(accepted=False, resend=block.last_result)  # retry after the result
+        kind = "stale" if round_ < block.round else "far-future"
+        raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"block {block.spec.block_id}: {kind} round {round_}, "
+                           f"the shard expects round {block.round}")
+
+    def _check_header(self, block: _Block, payload: bytes) -> None:
+        spec = block.spec
+        try:
+            h = decode_header(payload)
+        except CodecError as exc:
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {spec.block_id}: {exc}") from None
+        codec = codec_of(spec.codec)
+        expected = (codec, spec.numel)
+        if (h.codec, h.numel) != expected or (
+            codec == ps_pb2.CODEC_MAXMIN and (h.bits, h.bucket_size) != (spec.codec.bits, spec.codec.bucket_size)
+        ):
+            raise PushRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {spec.block_id}: payload is {h.codec.name} bits={h.bits} bucket={h.bucket_size} "
+                f"numel={h.numel}; the layout declares {codec.name} bits={spec.codec.bits} "
+                f"bucket={spec.codec.bucket_size} numel={spec.numel}",
+            )
+
+    async def _finish(self, block: _Block, round_: int) -> None:
+        if block.timer is not None:
+            block.timer.cancel()
+        loop = asyncio.get_running_loop()
+        wait = time.monotonic() - block.first_push_at
+        try:
+            result = await loop.run_in_executor(self.executor, self._encode_sum, block, round_)
+        except CodecError as exc:
+            # One node sent huge finite values: the sum is not encodable. Fail loudly for all.
+            self._fail(RoundFailure(block.spec.block_id, round_,
+                                    f"aggregate of block {block.spec.block_id} round {round_} "
+                                    f"cannot be encoded: {exc}", ()))
+            return
+        block.last_result = result
+        block.last_nodes = frozenset(block.pushed)
+        block.pushed = set()
+        block.round += 1
+        if self.metrics:
+            self.metrics.rounds.inc()
+            self.metrics.round_latency.observe(time.monotonic() - block.first_push_at)
+            self.metrics.last_node_wait.observe(wait)
+        self.on_result(block.spec.block_id, round_, result)
+
+    def _encode_sum(self, block: _Block, round_: int) -> bytes:
+        s = block.spec.codec
+        acc = block.acc
+        assert acc is not None
+        if self.error_feedback and s.codec == ps_pb2.CODEC_MAXMIN:
+            if block.residual is None:
+                block.residual = torch.zeros_like(acc)
+            acc.add_(block.residual)
+            encoded = encode(acc, codec_of(s), bits=s.bits, bucket_size=s.bucket_size,
+                             stochastic=s.stochastic, seed=result_seed(block.spec.block_id, round_))
+            # residual = what this round's result left out
+            torch.sub(acc, dequantize(encoded), out=block.residual)
+        else:
+            encoded = encode(acc, codec_of(s), bits=s.bits, bucket_size=s.bucket_size,
+                             stochastic=s.stochastic, seed=result_seed(block.spec.block_id, round_))
+        return encoded.to_bytes()
+
+    # ---- failure --------------------------------------------------------------------------------
+
+    def _timeout(self, block: _Block, round_: int) -> None:
+        if block.round != round_ or self.failed is not None:
+            return
+        registered = self.known_nodes | block.pushed
+        missing = sorted(registered - block.pushed)
+        never = self.num_nodes - len(registered)
+        who = ", ".join(missing) if missing else "none of the registered nodes"
+        extra = f" and {never} node(s) that never pushed to this shard" if never > 0 else ""
+        self._fail(RoundFailure(
+            block.spec.block_id, round_,
+            f"round {round_} of block {block.spec.block_id} timed out after {self.round_timeout_s:g}s "
+            f"waiting for node(s): {who}{extra}",
+            tuple(missing),
+        ))
+
+    def _fail(self, failure: RoundFailure) -> None:
+        if self.failed is not None:
+            return
+        self.failed = failure
+        for b in self.blocks.values():
+            if b.timer is not None:
+                b.timer.cancel()
+        if self.metrics:
+            self.metrics.rounds_failed.inc()
+        log.error("round failed: %s", failure.message)
+        self.on_failure(failure)
+
+    def close(self) -> None:
+        for b in self.blocks.values():
+            if b.timer is not None:
+                b.timer.cancel()

@@ -1,0 +1,44 @@
+"""An async byte budget: backpressure on pushes so buffered memory stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+__all__ = ["ByteBudget"]
+
+
+class ByteBudget:
+    """Reserve bytes before buffering them; release after summing. FIFO, so no starvation.
+
+    A stream that cannot reserve stops reading, and gRPC flow control then slows the sender.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def acquire(self, n: int) -> None:
+        n = min(n, self.capacity)  # a single oversize request still gets through, alone
+        if not self._waiters and self.used + n <= self.capacity:
+            self.used += n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as we were cancelled
+            else:
+                self._waiters.remove((n, fut))
+            raise
+
+    def release(self, n: int) -> None:
+        self.used -= min(n, self.capacity)
+        while self._waiters and self.used + self._waiters[0][0] <= self.capacity:
+            size, fut = self._waiters.popleft()
+            if not fut.done():
+                self.used += size
+                fut.set_result(None)

@@ -1,0 +1,124 @@
+"""Several local shard processes: ``cgx-ps cluster``, the demo and the tests use this."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["LocalCluster", "run_cluster"]
+
+
+class LocalCluster:
+    """Start N ``cgx-ps server`` processes and wait until each serves; stop them with SIGTERM.
+
+    With base_port 0 every shard picks a free port, reported back through a port file.
+    """
+
+    def __init__(self, shards: int, host: str = "127.0.0.1", base_port: int = 0,
+                 metrics_base_port: int = -1, extra_args: list[str] | None = None,
+                 startup_timeout_s: float = 60.0, log_dir: str | None = None) -> None:
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
+        self.shards, self.host, self.base_port = shards, host, base_port
+        self.metrics_base_port = metrics_base_port
+        self.extra_args = extra_args or []
+        self.startup_timeout_s = startup_timeout_s
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+        self.metrics_ports: list[int] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="cgx-ps-cluster-")
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{self.host}:{p}" for p in self.ports]
+
+    def start(self) -> "LocalCluster":
+        files = []
+        for i in range(self.shards):
+            port = self.base_port + i if self.base_port else 0
+            mport = self.metrics_base_port + i if self.metrics_base_port > 0 else self.metrics_base_port
+            port_file = Path(self._tmp.name) / f"shard{i}.json"
+            files.append(port_file)
+            cmd = [sys.executable, "-m", "cgx_ps.cli", "server", "--host", self.host, "--port", str(port),
+                   "--shard-index", str(i), "--num-shards", str(self.shards),
+                   "--metrics-port", str(mport), "--port-file", str(port_file), *self.extra_args]
+            out = open(Path(self.log_dir) / f"shard{i}.log", "w") if self.log_dir else None
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None))
+        deadline = time.monotonic() + self.startup_timeout_s
+        for i, (proc, port_file) in enumerate(zip(self.procs, files)):
+            while not port_file.exists():
+                if proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"shard {i} exited with code {proc.returncode} during startup")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"shard {i} did not start within {self.startup_timeout_s}s")
+                time.sleep(0.05)
+            info = json.loads(port_file.read_text())
+            self.ports.append(info["port"])
+            self.metrics_ports.append(info["metrics_port"])
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> list[int]:
+        """SIGTERM every shard (they drain), wait, SIGKILL stragglers; return exit codes."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=timeout_s))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes.append(proc.wait())
+        self._tmp.cleanup()
+        return codes
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    extra = ["--round-timeout", str(args.round_timeout), "--max-inflight-mb", str(args.max_inflight_mb),
+             "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level]
+    if args.error_feedback:
+        extra.append("--error-feedback")
+    cluster = LocalCluster(args.shards, args.host, args.base_port, args.metrics_base_port, extra)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cluster.start()
+    print(f"cgx-ps cluster: {args.shards} shards serving; export CGX_PS_SERVERS={','.join(cluster.addresses)}",
+          flush=True)
+    try:
+        while not stopping:
+            dead = [i for i, p in enumerate(cluster.procs) if p.poll() is not None]
+            if dead:
+                print(f"cgx-ps cluster: shard(s) {dead} exited; stopping the rest", file=sys.stderr)
+                cluster.stop()
+                return 1
+            time.sleep(0.2)
+    finally:
+        codes = cluster.stop() if not all(p.poll() is not None for p in cluster.procs) else \
+            [p.returncode for p in cluster.procs]
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.execvp(sys.executable, [sys.executable, "-m", "cgx_ps.cli", "cluster", *sys.argv[1:]])

@@ -1,0 +1,43 @@
+"""Prometheus metrics of one shard (a registry per server, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["ShardMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ShardMetrics:
+    def __init__(self, shard_index: int) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"shard": str(shard_index)}
+        r = self.registry
+        self.bytes_in = Counter("cgx_ps_bytes_in", "Compressed block bytes received (payloads)",
+                                ["shard"], registry=r).labels(**labels)
+        self.bytes_out = Counter("cgx_ps_bytes_out", "Aggregated block bytes sent, all nodes",
+                                 ["shard"], registry=r).labels(**labels)
+        self.pushes = Counter("cgx_ps_pushes", "Block pushes by node and outcome",
+                              ["shard", "node", "outcome"], registry=r)
+        self.rounds = Counter("cgx_ps_rounds", "Block rounds aggregated", ["shard"],
+                              registry=r).labels(**labels)
+        self.rounds_failed = Counter("cgx_ps_rounds_failed", "Rounds failed (a node missed the deadline)",
+                                     ["shard"], registry=r).labels(**labels)
+        self.round_latency = Histogram("cgx_ps_round_latency_seconds",
+                                       "First push of a block round to its result being queued",
+                                       ["shard"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.last_node_wait = Histogram("cgx_ps_last_node_wait_seconds",
+                                        "Time a block round waited for its last node after the first",
+                                        ["shard"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.compression_ratio = Gauge("cgx_ps_compression_ratio",
+                                       "fp32 bytes / pushed bytes of the last aggregated block",
+                                       ["shard"], registry=r).labels(**labels)
+        self.connected_nodes = Gauge("cgx_ps_connected_nodes", "Nodes with an open Exchange stream",
+                                     ["shard"], registry=r).labels(**labels)
+        self.inflight_bytes = Gauge("cgx_ps_inflight_bytes", "Pushed bytes buffered, not yet summed",
+                                    ["shard"], registry=r).labels(**labels)
+        self._shard = str(shard_index)
+
+    def push(self, node: str, outcome: str) -> None:
+        self.pushes.labels(shard=self._shard, node=node, outcome=outcome).inc()

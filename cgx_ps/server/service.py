@@ -1,0 +1,331 @@
+"""Where data enters the shard: the gRPC ParameterServer service (Register + Exchange streams).
+
+One Exchange stream per node. Its reader reassembles pushed chunks into block payloads (the size
+is checked against the layout before a byte is buffered) and hands each complete block to the
+Aggregator as a task, so reading goes on while blocks are summed. Its writer sends the results.
+A bad push ends only that node's stream with a status naming the problem; nothing it sent has
+touched any accumulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import grpc
+
+from .. import __version__
+from ..layout import LayoutError, first_difference, layout_hash, validate_layout
+from ..v1 import ps_pb2, ps_pb2_grpc
+from .aggregator import Aggregator, PushRejected, RoundFailure
+from .budget import ByteBudget
+from .config import CHUNK_BYTES, ServerConfig
+from .metrics import ShardMetrics
+
+__all__ = ["ParameterServerService"]
+
+log = logging.getLogger(__name__)
+
+_STOP = object()  # queue sentinel: end the node's stream
+
+
+@dataclass(eq=False)
+class _NodeStream:
+    node_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    error: PushRejected | None = None
+
+
+@dataclass(eq=False)
+class _Session:
+    layout: ps_pb2.Layout
+    layout_hash: str
+    num_nodes: int
+    aggregator: Aggregator
+    nodes: set[str] = field(default_factory=set)
+    streams: dict[str, _NodeStream] = field(default_factory=dict)
+
+
+class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, config: ServerConfig, executor: Executor, metrics: ShardMetrics) -> None:
+        self.config = config
+        self.executor = executor
+        self.metrics = metrics
+        self.budget = ByteBudget(config.max_inflight_bytes)
+        self.session: _Session | None = None
+        self.draining = False
+        self.pending_pushes = 0  # blocks being received or summed, not yet in a round's count
+        self._push_tasks: set[asyncio.Task] = set()
+
+    # ---- Register -------------------------------------------------------------------------------
+
+    async def Register(self, request: ps_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+                       ) -> ps_pb2.RegisterResponse:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "shard is shutting down")
+        node = request.node_id
+        if not node:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
+        if request.num_nodes < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_nodes must be >= 1")
+        try:
+            validate_layout(request.layout)
+        except LayoutError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad layout from {node}: {exc}")
+        digest = layout_hash(request.layout)
+        if digest != request.layout_hash:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"layout_hash {request.layout_hash[:12]}… does not match the layout "
+                                f"sent ({digest[:12]}…): client and server disagree on hashing")
+        if request.layout.num_shards != self.config.num_shards:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"layout is sharded for {request.layout.num_shards} shards, this shard "
+                                f"was started with --num-shards {self.config.num_shards}")
+        session = self.session
+        # A known node registering again before any push is a retried Register (idempotent);
+        # after rounds started it means the node restarted, so the job did: start over.
+        rejoin = session is not None and node in session.nodes and not session.aggregator.started()
+        if session is not None and session.aggregator.failed is None and (node not in session.nodes or rejoin):
+            diff = first_difference(session.layout, request.layout)
+            if diff is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"node {node} declares a different model layout than the session's: {diff}")
+            if request.num_nodes != session.num_nodes:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"node {node} says num_nodes={request.num_nodes}, the session has "
+                                    f"{session.num_nodes}")
+            if len(session.nodes) >= session.num_nodes:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"node {node} would be node {len(session.nodes) + 1} of a session "
+                                    f"of {session.num_nodes} nodes: {sorted(session.nodes)}")
+        else:
+            # No session, a failed one, or a known node registering again (it restarted, so the
+            # job restarted): start fresh at round 0, ending the old session's streams.
+            if session is not None:
+                reason = ("session reset: node " + node + " registered again"
+                          if session.aggregator.failed is None else "session reset after failure")
+                self._end_session(session, grpc.StatusCode.ABORTED, reason)
+            session = self._new_session(request, digest)
+        session.nodes.add(node)
+        session.aggregator.known_nodes.add(node)
+        owned = sorted(b.block_id for b in session.layout.blocks if b.shard == self.config.shard_index)
+        log.info("node %s registered (%d/%d nodes, %d blocks owned)", node, len(session.nodes),
+                 session.num_nodes, len(owned))
+        return ps_pb2.RegisterResponse(
+            shard_index=self.config.shard_index, num_shards=self.config.num_shards, block_ids=owned,
+            next_rounds=[session.aggregator.next_round(b) for b in owned],
+            server_version=__version__, round_timeout_s=self.config.round_timeout_s,
+        )
+
+    def _new_session(self, request: ps_pb2.RegisterRequest, digest: str) -> _Session:
+        owned = [b for b in request.layout.blocks if b.shard == self.config.shard_index]
+        holder: list[_Session] = []
+        aggregator = Aggregator(
+            owned, request.num_nodes, self.executor,
+            on_result=lambda block, rnd, data: self._broadcast(holder[0], block, rnd, data),
+            on_failure=lambda failure: self._on_failure(holder[0], failure),
+            round_timeout_s=self.config.round_timeout_s,
+            error_feedback=self.config.error_feedback, metrics=self.metrics,
+        )
+        layout = ps_pb2.Layout()
+        layout.CopyFrom(request.layout)
+        session = _Session(layout, digest, request.num_nodes, aggregator)
+        holder.append(session)
+        self.session = session
+        log.info("new session: %d tensors, %d blocks (%d here), %d nodes, layout %s",
+                 len(layout.tensors), len(layout.blocks), len(owned), request.num_nodes, digest[:12])
+        return session
+
+    def _end_session(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
+        session.aggregator.close()
+        for stream in session.streams.values():
+            stream.error = stream.error or PushRejected(code, reason)
+            stream.queue.put_nowait(_STOP)
+
+    # ---- results and failures -------------------------------------------------------------------
+
+    def _broadcast(self, session: _Session, block_id: int, round_: int, data: bytes) -> None:
+        messages = _pull_messages(block_id, round_, data)
+        for stream in session.streams.values():
+            stream.queue.put_nowait(messages)
+        self.metrics.bytes_out.inc(len(data) * len(session.streams))
+
+    def _on_failure(self, session: _Session, failure: RoundFailure) -> None:
+        error = ps_pb2.ExchangeResponse(error=ps_pb2.RoundError(
+            round=failure.round, block_id=failure.block_id, message=failure.message,
+            missing_nodes=list(failure.missing_nodes)))
+        for stream in session.streams.values():
+            stream.queue.put_nowait([error])
+        self._end_session(session, grpc.StatusCode.ABORTED, failure.message)
+
+    # ---- Exchange -------------------------------------------------------------------------------
+
+    async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
+        first = await context.read()
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
+        node, session = first.hello.node_id, self.session
+        if session is None or node not in session.nodes:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {node!r} has not registered with this shard (push before Register)")
+        if first.hello.layout_hash != session.layout_hash:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {node}: layout hash {first.hello.layout_hash[:12]}… is not the "
+                                f"session's {session.layout_hash[:12]}… (register again)")
+        if session.aggregator.failed is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"session failed: {session.aggregator.failed.message}")
+        stream = _NodeStream(node)
+        old = session.streams.get(node)
+        if old is not None:  # a reconnect replaces the old stream
+            old.queue.put_nowait(_STOP)
+        session.streams[node] = stream
+        self.metrics.connected_nodes.inc()
+        reader = asyncio.create_task(self._read_pushes(context, session, stream))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is _STOP:
+                    break
+                for message in item:
+                    await context.write(message)
+        finally:
+            reader.cancel()
+            self.metrics.connected_nodes.dec()
+            if session.streams.get(node) is stream:
+                del session.streams[node]
+        if stream.error is not None:
+            await context.abort(stream.error.code, stream.error.message)
+
+    async def _read_pushes(self, context: grpc.aio.ServicerContext, session: _Session,
+                           stream: _NodeStream) -> None:
+        partial: dict[int, _Assembly] = {}
+        try:
+            while True:
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    break
+                if request.WhichOneof("kind") != "push":
+                    raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "expected a PushChunk after Hello")
+                chunk = request.push
+                payload = await self._assemble(session, partial, chunk)
+                if payload is not None:
+                    # Summed in its own task so this stream keeps reading. Never cancelled: a
+                    # push that has been read is always summed and its budget released.
+                    task = asyncio.create_task(self._push(session, stream, chunk, payload))
+                    self._push_tasks.add(task)
+                    task.add_done_callback(self._push_tasks.discard)
+        except PushRejected as exc:
+            stream.error = exc
+            self.metrics.push(stream.node_id, "rejected")
+            log.warning("node %s: %s", stream.node_id, exc.message)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            for assembly in partial.values():
+                self.budget.release(assembly.reserved)
+                self.pending_pushes -= 1
+            self._update_inflight()
+        # EOF or error: end the stream (pending results for this node are not awaited on EOF:
+        # a client half-closes only when it has everything it waits for).
+        stream.queue.put_nowait(_STOP)
+
+    async def _assemble(self, session: _Session, partial: dict[int, _Assembly],
+                        chunk: ps_pb2.PushChunk) -> bytes | None:
+        """Add a chunk to its block; return the payload once complete."""
+        if session.aggregator.failed is not None or session is not self.session:
+            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, "session is no longer active")
+        if self.draining and session.aggregator.next_round(chunk.block_id) == chunk.round and not \
+                session.aggregator.blocks[chunk.block_id].pushed:
+            raise PushRejected(grpc.StatusCode.UNAVAILABLE, "shard is shutting down; no new rounds")
+        assembly = partial.get(chunk.block_id)
+        if assembly is None:
+            expected = session.aggregator.expected_size(chunk.block_id)  # also rejects unknown ids
+            if chunk.total_bytes != expected:
+                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
+                                   f"says {expected}")
+            # Reserve the whole block up front: a block holds all of its budget or none, so
+            # streams that each hold part of the budget can never wait on each other forever.
+            await self.budget.acquire(expected)
+            assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected, reserved=expected)
+            self.pending_pushes += 1
+            self._update_inflight()
+        if chunk.round != assembly.round or chunk.total_bytes != assembly.total or chunk.offset != assembly.filled:
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"block {chunk.block_id}: chunk (round {chunk.round}, offset {chunk.offset}, "
+                               f"total {chunk.total_bytes}) does not continue round {assembly.round} at "
+                               f"offset {assembly.filled} of {assembly.total}")
+        n = len(chunk.data)
+        if n == 0 or assembly.filled + n > assembly.total:
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"block {chunk.block_id}: chunk of {n} bytes at offset {chunk.offset} "
+                               f"overruns the block's {assembly.total} bytes")
+        assembly.add(chunk.data)
+        if assembly.filled < assembly.total:
+            return None
+        del partial[chunk.block_id]
+        return assembly.payload()
+
+    async def _push(self, session: _Session, stream: _NodeStream, chunk: ps_pb2.PushChunk,
+                    payload: bytes) -> None:
+        try:
+            outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
+        except PushRejected as exc:
+            stream.error = stream.error or exc
+            self.metrics.push(stream.node_id, "rejected")
+            log.warning("node %s: %s", stream.node_id, exc.message)
+            stream.queue.put_nowait(_STOP)
+            return
+        finally:
+            self.budget.release(len(payload))
+            self.pending_pushes -= 1
+            self._update_inflight()
+        self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
+        if outcome.resend is not None:
+            stream.queue.put_nowait(_pull_messages(chunk.block_id, chunk.round, outcome.resend))
+
+    def _update_inflight(self) -> None:
+        self.metrics.inflight_bytes.set(self.budget.used)
+
+    # ---- shutdown -------------------------------------------------------------------------------
+
+    def rounds_in_flight(self) -> int:
+        session = self.session
+        in_rounds = 0 if session is None else session.aggregator.rounds_in_flight()
+        return in_rounds + self.pending_pushes
+
+    def close_streams(self, reason: str) -> None:
+        if self.session is not None:
+            self._end_session(self.session, grpc.StatusCode.UNAVAILABLE, reason)
+
+
+@dataclass(eq=False)
+class _Assembly:
+    round: int
+    total: int
+    filled: int = 0
+    reserved: int = 0
+    parts: list[bytes] = field(default_factory=list)
+
+    def add(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.filled += len(data)
+
+    def payload(self) -> bytes:
+        # One chunk: no copy. Several: one join (cheaper than growing a bytearray chunk by chunk).
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+
+def _pull_messages(block_id: int, round_: int, data: bytes) -> list[ps_pb2.ExchangeResponse]:
+    """Chunk one result into messages built once and written to every node's stream."""
+    view = memoryview(data)
+    total = len(data)
+    return [
+        ps_pb2.ExchangeResponse(pull=ps_pb2.PullChunk(
+            round=round_, block_id=block_id, total_bytes=total, offset=off,
+            data=bytes(view[off: off + CHUNK_BYTES])))
+        for off in range(0, total, CHUNK_BYTES)
+    ]

@@ -1,0 +1,34 @@
+"""What the worker library raises: one small tree, so training loops can catch by kind."""
+
+from __future__ import annotations
+
+__all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
+           "ConfigError"]
+
+
+class CgxPsError(RuntimeError):
+    """Base of every error the worker library raises."""
+
+
+class ConfigError(CgxPsError, ValueError):
+    """The environment or arguments do not describe a usable job."""
+
+
+class ShardUnavailableError(CgxPsError):
+    """A shard could not be reached (after retries)."""
+
+
+class ShardRejectedError(CgxPsError):
+    """A shard refused a request; the message says why (layout mismatch, bad block, ...)."""
+
+    def __init__(self, address: str, code: str, details: str) -> None:
+        super().__init__(f"shard {address} refused: {code}: {details}")
+        self.address, self.code, self.details = address, code, details
+
+
+class RoundFailedError(CgxPsError):
+    """A round failed on the shards for every node (for example a node missed the deadline)."""
+
+    def __init__(self, address: str, message: str, missing_nodes: tuple[str, ...] = ()) -> None:
+        super().__init__(f"round failed on shard {address}: {message}")
+        self.address, self.missing_nodes = address, missing_nodes

@@ -1,0 +1,138 @@
+"""Blocks from sorted parameter names: the same layout on every worker, by construction.
+
+Tensors are ordered by name (never by the order hooks fire, which broke CGX's own hook when a
+model ran other collectives), grouped by codec settings, concatenated and cut into blocks of
+about ``block_bytes`` of fp32. Blocks go to shards by longest-processing-time greedy on their
+wire size, so shards carry balanced bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Iterable, Sequence
+
+import torch
+
+from ..layout import block_payload_size, validate_layout
+from ..v1 import ps_pb2
+
+__all__ = ["Compression", "TensorInfo", "build_layout", "DEFAULT_BLOCK_BYTES"]
+
+DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 bytes per block: big enough to amortize RPC, small to pipeline
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Which codec each tensor travels with.
+
+    Defaults follow CGX: 4 bits, buckets of 1024, stochastic rounding; 1-D tensors and tensors
+    under ``min_numel`` elements (biases, norms: small and sensitive) stay uncompressed.
+    """
+
+    bits: int | None = 4  # None: no quantization at all (fp32 everywhere)
+    bucket_size: int = 1024
+    stochastic: bool = True
+    min_numel: int = 1024
+    compress_1d: bool = False
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of names that stay uncompressed
+    overrides: dict[str, int | None] = field(default_factory=dict)  # name pattern -> bits or None
+    fallback: int = ps_pb2.CODEC_FP32  # codec of uncompressed tensors (FP32, FP16 or BF16)
+
+    def __post_init__(self) -> None:
+        for b in [self.bits, *self.overrides.values()]:
+            if b is not None and not 1 <= b <= 8:
+                raise ValueError(f"bits must be in 1..8 or None, got {b}")
+        if self.bucket_size < 8 or self.bucket_size % 8:
+            raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size}")
+        if self.fallback not in (ps_pb2.CODEC_FP32, ps_pb2.CODEC_FP16, ps_pb2.CODEC_BF16):
+            raise ValueError(f"fallback must be FP32, FP16 or BF16, got {self.fallback}")
+
+    @classmethod
+    def parse(cls, spec: "str | Compression | None") -> "Compression":
+        """'4bit', '2bit', 'fp32', 'fp16', 'bf16' (or a Compression) -> Compression."""
+        if isinstance(spec, Compression):
+            return spec
+        text = (spec or "4bit").strip().lower()
+        if text in ("fp32", "none", "off"):
+            return cls(bits=None)
+        if text in ("fp16", "bf16"):
+            return cls(bits=None, fallback=ps_pb2.CODEC_FP16 if text == "fp16" else ps_pb2.CODEC_BF16)
+        if text.endswith("bit") and text[:-3].isdigit():
+            return cls(bits=int(text[:-3]))
+        raise ValueError(f"unknown compression {spec!r}: use fp32, fp16, bf16 or Nbit with N in 1..8")
+
+    def settings_for(self, name: str, shape: Sequence[int]) -> ps_pb2.CodecSettings:
+        bits = self.bits
+        numel = math.prod(shape)
+        if len(shape) <= 1 and not self.compress_1d or numel < self.min_numel:
+            bits = None
+        if any(fnmatch(name, p) for p in self.exclude):
+            bits = None
+        for pattern, value in self.overrides.items():
+            if fnmatch(name, pattern):
+                bits = value
+        if bits is None:
+            return ps_pb2.CodecSettings(codec=self.fallback)
+        return ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=bits, bucket_size=self.bucket_size,
+                                    stochastic=self.stochastic)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorInfo":
+        return cls(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+def build_layout(tensors: Iterable[TensorInfo], num_shards: int, compression: Compression | None = None,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> ps_pb2.Layout:
+    compression = compression or Compression()
+    infos = sorted(tensors, key=lambda t: t.name)
+    layout = ps_pb2.Layout(num_shards=num_shards)
+    for t in infos:
+        layout.tensors.add(name=t.name, shape=list(t.shape), dtype=t.dtype,
+                           codec=compression.settings_for(t.name, t.shape))
+    block_numel = max(1, block_bytes // 4)
+    groups: dict[bytes, list[int]] = {}
+    for i, spec in enumerate(layout.tensors):
+        groups.setdefault(spec.codec.SerializeToString(deterministic=True), []).append(i)
+    for members in groups.values():  # insertion order: first tensor name of each codec group
+        _cut_blocks(layout, members, block_numel)
+    _assign_shards(layout, num_shards)
+    validate_layout(layout)
+    return layout
+
+
+def _cut_blocks(layout: ps_pb2.Layout, members: list[int], block_numel: int) -> None:
+    codec = layout.tensors[members[0]].codec
+    if codec.codec == ps_pb2.CODEC_MAXMIN:  # keep buckets whole inside blocks
+        block_numel = max(codec.bucket_size, block_numel // codec.bucket_size * codec.bucket_size)
+    block = None
+    for index in members:
+        numel = math.prod(layout.tensors[index].shape)
+        offset = 0
+        while offset < numel:
+            if block is None or block.numel == block_numel:
+                block = layout.blocks.add(block_id=len(layout.blocks), codec=codec)
+            take = min(numel - offset, block_numel - block.numel)
+            block.segments.add(tensor_index=index, offset=offset, numel=take)
+            block.numel += take
+            offset += take
+
+
+def _assign_shards(layout: ps_pb2.Layout, num_shards: int) -> None:
+    """Longest-processing-time greedy on wire bytes; ties broken by block id (deterministic)."""
+    loads = [(0, s) for s in range(num_shards)]
+    heapq.heapify(loads)
+    order = sorted(layout.blocks, key=lambda b: (-block_payload_size(b), b.block_id))
+    for block in order:
+        load, shard = heapq.heappop(loads)
+        block.shard = shard
+        heapq.heappush(loads, (load + block_payload_size(block), shard))

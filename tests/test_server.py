@@ -1,0 +1,398 @@
+"""Real shards on port 0, real gRPC clients: aggregation, rounds, bad input, failure, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cgx_ps.kernels import Codec, dequantize, encode
+from cgx_ps.layout import codec_of
+from cgx_ps.server import ServerConfig, ShardServer
+from cgx_ps.server.aggregator import result_seed
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+TENSORS = [TensorInfo("a.weight", (300, 70)), TensorInfo("a.bias", (300,)),
+           TensorInfo("b.weight", (64, 1000)), TensorInfo("c.weight", (50, 41))]
+COMPRESSION = Compression(bits=4, bucket_size=512, overrides={"c.*": 2})
+
+
+def make_layout(tensors=TENSORS, compression=COMPRESSION, block_bytes=64 << 10, shards=1) -> ps_pb2.Layout:
+    return build_layout(tensors, shards, compression, block_bytes=block_bytes)
+
+
+@pytest.fixture
+async def shard():
+    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, metrics_port=0, round_timeout_s=5.0))
+    await server.start()
+    yield server
+    await server.stop(drain=False)
+
+
+async def connect(server: ShardServer, layout: ps_pb2.Layout, nodes: int, prefix="node") -> list[ShardClient]:
+    clients = [ShardClient(f"127.0.0.1:{server.port}", f"{prefix}-{i}", nodes, layout, connect_timeout_s=5)
+               for i in range(nodes)]
+    for c in clients:
+        await c.connect()
+    return clients
+
+
+async def close(clients: list[ShardClient]) -> None:
+    for c in clients:
+        await c.close()
+
+
+def encode_block(block: ps_pb2.BlockSpec, values: torch.Tensor, seed: int) -> bytes:
+    s = block.codec
+    return encode(values, codec_of(s), bits=s.bits, bucket_size=s.bucket_size, stochastic=s.stochastic,
+                  seed=seed).to_bytes()
+
+
+async def run_round(clients, layout, round_, seed=0):
+    """Every client pushes a random block for every block id; returns (pushed payloads, results)."""
+    pushed: dict[int, list[bytes]] = {}
+    gen = torch.Generator().manual_seed(seed + round_)
+    for block in layout.blocks:
+        pushed[block.block_id] = [encode_block(block, torch.randn(block.numel, generator=gen), seed=k)
+                                  for k in range(len(clients))]
+    results = await asyncio.gather(*[
+        asyncio.gather(*[c.exchange(b.block_id, round_, pushed[b.block_id][k]) for b in layout.blocks])
+        for k, c in enumerate(clients)])
+    return pushed, results
+
+
+def check_aggregate(block: ps_pb2.BlockSpec, payloads: list[bytes], result: bytes, round_: int = 0) -> None:
+    exact = sum(dequantize(p) for p in payloads)
+    got = dequantize(result)
+    if len(payloads) <= 2:  # a + b == b + a: the server's float32 sum is known exactly
+        assert result == encode_block(block, exact, result_seed(block.block_id, round_))
+    if block.codec.codec == ps_pb2.CODEC_FP32:
+        torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
+    else:
+        # the sum re-quantized once: within one unit of the result's own buckets
+        header_units = torch.from_numpy(
+            __import__("numpy").frombuffer(result, dtype="<f4", offset=32,
+                                           count=2 * -(-block.numel // block.codec.bucket_size))[1::2].copy())
+        unit = header_units.repeat_interleave(block.codec.bucket_size)[: block.numel]
+        assert bool(((got - exact).abs() <= unit * 1.0001 + 1e-6).all())
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+async def test_aggregate_is_the_sum_and_identical_for_all_nodes(shard: ShardServer, nodes: int) -> None:
+    layout = make_layout()
+    assert {b.codec.codec for b in layout.blocks} == {ps_pb2.CODEC_FP32, ps_pb2.CODEC_MAXMIN}
+    assert {b.codec.bits for b in layout.blocks if b.codec.codec == ps_pb2.CODEC_MAXMIN} == {2, 4}
+    clients = await connect(shard, layout, nodes)
+    try:
+        for round_ in range(3):
+            pushed, results = await run_round(clients, layout, round_)
+            for i, block in enumerate(layout.blocks):
+                per_node = [results[k][i] for k in range(nodes)]
+                assert all(r == per_node[0] for r in per_node)  # identical bytes
+                check_aggregate(block, pushed[block.block_id], per_node[0], round_)
+    finally:
+        await close(clients)
+
+
+@pytest.mark.parametrize("fallback", [ps_pb2.CODEC_FP16, ps_pb2.CODEC_BF16])
+async def test_half_precision_blocks(shard: ShardServer, fallback: int) -> None:
+    layout = make_layout(compression=Compression(bits=None, fallback=fallback), block_bytes=32 << 10)
+    clients = await connect(shard, layout, 2)
+    try:
+        pushed, results = await run_round(clients, layout, 0)
+        for i, block in enumerate(layout.blocks):
+            exact = sum(dequantize(p) for p in pushed[block.block_id])
+            dtype = torch.float16 if fallback == ps_pb2.CODEC_FP16 else torch.bfloat16
+            assert torch.equal(dequantize(results[0][i]), exact.to(dtype).float())
+    finally:
+        await close(clients)
+
+
+async def test_blocks_larger_than_one_chunk(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("big.weight", (1024, 1100))], Compression(bits=None), block_bytes=8 << 20)
+    assert layout.blocks[0].numel * 4 > 4 << 20  # several 1 MiB chunks each way
+    clients = await connect(shard, layout, 2)
+    try:
+        pushed, results = await run_round(clients, layout, 0)
+        check_aggregate(layout.blocks[0], pushed[0], results[0][0])
+        assert results[0][0] == results[1][0]
+    finally:
+        await close(clients)
+
+
+async def test_duplicate_push_is_ignored_and_retry_after_result_resends(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a, b = await connect(shard, layout, 2)
+    try:
+        xa, xb = torch.full((4096,), 1.0), torch.full((4096,), 2.0)
+        pa, pb = encode(xa, Codec.FP32).to_bytes(), encode(xb, Codec.FP32).to_bytes()
+        fut = a.expect(0, 0)
+        await a.push(0, 0, pa)
+        await a.push(0, 0, pa)  # retry: must not count twice
+        result = await b.exchange(0, 0, pb)
+        assert torch.equal(dequantize(result), xa + xb)
+        assert await fut == result
+        # a push of the finished round again (retry after a lost reply) gets the result again
+        assert await a.exchange(0, 0, pa) == result
+    finally:
+        await close([a, b])
+
+
+async def test_missing_node_fails_the_round_for_everyone(shard: ShardServer) -> None:
+    shard.config.round_timeout_s = 0.5
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a, b = await connect(shard, layout, 2)
+    try:
+        with pytest.raises(RoundFailedError, match="waiting for node\\(s\\): node-1") as info:
+            await asyncio.wait_for(a.exchange(0, 0, encode(torch.ones(4096), Codec.FP32).to_bytes()), 10)
+        assert info.value.missing_nodes == ("node-1",)
+        with pytest.raises(RoundFailedError, match="node-1"):  # the idle node hears it too
+            await asyncio.wait_for(b.exchange(0, 0, encode(torch.ones(4096), Codec.FP32).to_bytes()), 10)
+    finally:
+        await close([a, b])
+
+
+async def test_unregistered_nodes_are_reported_missing(shard: ShardServer) -> None:
+    shard.config.round_timeout_s = 0.5
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a = ShardClient(f"127.0.0.1:{shard.port}", "solo", 3, layout)
+    await a.connect()
+    try:
+        with pytest.raises(RoundFailedError, match="2 node\\(s\\) that never pushed"):
+            await asyncio.wait_for(a.exchange(0, 0, encode(torch.ones(4096), Codec.FP32).to_bytes()), 10)
+    finally:
+        await a.close()
+
+
+# ---- bad input: the bad node's stream ends with a clear status; everyone else is unharmed --------
+
+
+async def raw_stream(server: ShardServer, node: str, layout: ps_pb2.Layout):
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    call = ps_pb2_grpc.ParameterServerStub(channel).Exchange()
+    from cgx_ps.layout import layout_hash
+    await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout))))
+    return channel, call
+
+
+async def expect_status(call, code: grpc.StatusCode, match: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    assert info.value.code() == code, info.value.details()
+    assert match in info.value.details(), info.value.details()
+
+
+def _good(block: ps_pb2.BlockSpec) -> bytes:
+    return encode_block(block, torch.randn(block.numel), 0)
+
+
+BAD_PUSHES = {
+    "garbage": (lambda blk: ps_pb2.PushChunk(round=0, block_id=blk.block_id, total_bytes=len(_good(blk)),
+                                             offset=0, data=b"\x07" * len(_good(blk))),
+                grpc.StatusCode.INVALID_ARGUMENT, "not a cgx-ps block"),
+    "truncated": (lambda blk: ps_pb2.PushChunk(round=0, block_id=blk.block_id, total_bytes=len(_good(blk)) - 5,
+                                               offset=0, data=_good(blk)[:-5]),
+                  grpc.StatusCode.INVALID_ARGUMENT, "the layout says"),
+    "unknown block": (lambda blk: ps_pb2.PushChunk(round=0, block_id=999, total_bytes=100, offset=0, data=b"x"),
+                      grpc.StatusCode.INVALID_ARGUMENT, "block 999 is not owned"),
+    "unknown codec": (lambda blk: ps_pb2.PushChunk(round=0, block_id=blk.block_id, total_bytes=len(_good(blk)),
+                                                   offset=0, data=_good(blk)[:5] + b"\x09" + _good(blk)[6:]),
+                      grpc.StatusCode.INVALID_ARGUMENT, "unknown codec id 9"),
+    "wrong codec": (lambda blk: ps_pb2.PushChunk(
+                        round=0, block_id=blk.block_id, total_bytes=len(_good(blk)), offset=0,
+                        data=encode(torch.randn((len(_good(blk)) - 32) // 2), Codec.FP16).to_bytes()),
+                    grpc.StatusCode.INVALID_ARGUMENT, "the layout declares"),
+    "gap in offsets": (lambda blk: ps_pb2.PushChunk(round=0, block_id=blk.block_id, total_bytes=len(_good(blk)),
+                                                    offset=64, data=b"x" * 10),
+                       grpc.StatusCode.INVALID_ARGUMENT, "does not continue"),
+    "far-future round": (lambda blk: ps_pb2.PushChunk(round=7, block_id=blk.block_id, total_bytes=len(_good(blk)),
+                                                      offset=0, data=_good(blk)),
+                         grpc.StatusCode.FAILED_PRECONDITION, "far-future round 7"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PUSHES))
+async def test_bad_push_rejected_and_other_nodes_unharmed(shard: ShardServer, case: str) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    block = layout.blocks[0]
+    good, bad = await connect(shard, layout, 2, prefix="n")
+    make_chunk, code, match = BAD_PUSHES[case]
+    chunk = make_chunk(block)
+    if case == "wrong codec":  # an fp16 payload of exactly the block's wire size
+        chunk.total_bytes = len(chunk.data)
+        assert len(chunk.data) == len(_good(block)), "test setup: sizes must agree"
+    try:
+        # the good node has pushed already: its data sits in the accumulator
+        xg = torch.randn(block.numel)
+        pg = encode_block(block, xg, 1)
+        fut = good.expect(0, 0)
+        await good.push(0, 0, pg)
+        channel, call = await raw_stream(shard, bad.node_id, layout)
+        await call.write(ps_pb2.ExchangeRequest(push=chunk))
+        await expect_status(call, code, match)
+        await channel.close()
+        # the bad node reconnects and pushes properly: the round completes with the right sum
+        await bad.reopen()
+        xb = torch.randn(block.numel)
+        pb = encode_block(block, xb, 2)
+        result = await asyncio.wait_for(bad.exchange(0, 0, pb), 10)
+        assert await fut == result
+        check_aggregate(block, [pg, pb], result)
+    finally:
+        await close([good, bad])
+
+
+async def test_nan_payload_rejected(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    (node,) = await connect(shard, layout, 1)
+    payload = bytearray(encode(torch.ones(4096), Codec.FP32).to_bytes())
+    payload[32 + 4 * 100: 32 + 4 * 101] = b"\x00\x00\xc0\x7f"  # NaN
+    from cgx_ps.kernels import wire
+    payload[20:24] = wire.body_crc32(payload).to_bytes(4, "little")
+    channel, call = await raw_stream(shard, "node-0", layout)
+    await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(
+        round=0, block_id=0, total_bytes=len(payload), offset=0, data=bytes(payload))))
+    await expect_status(call, grpc.StatusCode.INVALID_ARGUMENT, "NaN/Inf (first at element 100)")
+    await channel.close()
+    await node.close()
+
+
+async def test_push_before_register_refused(shard: ShardServer) -> None:
+    channel, call = await raw_stream(shard, "stranger", make_layout())
+    await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "has not registered")
+    await channel.close()
+
+
+async def test_mismatched_layout_refused_naming_the_tensor(shard: ShardServer) -> None:
+    first = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, make_layout())
+    await first.connect()
+    other = [*TENSORS[:2], TensorInfo("b.weight", (64, 999)), TENSORS[3]]
+    client = ShardClient(f"127.0.0.1:{shard.port}", "node-1", 2, make_layout(other))
+    with pytest.raises(ShardRejectedError, match=r"tensor 'b.weight': shape \[64, 1000\] expected, got \[64, 999\]"):
+        await client.connect()
+    await client.close()
+    await first.close()
+
+
+async def test_stale_round_refused(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    (node,) = await connect(shard, layout, 1)
+    p = encode(torch.ones(4096), Codec.FP32).to_bytes()
+    for r in range(3):
+        await node.exchange(0, r, p)
+    await node.close()
+    channel, call = await raw_stream(shard, "node-0", layout)
+    await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=0, block_id=0, total_bytes=len(p),
+                                                                  offset=0, data=p)))
+    await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "stale round 0, the shard expects round 3")
+    await channel.close()
+
+
+async def test_backpressure_bounds_memory_without_deadlock() -> None:
+    cfg = ServerConfig(host="127.0.0.1", port=0, round_timeout_s=20, max_inflight_bytes=2 << 20)
+    server = ShardServer(cfg)
+    await server.start()
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, server.service.budget.used)
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.create_task(watch())
+    layout = make_layout([TensorInfo("w", (1024, 1536))], Compression(bits=None), block_bytes=1 << 20)
+    clients = await connect(server, layout, 4)
+    try:
+        for r in range(2):
+            pushed, results = await asyncio.wait_for(run_round(clients, layout, r), 60)
+            check_aggregate(layout.blocks[0], pushed[0], results[0][0], r)
+        assert 0 < peak <= cfg.max_inflight_bytes
+    finally:
+        watcher.cancel()
+        await close(clients)
+        await server.stop(drain=False)
+
+
+async def test_metrics_and_health(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    clients = await connect(shard, layout, 2)
+    await run_round(clients, layout, 0)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{shard.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'cgx_ps_rounds_total{shard="0"} 1.0' in body
+    assert 'cgx_ps_pushes_total{node="node-0",outcome="accepted",shard="0"} 1.0' in body
+    assert 'cgx_ps_connected_nodes{shard="0"} 2.0' in body
+    ratio = [line for line in body.splitlines() if line.startswith("cgx_ps_compression_ratio{")]
+    assert ratio and float(ratio[0].split()[-1]) > 6  # 4-bit: ~7x smaller than fp32
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service="cgx_ps.v1.ParameterServer"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    await close(clients)
+
+
+async def test_drain_finishes_rounds_in_flight() -> None:
+    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, round_timeout_s=10, drain_timeout_s=10))
+    await server.start()
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a, b = await connect(server, layout, 2)
+    p = encode(torch.ones(4096), Codec.FP32).to_bytes()
+    fut = a.expect(0, 0)
+    await a.push(0, 0, p)
+    while not server.service.rounds_in_flight():  # the shard has seen the push
+        await asyncio.sleep(0.01)
+    stopping = asyncio.create_task(server.stop(drain=True))
+    await asyncio.sleep(0.2)
+    assert not stopping.done()  # waits for the round in flight
+    result = await asyncio.wait_for(b.exchange(0, 0, p), 5)
+    assert await fut == result and torch.equal(dequantize(result), torch.full((4096,), 2.0))
+    await asyncio.wait_for(stopping, 10)
+    await close([a, b])
+
+
+def test_server_binary_health_bad_input_and_sigterm(tmp_path) -> None:
+    port_file = tmp_path / "ports.json"
+    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
+                             "--metrics-port", "0", "--port-file", str(port_file), "--drain-timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        port = json.loads(port_file.read_text())["port"]
+
+        async def probe() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                stub = ps_pb2_grpc.ParameterServerStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Register(ps_pb2.RegisterRequest(node_id="x", num_nodes=1, layout=make_layout(),
+                                                               layout_hash="nope"))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "does not match the layout" in info.value.details()
+
+        asyncio.run(probe())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        out = proc.stdout.read()
+        assert "shard=0" in out and "draining" in out and "stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
