@@ -110,6 +110,14 @@ def test_constant_buckets_decode_exactly() -> None:
             assert torch.equal(dequantize(quantize(x, bits, 1024, stochastic=stochastic)), x)
 
 
+def test_subnormal_range_encodes_like_a_constant_bucket() -> None:
+    x = torch.tensor([0.0, 3.57e-43, 1e-43, 2e-43] * 2)  # unit is subnormal: 1/unit overflows
+    for bits in (1, 4, 8):
+        ref = quantize(x, bits, 8, impl="reference").to_bytes()
+        assert quantize(x, bits, 8, impl="cpu").to_bytes() == ref
+        assert bool((dequantize(ref) == 0.0).all())
+
+
 def test_empty_and_one_element() -> None:
     block = quantize(torch.empty(0))
     payload = block.to_bytes()

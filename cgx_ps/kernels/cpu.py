@@ -156,6 +156,8 @@ def _encode_range(x, xbits, meta, packed, bits, bucket_size, stochastic, key, b0
             status[1] = b
             return
         scale = np.float32(1.0) / unit if unit > zero else zero
+        if not np.isfinite(scale):  # a subnormal unit: encode like a constant bucket
+            scale = zero
         meta[2 * b] = mn
         meta[2 * b + 1] = unit
         lv = lv_buf[: end - start]

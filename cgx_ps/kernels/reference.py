@@ -34,6 +34,9 @@ def encode_maxmin(
     if not torch.isfinite(unit).all():
         raise OverflowError("bucket range overflows float32")
     scale = torch.where(unit > 0, torch.reciprocal(unit), torch.zeros_like(unit))
+    # A subnormal unit makes 1/unit overflow: such a bucket encodes like a constant one (all
+    # levels 0, decoded as min; the error is below 2**-126 * max_level).
+    scale = torch.where(torch.isinf(scale), torch.zeros_like(scale), scale)
     if stochastic:
         r = torch.from_numpy(rng.uniforms(seed, 0, nb * bucket_size)).view(nb, bucket_size)
     else:
