@@ -396,3 +396,61 @@ def test_server_binary_health_bad_input_and_sigterm(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_uncompressed_rounds_for_compressed_blocks(shard: ShardServer) -> None:
+    """Warm-up or auto mode: a 4-bit block may travel as FP32 if every node of the round agrees."""
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    a, b = await connect(shard, layout, 2)
+    try:
+        xa, xb = torch.randn(4096), torch.randn(4096)
+        result = await asyncio.gather(a.exchange(0, 0, encode(xa, Codec.FP32).to_bytes()),
+                                      b.exchange(0, 0, encode(xb, Codec.FP32).to_bytes()))
+        assert result[0] == result[1] and torch.equal(dequantize(result[0]), xa + xb)
+        # the next round is compressed again: the result is 4-bit too
+        blk = layout.blocks[0]
+        pa, pb = encode_block(blk, xa, 1), encode_block(blk, xb, 2)
+        result = await asyncio.gather(a.exchange(0, 1, pa), b.exchange(0, 1, pb))
+        check_aggregate(blk, [pa, pb], result[0], round_=1)
+        # mixing encodings inside one round is refused
+        fut = a.expect(0, 2)
+        await a.push(0, 2, encode_block(blk, xa, 3))
+        channel, call = await raw_stream(shard, "node-1", layout)
+        p = encode(xb, Codec.FP32).to_bytes()
+        await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=2, block_id=0, total_bytes=len(p),
+                                                                      offset=0, data=p)))
+        await expect_status(call, grpc.StatusCode.INVALID_ARGUMENT, "other nodes pushed MAXMIN bits=4")
+        await channel.close()
+        fut.cancel()
+    finally:
+        await close([a, b])
+
+
+async def test_blob_put_get() -> None:
+    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, max_inflight_bytes=4 << 20))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+
+            async def get(key: str, timeout: float) -> bytes:
+                return b"".join([c.data async for c in stub.GetBlob(ps_pb2.GetBlobRequest(key=key, timeout_s=timeout))])
+
+            waiter = asyncio.create_task(get("params/0", 10))  # waits until put
+            data = bytes(range(256)) * 10_000  # 2.5 MB: several chunks
+            chunks = [ps_pb2.BlobChunk(key="params/0", total_bytes=len(data), offset=o, data=data[o:o + (1 << 20)])
+                      for o in range(0, len(data), 1 << 20)]
+            await stub.PutBlob(iter(chunks))
+            assert await waiter == data
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await get("missing", 0.2)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "was not put" in info.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.PutBlob(iter([ps_pb2.BlobChunk(key="params/0", total_bytes=3, offset=0, data=b"abc")]))
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                big = b"x" * (2 << 20)
+                await stub.PutBlob(iter([ps_pb2.BlobChunk(key="big", total_bytes=len(big), offset=0, data=big)]))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await server.stop(drain=False)

@@ -20,7 +20,7 @@ from typing import Callable
 import grpc
 import torch
 
-from ..kernels import CodecError, decode_header, dequantize, encode
+from ..kernels import HEADER_SIZE, Codec, CodecError, decode_header, dequantize, encode
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
 from .metrics import ShardMetrics
@@ -66,6 +66,7 @@ class _Block:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_result: bytes | None = None  # result of round - 1, for retried pushes
     last_nodes: frozenset[str] = frozenset()
+    round_encoding: tuple[int, int, int] | None = None  # (codec, bits, bucket) of this round
 
 
 def result_seed(block_id: int, round_: int) -> int:
@@ -98,8 +99,10 @@ class Aggregator:
 
     # ---- queries used by the service ----------------------------------------------------------
 
-    def expected_size(self, block_id: int) -> int:
-        return self._block(block_id).payload_size
+    def allowed_sizes(self, block_id: int) -> tuple[int, ...]:
+        """Wire sizes a push of this block may have: its declared codec, or uncompressed."""
+        block = self._block(block_id)
+        return block.payload_size, HEADER_SIZE + 4 * block.spec.numel
 
     def next_round(self, block_id: int) -> int:
         return self._block(block_id).round
@@ -126,7 +129,7 @@ class Aggregator:
             outcome = self._check_round(block, node_id, round_)
             if outcome is not None:
                 return outcome
-            self._check_header(block, payload)
+            encoding = self._check_header(block, payload)
             loop = asyncio.get_running_loop()
             first = not block.pushed
             if block.acc is None:
@@ -141,6 +144,7 @@ class Aggregator:
                 block.first_push_at = time.monotonic()
                 block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
             block.pushed.add(node_id)
+            block.round_encoding = encoding
             self.known_nodes.add(node_id)
             if self.metrics:
                 self.metrics.bytes_in.inc(len(payload))
@@ -164,23 +168,31 @@ class Aggregator:
                            f"block {block.spec.block_id}: {kind} round {round_}, "
                            f"the shard expects round {block.round}")
 
-    def _check_header(self, block: _Block, payload: bytes) -> None:
+    def _check_header(self, block: _Block, payload: bytes) -> tuple[int, int, int]:
+        """The push's (codec, bits, bucket): the declared one or FP32, and the round's."""
         spec = block.spec
         try:
             h = decode_header(payload)
         except CodecError as exc:
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {spec.block_id}: {exc}") from None
         codec = codec_of(spec.codec)
-        expected = (codec, spec.numel)
-        if (h.codec, h.numel) != expected or (
-            codec == ps_pb2.CODEC_MAXMIN and (h.bits, h.bucket_size) != (spec.codec.bits, spec.codec.bucket_size)
-        ):
+        declared = (int(codec), spec.codec.bits, spec.codec.bucket_size) if codec == Codec.MAXMIN \
+            else (int(codec), h.bits, 0)
+        got = (int(h.codec), h.bits, h.bucket_size)
+        if h.numel != spec.numel or got not in (declared, (int(Codec.FP32), 32, 0)):
             raise PushRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"block {spec.block_id}: payload is {h.codec.name} bits={h.bits} bucket={h.bucket_size} "
                 f"numel={h.numel}; the layout declares {codec.name} bits={spec.codec.bits} "
-                f"bucket={spec.codec.bucket_size} numel={spec.numel}",
+                f"bucket={spec.codec.bucket_size} numel={spec.numel} (or FP32)",
             )
+        if block.round_encoding is not None and got != block.round_encoding:
+            c, b, k = block.round_encoding
+            raise PushRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {spec.block_id} round {block.round}: other nodes pushed {Codec(c).name} bits={b} "
+                f"bucket={k}, this push is {h.codec.name} bits={h.bits} bucket={h.bucket_size}")
+        return got
 
     async def _finish(self, block: _Block, round_: int) -> None:
         if block.timer is not None:
@@ -198,6 +210,7 @@ class Aggregator:
         block.last_result = result
         block.last_nodes = frozenset(block.pushed)
         block.pushed = set()
+        block.round_encoding = None
         block.round += 1
         if self.metrics:
             self.metrics.rounds.inc()
@@ -206,20 +219,19 @@ class Aggregator:
         self.on_result(block.spec.block_id, round_, result)
 
     def _encode_sum(self, block: _Block, round_: int) -> bytes:
-        s = block.spec.codec
-        acc = block.acc
-        assert acc is not None
-        if self.error_feedback and s.codec == ps_pb2.CODEC_MAXMIN:
-            if block.residual is None:
-                block.residual = torch.zeros_like(acc)
-            acc.add_(block.residual)
-            encoded = encode(acc, codec_of(s), bits=s.bits, bucket_size=s.bucket_size,
-                             stochastic=s.stochastic, seed=result_seed(block.spec.block_id, round_))
-            # residual = what this round's result left out
-            torch.sub(acc, dequantize(encoded), out=block.residual)
-        else:
-            encoded = encode(acc, codec_of(s), bits=s.bits, bucket_size=s.bucket_size,
-                             stochastic=s.stochastic, seed=result_seed(block.spec.block_id, round_))
+        """Encode the round's sum the way the round's pushes were encoded."""
+        assert block.acc is not None and block.round_encoding is not None
+        codec, bits, bucket = block.round_encoding
+        acc, seed = block.acc, result_seed(block.spec.block_id, round_)
+        stochastic = block.spec.codec.stochastic
+        if not (self.error_feedback and codec == Codec.MAXMIN):
+            return encode(acc, codec, bits=bits, bucket_size=bucket or 1024, stochastic=stochastic,
+                          seed=seed).to_bytes()
+        if block.residual is None:
+            block.residual = torch.zeros_like(acc)
+        acc.add_(block.residual)
+        encoded = encode(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed)
+        torch.sub(acc, dequantize(encoded), out=block.residual)  # what this round's result left out
         return encoded.to_bytes()
 
     # ---- failure --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from .. import __version__
 from ..layout import LayoutError, first_difference, layout_hash, validate_layout
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .aggregator import Aggregator, PushRejected, RoundFailure
+from .blobs import BlobError, BlobStore
 from .budget import ByteBudget
 from .config import CHUNK_BYTES, ServerConfig
 from .metrics import ShardMetrics
@@ -57,6 +58,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.session: _Session | None = None
         self.draining = False
         self.pending_pushes = 0  # blocks being received or summed, not yet in a round's count
+        self.blobs = BlobStore(config.max_inflight_bytes)
         self._push_tasks: set[asyncio.Task] = set()
 
     # ---- Register -------------------------------------------------------------------------------
@@ -140,6 +142,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _end_session(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
         session.aggregator.close()
+        if session is self.session:
+            self.blobs.clear()
         for stream in session.streams.values():
             stream.error = stream.error or PushRejected(code, reason)
             stream.queue.put_nowait(_STOP)
@@ -242,11 +246,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise PushRejected(grpc.StatusCode.UNAVAILABLE, "shard is shutting down; no new rounds")
         assembly = partial.get(chunk.block_id)
         if assembly is None:
-            expected = session.aggregator.expected_size(chunk.block_id)  # also rejects unknown ids
-            if chunk.total_bytes != expected:
+            sizes = session.aggregator.allowed_sizes(chunk.block_id)  # also rejects unknown ids
+            if chunk.total_bytes not in sizes:
                 raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
-                                   f"says {expected}")
+                                   f"says {sizes[0]} (or {sizes[1]} uncompressed)")
+            expected = chunk.total_bytes
             # Reserve the whole block up front: a block holds all of its budget or none, so
             # streams that each hold part of the budget can never wait on each other forever.
             await self.budget.acquire(expected)
@@ -289,6 +294,43 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _update_inflight(self) -> None:
         self.metrics.inflight_bytes.set(self.budget.used)
+
+    # ---- blobs (broadcasts) ---------------------------------------------------------------------
+
+    async def PutBlob(self, request_iterator, context: grpc.aio.ServicerContext) -> ps_pb2.PutBlobResponse:
+        parts: list[bytes] = []
+        key, total, filled = None, 0, 0
+        async for chunk in request_iterator:
+            if key is None:
+                key, total = chunk.key, chunk.total_bytes
+                if total > self.blobs.capacity:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"blob {key!r} of {total} bytes exceeds the shard's blob capacity")
+            if (chunk.key, chunk.total_bytes, chunk.offset) != (key, total, filled) or \
+                    filled + len(chunk.data) > total:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"blob {key!r}: chunk at offset {chunk.offset} does not continue at {filled}")
+            parts.append(chunk.data)
+            filled += len(chunk.data)
+        if key is None or filled != total:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"blob {key!r}: stream ended at {filled} of {total} bytes")
+        try:
+            self.blobs.put(key, b"".join(parts))
+        except BlobError as exc:
+            code = grpc.StatusCode.ALREADY_EXISTS if exc.kind == "exists" else grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(code, str(exc))
+        return ps_pb2.PutBlobResponse()
+
+    async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext):
+        try:
+            data = await self.blobs.get(request.key, request.timeout_s or 60.0)
+        except BlobError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        view = memoryview(data)
+        for off in range(0, max(len(data), 1), CHUNK_BYTES):
+            yield ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off,
+                                   data=bytes(view[off: off + CHUNK_BYTES]))
 
     # ---- shutdown -------------------------------------------------------------------------------
 

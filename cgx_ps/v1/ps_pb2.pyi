@@ -171,3 +171,27 @@ class RoundError(_message.Message):
     message: str
     missing_nodes: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., message: _Optional[str] = ..., missing_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BlobChunk(_message.Message):
+    __slots__ = ("key", "total_bytes", "offset", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    total_bytes: int
+    offset: int
+    data: bytes
+    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutBlobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetBlobRequest(_message.Message):
+    __slots__ = ("key", "timeout_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    timeout_s: float
+    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...

@@ -44,6 +44,16 @@ class ParameterServerStub:
                 request_serializer=cgx__ps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
                 response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
                 _registered_method=True)
+        self.PutBlob = channel.stream_unary(
+                '/cgx_ps.v1.ParameterServer/PutBlob',
+                request_serializer=cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.SerializeToString,
+                response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.PutBlobResponse.FromString,
+                _registered_method=True)
+        self.GetBlob = channel.unary_stream(
+                '/cgx_ps.v1.ParameterServer/GetBlob',
+                request_serializer=cgx__ps_dot_v1_dot_ps__pb2.GetBlobRequest.SerializeToString,
+                response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -61,6 +71,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutBlob(self, request_iterator, context):
+        """RESOURCE_EXHAUSTED when the blobs would exceed the shard's in-flight byte cap;
+        ALREADY_EXISTS when the key is taken by different bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBlob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +97,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.ExchangeRequest.FromString,
                     response_serializer=cgx__ps_dot_v1_dot_ps__pb2.ExchangeResponse.SerializeToString,
+            ),
+            'PutBlob': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutBlob,
+                    request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.FromString,
+                    response_serializer=cgx__ps_dot_v1_dot_ps__pb2.PutBlobResponse.SerializeToString,
+            ),
+            'GetBlob': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetBlob,
+                    request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.GetBlobRequest.FromString,
+                    response_serializer=cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +163,60 @@ class ParameterServer:
             '/cgx_ps.v1.ParameterServer/Exchange',
             cgx__ps_dot_v1_dot_ps__pb2.ExchangeRequest.SerializeToString,
             cgx__ps_dot_v1_dot_ps__pb2.ExchangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlob(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/cgx_ps.v1.ParameterServer/PutBlob',
+            cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.SerializeToString,
+            cgx__ps_dot_v1_dot_ps__pb2.PutBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cgx_ps.v1.ParameterServer/GetBlob',
+            cgx__ps_dot_v1_dot_ps__pb2.GetBlobRequest.SerializeToString,
+            cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,58 @@
+"""A small rendezvous store on the shard: one rank puts a blob, the others wait for and get it.
+
+Used for broadcasts (initial parameters, optimizer state). Blobs live until the session resets;
+their total size is capped so a misbehaving client cannot exhaust the shard's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+__all__ = ["BlobStore", "BlobError"]
+
+
+class BlobError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "exists" | "full" | "timeout"
+
+
+class BlobStore:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._blobs: dict[str, bytes] = {}
+        self._ready: dict[str, asyncio.Event] = {}
+
+    def put(self, key: str, data: bytes) -> None:
+        old = self._blobs.get(key)
+        if old is not None:
+            if old != data:
+                raise BlobError("exists", f"blob {key!r} already holds different bytes")
+            return  # a retried put
+        if self.used + len(data) > self.capacity:
+            raise BlobError("full", f"blob {key!r} of {len(data)} bytes exceeds the shard's blob "
+                                    f"capacity ({self.used} of {self.capacity} bytes used)")
+        self._blobs[key] = data
+        self.used += len(data)
+        self._event(key).set()
+
+    async def get(self, key: str, timeout_s: float) -> bytes:
+        if key not in self._blobs:
+            try:
+                await asyncio.wait_for(self._event(key).wait(), timeout_s)
+            except asyncio.TimeoutError:
+                raise BlobError("timeout", f"blob {key!r} was not put within {timeout_s:g}s "
+                                           f"(did the root rank call the same broadcast?)") from None
+        return self._blobs[key]
+
+    def clear(self) -> None:
+        self._blobs.clear()
+        self.used = 0
+        # waiters keep waiting: a new session's put wakes them
+
+    def _event(self, key: str) -> asyncio.Event:
+        event = self._ready.get(key)
+        if event is None:
+            event = self._ready[key] = asyncio.Event()
+        return event
