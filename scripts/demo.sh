@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/cgx-ps codec-demo "$@"
+exec .venv/bin/cgx-ps demo "$@"

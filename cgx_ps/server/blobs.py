@@ -38,9 +38,11 @@ class BlobStore:
         self._event(key).set()
 
     async def get(self, key: str, timeout_s: float) -> bytes:
-        if key not in self._blobs:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while key not in self._blobs:  # loop: a session reset may clear the blob we woke for
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                await asyncio.wait_for(self._event(key).wait(), timeout_s)
+                await asyncio.wait_for(self._event(key).wait(), max(left, 0))
             except asyncio.TimeoutError:
                 raise BlobError("timeout", f"blob {key!r} was not put within {timeout_s:g}s "
                                            f"(did the root rank call the same broadcast?)") from None
@@ -49,7 +51,8 @@ class BlobStore:
     def clear(self) -> None:
         self._blobs.clear()
         self.used = 0
-        # waiters keep waiting: a new session's put wakes them
+        # Forget fired events; waiters on unfired ones keep waiting for the new session's put.
+        self._ready = {k: e for k, e in self._ready.items() if not e.is_set()}
 
     def _event(self, key: str) -> asyncio.Event:
         event = self._ready.get(key)

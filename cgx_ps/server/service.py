@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -45,8 +46,14 @@ class _Session:
     layout_hash: str
     num_nodes: int
     aggregator: Aggregator
+    job_id: str = ""
     nodes: set[str] = field(default_factory=set)
     streams: dict[str, _NodeStream] = field(default_factory=dict)
+    streamed: bool = False  # a node opened its Exchange stream: the job is running
+    last_activity: float = field(default_factory=time.monotonic)
+
+    def started(self) -> bool:
+        return self.streamed or self.aggregator.started()
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
@@ -86,30 +93,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                 f"layout is sharded for {request.layout.num_shards} shards, this shard "
                                 f"was started with --num-shards {self.config.num_shards}")
         session = self.session
-        # A known node registering again before any push is a retried Register (idempotent);
-        # after rounds started it means the node restarted, so the job did: start over.
-        rejoin = session is not None and node in session.nodes and not session.aggregator.started()
-        if session is not None and session.aggregator.failed is None and (node not in session.nodes or rejoin):
-            diff = first_difference(session.layout, request.layout)
-            if diff is not None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"node {node} declares a different model layout than the session's: {diff}")
-            if request.num_nodes != session.num_nodes:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"node {node} says num_nodes={request.num_nodes}, the session has "
-                                    f"{session.num_nodes}")
-            if len(session.nodes) >= session.num_nodes:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"node {node} would be node {len(session.nodes) + 1} of a session "
-                                    f"of {session.num_nodes} nodes: {sorted(session.nodes)}")
-        else:
-            # No session, a failed one, or a known node registering again (it restarted, so the
-            # job restarted): start fresh at round 0, ending the old session's streams.
+        if self._starts_new_session(session, request, context_message := []):
             if session is not None:
-                reason = ("session reset: node " + node + " registered again"
-                          if session.aggregator.failed is None else "session reset after failure")
-                self._end_session(session, grpc.StatusCode.ABORTED, reason)
+                self._end_session(session, grpc.StatusCode.ABORTED, context_message[0])
             session = self._new_session(request, digest)
+        elif context_message:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, context_message[0])
+        session.last_activity = time.monotonic()
         session.nodes.add(node)
         session.aggregator.known_nodes.add(node)
         owned = sorted(b.block_id for b in session.layout.blocks if b.shard == self.config.shard_index)
@@ -120,6 +110,41 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             next_rounds=[session.aggregator.next_round(b) for b in owned],
             server_version=__version__, round_timeout_s=self.config.round_timeout_s,
         )
+
+    def _starts_new_session(self, session: _Session | None, request: ps_pb2.RegisterRequest,
+                            message: list[str]) -> bool:
+        """Decide whether a Register joins the current session, starts a new one (True; message
+        says why the old one ends) or is refused (False with a message)."""
+        node, job = request.node_id, request.job_id
+        if session is None or session.aggregator.failed is not None:
+            message.append("session reset after failure")
+            return True
+        idle = not session.streams and not self.rounds_in_flight()
+        if job != session.job_id:
+            if idle:
+                message.append(f"job {job!r} replaces finished job {session.job_id!r}")
+                return True
+            message.append(f"shard is busy with job {session.job_id!r} ({len(session.streams)} nodes "
+                           f"connected); job {job!r} must wait or use other shards")
+            return False
+        diff = first_difference(session.layout, request.layout)
+        if node in session.nodes:
+            if session.started() or diff is not None:
+                # the node restarted, so the job did: start over at round 0
+                message.append(f"session reset: node {node} registered again")
+                return True
+            return False  # a retried Register: idempotent
+        if diff is not None and not job and idle and time.monotonic() - session.last_activity > 10.0:
+            message.append("a new job (no job id) replaces an idle session")
+            return True
+        if diff is not None:
+            message.append(f"node {node} declares a different model layout than the session's: {diff}")
+        elif request.num_nodes != session.num_nodes:
+            message.append(f"node {node} says num_nodes={request.num_nodes}, the session has {session.num_nodes}")
+        elif len(session.nodes) >= session.num_nodes:
+            message.append(f"node {node} would be node {len(session.nodes) + 1} of a session of "
+                           f"{session.num_nodes} nodes: {sorted(session.nodes)}")
+        return False
 
     def _new_session(self, request: ps_pb2.RegisterRequest, digest: str) -> _Session:
         owned = [b for b in request.layout.blocks if b.shard == self.config.shard_index]
@@ -133,7 +158,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         )
         layout = ps_pb2.Layout()
         layout.CopyFrom(request.layout)
-        session = _Session(layout, digest, request.num_nodes, aggregator)
+        session = _Session(layout, digest, request.num_nodes, aggregator, job_id=request.job_id)
         holder.append(session)
         self.session = session
         log.info("new session: %d tensors, %d blocks (%d here), %d nodes, layout %s",
@@ -186,6 +211,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if old is not None:  # a reconnect replaces the old stream
             old.queue.put_nowait(_STOP)
         session.streams[node] = stream
+        session.streamed = True
+        session.last_activity = time.monotonic()
         self.metrics.connected_nodes.inc()
         reader = asyncio.create_task(self._read_pushes(context, session, stream))
         try:
@@ -200,6 +227,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self.metrics.connected_nodes.dec()
             if session.streams.get(node) is stream:
                 del session.streams[node]
+            session.last_activity = time.monotonic()
         if stream.error is not None:
             await context.abort(stream.error.code, stream.error.message)
 

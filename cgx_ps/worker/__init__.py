@@ -1,0 +1,30 @@
+"""cgx_ps.worker — where gradients enter: turn a single-process PyTorch script into compressed
+data-parallel training against the cgx-ps shards.
+
+    import cgx_ps.worker as cgx
+    cgx.init()                                   # RANK, WORLD_SIZE, ..., CGX_PS_SERVERS
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression="4bit")
+    cgx.broadcast_parameters(model.state_dict(), root_rank=0)
+    cgx.broadcast_optimizer_state(opt, root_rank=0)
+    ... loss.backward(); opt.step()
+
+    config.py     the job from the environment        layout.py   blocks from sorted names
+    optimizer.py  hooks, block buffers, step()          engine.py   the communication thread
+    client.py     one shard connection                 broadcast.py  root -> all via shard 0
+"""
+
+from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .config import WorkerConfig
+from .errors import (CgxPsError, ConfigError, RoundFailedError, ShardRejectedError,
+                     ShardUnavailableError)
+from .layout import Compression
+from .optimizer import DistributedOptimizer, StepStats
+from .runtime import init, rank, shutdown, size
+
+__all__ = [
+    "CgxPsError", "Compression", "ConfigError", "DistributedOptimizer", "RoundFailedError",
+    "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
+    "shutdown", "size",
+]

@@ -33,13 +33,14 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 class ShardClient:
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
-                 connect_timeout_s: float = 60.0) -> None:
+                 connect_timeout_s: float = 60.0, job_id: str = "") -> None:
         self.address = address
         self.node_id = node_id
         self.num_nodes = num_nodes
         self.layout = layout
         self.layout_hash = layout_hash(layout)
         self.connect_timeout_s = connect_timeout_s
+        self.job_id = job_id
         self.registration: ps_pb2.RegisterResponse | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call = None
@@ -57,7 +58,8 @@ class ShardClient:
         self._channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
         stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
-                                         layout_hash=self.layout_hash, client_version=__version__)
+                                         layout_hash=self.layout_hash, client_version=__version__,
+                                         job_id=self.job_id)
         deadline = time.monotonic() + self.connect_timeout_s
         delay = 0.1
         while True:

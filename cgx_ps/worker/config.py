@@ -1,0 +1,103 @@
+"""Who this worker is and where the shards are, from the environment torchrun and Kubernetes set.
+
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE     torchrun (defaults: a single process)
+    GROUP_RANK or NODE_RANK                            the node's index (torchrun multi-node)
+    CGX_PS_NODE_RANK, CGX_PS_NUM_NODES                 override, for `torchrun --standalone` on
+                                                       each node (Kubernetes Indexed Jobs: the
+                                                       node rank is JOB_COMPLETION_INDEX)
+    CGX_PS_SERVERS                                     "host:port,host:port" or a template with
+                                                       {i}, expanded for i < CGX_PS_NUM_SHARDS
+    CGX_PS_JOB_ID                                      the same for every worker of one job
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from .errors import ConfigError
+
+__all__ = ["WorkerConfig"]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    # this process among all training processes
+    rank: int = 0
+    world_size: int = 1
+    # this process among the processes of its node
+    local_rank: int = 0
+    local_world_size: int = 1
+    # the node among nodes (a node pushes once per block after its ranks reduce locally)
+    node_rank: int = 0
+    num_nodes: int = 1
+    # shard addresses, index = shard index
+    servers: tuple[str, ...] = ()
+    # how long to retry an unreachable shard at start
+    connect_timeout_s: float = 60.0
+    # the training job, shared by all its workers (lets a shard tell a new job from a restart)
+    job_id: str = ""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 <= self.rank < self.world_size, f"RANK={self.rank} is not in 0..WORLD_SIZE-1={self.world_size - 1}"),
+            (0 <= self.local_rank < self.local_world_size,
+             f"LOCAL_RANK={self.local_rank} is not in 0..LOCAL_WORLD_SIZE-1={self.local_world_size - 1}"),
+            (0 <= self.node_rank < self.num_nodes, f"node rank {self.node_rank} is not below {self.num_nodes} nodes"),
+            (self.world_size == self.num_nodes * self.local_world_size,
+             f"WORLD_SIZE={self.world_size} != {self.num_nodes} nodes x LOCAL_WORLD_SIZE={self.local_world_size}"),
+            (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        for address in self.servers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"shard address {address!r} is not host:port (from CGX_PS_SERVERS)")
+
+    @property
+    def node_id(self) -> str:
+        return f"node-{self.node_rank}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "WorkerConfig":
+        env = os.environ if env is None else env
+
+        def num(name: str, default: int) -> int:
+            value = env.get(name, "")
+            if value == "":
+                return default
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{name}={value!r} is not an integer") from None
+
+        local_rank, local_size = num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", 1)
+        if "CGX_PS_NODE_RANK" in env or "CGX_PS_NUM_NODES" in env:
+            # torchrun --standalone on every node: its RANK/WORLD_SIZE are node-local
+            node_rank, num_nodes = num("CGX_PS_NODE_RANK", 0), num("CGX_PS_NUM_NODES", 1)
+            rank, world = node_rank * local_size + local_rank, num_nodes * local_size
+        else:
+            rank, world = num("RANK", 0), num("WORLD_SIZE", 1)
+            node_rank = num("GROUP_RANK", num("NODE_RANK", rank // max(local_size, 1)))
+            num_nodes = max(1, world // max(local_size, 1))
+        config = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
+                     node_rank=node_rank, num_nodes=num_nodes,
+                     servers=_servers(env.get("CGX_PS_SERVERS", ""), env.get("CGX_PS_NUM_SHARDS", "")),
+                     connect_timeout_s=float(env.get("CGX_PS_CONNECT_TIMEOUT", 60.0)),
+                     job_id=env.get("CGX_PS_JOB_ID", ""))
+        return replace(config, **overrides) if overrides else config
+
+
+def _servers(spec: str, num_shards: str) -> tuple[str, ...]:
+    spec = spec.strip()
+    if "{i}" in spec:
+        if not num_shards.isdigit() or int(num_shards) < 1:
+            raise ConfigError(f"CGX_PS_SERVERS={spec!r} is a template: set CGX_PS_NUM_SHARDS to the shard count")
+        return tuple(spec.format(i=i) for i in range(int(num_shards)))
+    servers = tuple(s.strip() for s in spec.split(",") if s.strip())
+    if num_shards.isdigit() and servers and int(num_shards) != len(servers):
+        raise ConfigError(f"CGX_PS_SERVERS lists {len(servers)} shards but CGX_PS_NUM_SHARDS={num_shards}")
+    return servers

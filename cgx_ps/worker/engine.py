@@ -1,0 +1,125 @@
+"""The worker's communication thread: one event loop, one ShardClient per shard.
+
+Training code runs in its own thread (autograd's); blocks are handed over with ``exchange``,
+which returns a ``concurrent.futures.Future``. In the loop's executor each block is encoded
+(kernels release the GIL), pushed, awaited and decoded, so the compression, the network and the
+decompression of different blocks overlap each other and the rest of backward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Callable
+
+import grpc
+
+from ..transport import CHUNK_BYTES, GRPC_OPTIONS
+from ..v1 import ps_pb2, ps_pb2_grpc
+from .client import ShardClient
+from .config import WorkerConfig
+from .errors import CgxPsError, ConfigError
+
+__all__ = ["CommEngine"]
+
+
+class CommEngine:
+    def __init__(self, config: WorkerConfig, node_id: str, num_nodes: int, codec_threads: int = 2) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.num_nodes = num_nodes
+        self.clients: list[ShardClient] = []
+        self.executor = concurrent.futures.ThreadPoolExecutor(codec_threads, thread_name_prefix="cgx-codec")
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="cgx-comm", daemon=True)
+        self._thread.start()
+        self._blob_channel: grpc.aio.Channel | None = None
+        self.round_timeout_s = 60.0
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def connect(self, layout: ps_pb2.Layout) -> None:
+        """Register with every shard (concurrently) and open the Exchange streams."""
+        if len(self.config.servers) != layout.num_shards:
+            raise ConfigError(f"layout has {layout.num_shards} shards, CGX_PS_SERVERS lists "
+                              f"{len(self.config.servers)}")
+        self.clients = [ShardClient(a, self.node_id, self.num_nodes, layout, self.config.connect_timeout_s,
+                                    self.config.job_id) for a in self.config.servers]
+
+        async def connect_all() -> None:
+            await asyncio.gather(*[c.connect() for c in self.clients])
+
+        self._call(connect_all())
+        self.round_timeout_s = max(c.registration.round_timeout_s for c in self.clients)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def close_all() -> None:
+            for c in self.clients:
+                await c.close()
+            if self._blob_channel is not None:
+                await self._blob_channel.close()
+
+        try:
+            self._call(close_all(), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.executor.shutdown(wait=False)
+
+    # ---- blocks ---------------------------------------------------------------------------------
+
+    def exchange(self, shard: int, block_id: int, round_: int, encode: Callable[[], bytes],
+                 decode: Callable[[bytes], None]) -> concurrent.futures.Future[int]:
+        """Encode, push, await the aggregate, decode: all off the caller's thread.
+        The future's result is the number of bytes pushed."""
+        return asyncio.run_coroutine_threadsafe(self._exchange(shard, block_id, round_, encode, decode), self.loop)
+
+    async def _exchange(self, shard: int, block_id: int, round_: int, encode: Callable[[], bytes],
+                        decode: Callable[[bytes], None]) -> int:
+        client = self.clients[shard]
+        payload = await self.loop.run_in_executor(self.executor, encode)
+        result = await client.exchange(block_id, round_, payload)
+        await self.loop.run_in_executor(self.executor, decode, result)
+        return len(payload)
+
+    # ---- blobs (broadcast) ------------------------------------------------------------------------
+
+    def _blob_stub(self) -> ps_pb2_grpc.ParameterServerStub:
+        if self._blob_channel is None:
+            self._blob_channel = grpc.aio.insecure_channel(self.config.servers[0], options=GRPC_OPTIONS)
+        return ps_pb2_grpc.ParameterServerStub(self._blob_channel)
+
+    def put_blob(self, key: str, data: bytes) -> None:
+        async def put() -> None:
+            view = memoryview(data)
+            chunks = [ps_pb2.BlobChunk(key=key, total_bytes=len(data), offset=o, data=bytes(view[o:o + CHUNK_BYTES]))
+                      for o in range(0, max(len(data), 1), CHUNK_BYTES)]
+            await self._blob_stub().PutBlob(iter(chunks), timeout=120)
+
+        self._rpc(put(), f"broadcast put {key!r}")
+
+    def get_blob(self, key: str, timeout_s: float) -> bytes:
+        async def get() -> bytes:
+            call = self._blob_stub().GetBlob(ps_pb2.GetBlobRequest(key=key, timeout_s=timeout_s),
+                                             timeout=timeout_s + 30)
+            return b"".join([chunk.data async for chunk in call])
+
+        return self._rpc(get(), f"broadcast get {key!r}")
+
+    def _rpc(self, coro, what: str):
+        try:
+            return self._call(coro)
+        except grpc.aio.AioRpcError as exc:
+            raise CgxPsError(f"{what} on shard {self.config.servers[0]} failed: "
+                             f"{exc.code().name}: {exc.details()}") from None

@@ -1,0 +1,281 @@
+"""Where gradients enter cgx-ps: a drop-in DistributedOptimizer (in the spirit of Horovod).
+
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), compression="4bit")
+    loss.backward(); opt.step()
+
+A post-accumulate-grad hook on every parameter marks it ready as backward produces it; once all
+parameters of a block are ready the block is copied into a flat float32 buffer and handed to the
+communication thread (encode, push, pull, decode), while backward goes on. ``step()`` waits only
+for blocks still in flight, writes the averaged gradients back into ``.grad`` and steps the
+wrapped optimizer. Every worker decodes the same aggregate bytes, so replicas stay bit-identical.
+
+For gradient clipping after synchronization (Horovod style)::
+
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with opt.skip_synchronize():
+        opt.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from ..kernels import Codec, dequantize, encode
+from ..layout import codec_of
+from ..v1 import ps_pb2
+from .errors import CgxPsError, ConfigError
+from .layout import DEFAULT_BLOCK_BYTES, Compression, TensorInfo, build_layout
+from .runtime import engine_for_layout
+
+__all__ = ["DistributedOptimizer", "StepStats"]
+
+
+@dataclass
+class StepStats:
+    """What the last synchronized step sent, and how long it waited for communication."""
+
+    step: int = 0
+    bytes_pushed: int = 0  # compressed bytes this node pushed
+    fp32_bytes: int = 0  # what the same gradients weigh uncompressed
+    exposed_comm_s: float = 0.0  # time synchronize() blocked waiting for blocks in flight
+    compressed: bool = True  # False during warm-up steps
+
+    @property
+    def ratio(self) -> float:
+        return self.fp32_bytes / self.bytes_pushed if self.bytes_pushed else 0.0
+
+
+@dataclass(eq=False)
+class _Block:
+    spec: ps_pb2.BlockSpec
+    segments: list[tuple[torch.nn.Parameter, int, int, int]]  # (param, param offset, buffer offset, n)
+    buffer: torch.Tensor
+    pending: int = 0  # parameters of this block not yet ready in this step
+    round: int = 0
+    future: object | None = None
+    residual: torch.Tensor | None = None
+
+
+class _DistributedMixin:
+    """Mixed into a dynamic subclass of the wrapped optimizer's class (so LR schedulers and
+    ``isinstance(opt, torch.optim.SGD)`` keep working)."""
+
+    def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], compression: Compression,
+                   backward_passes_per_step: int, error_feedback: bool, warmup_steps: int, block_bytes: int) -> None:
+        if backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        names = [n for n, _ in named_parameters]
+        if len(set(names)) != len(names):
+            raise ConfigError("named_parameters has duplicate names")
+        opt_params = {id(p) for g in self.param_groups for p in g["params"]}
+        missing = [n for n, p in named_parameters if id(p) not in opt_params]
+        if missing:
+            raise ConfigError(f"named_parameters holds tensors the optimizer does not: {missing[:3]}")
+        params = dict(named_parameters)
+        self._cgx_params = params
+        self._cgx_layout = build_layout([TensorInfo.of(n, p) for n, p in named_parameters],
+                                        _num_shards(), compression, block_bytes)
+        self._cgx_engine, self._cgx_config = engine_for_layout(self._cgx_layout)
+        self._cgx_backward_passes = backward_passes_per_step
+        self._cgx_error_feedback = error_feedback
+        self._cgx_warmup = warmup_steps
+        self._cgx_lock = threading.Lock()
+        self._cgx_synchronized = False
+        self._cgx_skip = False
+        self._cgx_step = 0
+        self._cgx_stats = StepStats()
+        self._cgx_blocks: list[_Block] = []
+        self._cgx_blocks_of: dict[int, list[_Block]] = {}
+        self._cgx_passes: dict[int, int] = {}
+        tensors = self._cgx_layout.tensors
+        for spec in self._cgx_layout.blocks:
+            device = params[tensors[spec.segments[0].tensor_index].name].device
+            block = _Block(spec, [], torch.zeros(spec.numel, dtype=torch.float32, device=device))
+            at = 0
+            for seg in spec.segments:
+                param = params[tensors[seg.tensor_index].name]
+                block.segments.append((param, seg.offset, at, seg.numel))
+                self._cgx_blocks_of.setdefault(id(param), []).append(block)
+                at += seg.numel
+            self._cgx_blocks.append(block)
+        self._cgx_reset_pending()
+        self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad) for p in params.values()
+                           if p.requires_grad]
+
+    # ---- hooks: gradients enter here --------------------------------------------------------------
+
+    def _cgx_reset_pending(self) -> None:
+        for block in self._cgx_blocks:
+            block.pending = len({id(p) for p, *_ in block.segments})
+            block.future = None
+        self._cgx_passes = {}
+
+    def _cgx_on_grad(self, param: torch.nn.Parameter) -> None:
+        if self._cgx_skip_hooks:
+            return
+        with self._cgx_lock:
+            passes = self._cgx_passes.get(id(param), 0) + 1
+            self._cgx_passes[id(param)] = passes
+            if passes != self._cgx_backward_passes:
+                return  # accumulating: communicate after the last backward pass of the step
+            ready = []
+            for block in self._cgx_blocks_of.get(id(param), ()):
+                block.pending -= 1
+                if block.pending == 0 and block.future is None:
+                    ready.append(block)
+        for block in ready:
+            self._cgx_submit(block)
+
+    _cgx_skip_hooks = False
+
+    def _cgx_submit(self, block: _Block) -> None:
+        """Copy the block's gradients into its buffer and hand it to the communication thread."""
+        for param, p_off, b_off, n in block.segments:
+            if param.grad is None:
+                block.buffer[b_off:b_off + n].zero_()  # unused in this step: contributes zeros
+            else:
+                block.buffer[b_off:b_off + n].copy_(param.grad.detach().reshape(-1)[p_off:p_off + n])
+        compressed = self._cgx_step >= self._cgx_warmup
+        seed = zlib.crc32(f"{self._cgx_config.node_rank}/{block.spec.block_id}/{block.round}".encode())
+        scale = 1.0 / self._cgx_config.world_size
+        error_feedback = self._cgx_error_feedback and compressed
+        ready = None
+        if block.buffer.is_cuda:  # the comm thread must not read the buffer before the copies ran
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def encode_block() -> bytes:
+            if ready is not None:
+                ready.synchronize()
+            return _encode(block, compressed, seed, error_feedback)
+
+        def decode_block(result: bytes) -> None:
+            dequantize(result, out=block.buffer)
+            block.buffer.mul_(scale)
+            if block.buffer.is_cuda:
+                torch.cuda.current_stream(block.buffer.device).synchronize()
+
+        block.future = self._cgx_engine.exchange(block.spec.shard, block.spec.block_id, block.round,
+                                                 encode_block, decode_block)
+        block.round += 1
+
+    # ---- synchronize / step ---------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finish communication for this step: submit blocks whose parameters got no gradient,
+        wait for every block, and write the averaged gradients into ``.grad``."""
+        if self._cgx_synchronized:
+            return
+        with self._cgx_lock:
+            leftover = [b for b in self._cgx_blocks if b.future is None]
+            for block in leftover:
+                block.pending = 0
+        for block in leftover:
+            self._cgx_submit(block)
+        t0 = time.perf_counter()
+        stats = StepStats(step=self._cgx_step, compressed=self._cgx_step >= self._cgx_warmup)
+        try:
+            for block in self._cgx_blocks:
+                stats.bytes_pushed += block.future.result()
+                stats.fp32_bytes += 4 * block.spec.numel
+        except CgxPsError:
+            self._cgx_reset_pending()
+            raise
+        stats.exposed_comm_s = time.perf_counter() - t0
+        for block in self._cgx_blocks:
+            for param, p_off, b_off, n in block.segments:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                param.grad.view(-1)[p_off:p_off + n].copy_(block.buffer[b_off:b_off + n])
+        self._cgx_reset_pending()
+        self._cgx_stats = stats
+        self._cgx_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._cgx_skip = True
+        try:
+            yield
+        finally:
+            self._cgx_skip = False
+
+    def step(self, closure=None):  # noqa: D102 - same contract as torch.optim.Optimizer.step
+        if not self._cgx_skip:
+            self.synchronize()
+        elif not self._cgx_synchronized:
+            raise CgxPsError("step() inside skip_synchronize() needs synchronize() first")
+        result = super().step(closure)
+        self._cgx_synchronized = False
+        self._cgx_step += 1
+        return result
+
+    @property
+    def stats(self) -> StepStats:
+        return self._cgx_stats
+
+    @property
+    def layout(self) -> ps_pb2.Layout:
+        return self._cgx_layout
+
+
+def _encode(block: _Block, compressed: bool, seed: int, error_feedback: bool) -> bytes:
+    s = block.spec.codec
+    codec = codec_of(s) if compressed else Codec.FP32
+    if not error_feedback or codec != Codec.MAXMIN:
+        return encode(block.buffer, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                      stochastic=s.stochastic, seed=seed).to_bytes()
+    if block.residual is None:
+        block.residual = torch.zeros_like(block.buffer)
+    block.buffer.add_(block.residual)
+    encoded = encode(block.buffer, codec, bits=s.bits, bucket_size=s.bucket_size, stochastic=s.stochastic, seed=seed)
+    dequantize(encoded, out=block.residual)
+    block.residual.neg_().add_(block.buffer)  # residual = what this push left out
+    return encoded.to_bytes()
+
+
+def _num_shards() -> int:
+    from .runtime import current_config
+
+    return len(current_config().servers)
+
+
+def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns (Horovod's API)
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: str | Compression | None = "4bit",
+    backward_passes_per_step: int = 1,
+    error_feedback: bool = False,
+    warmup_steps: int = 0,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` averages gradients across all workers through the
+    shards, compressed.
+
+    compression: "4bit" (default), "Nbit" for N in 1..8, "fp16", "bf16", "fp32", or a
+        ``Compression`` with name-pattern exclusions and per-tensor overrides. 1-D tensors and
+        tensors under 1024 elements always travel uncompressed.
+    backward_passes_per_step: gradients accumulate over this many backward passes per step.
+    error_feedback: carry each block's compression error into the next step (worker side).
+    warmup_steps: the first steps travel uncompressed.
+    block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
+    """
+    if named_parameters is None:
+        named_parameters = [(f"param.{i}", p) for i, p in
+                            enumerate(p for g in optimizer.param_groups for p in g["params"])]
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedMixin, type(optimizer)), {})
+    dist = cls.__new__(cls)
+    dist.__dict__.update(optimizer.__dict__)  # share param_groups, state and hooks
+    dist._cgx_setup(named, Compression.parse(compression), backward_passes_per_step, error_feedback,
+                    warmup_steps, block_bytes)
+    return dist

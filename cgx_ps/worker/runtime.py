@@ -1,0 +1,77 @@
+"""Process-wide worker state: the configuration and the one communication engine."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+from ..v1 import ps_pb2
+from .config import WorkerConfig
+from .engine import CommEngine
+from .errors import ConfigError
+
+__all__ = ["init", "shutdown", "current_config", "engine_for_layout", "connected_engine", "rank", "size"]
+
+_lock = threading.Lock()
+_config: WorkerConfig | None = None
+_engine: CommEngine | None = None
+
+
+def init(config: WorkerConfig | None = None, **overrides: object) -> WorkerConfig:
+    """Read the job from the environment (or take ``config``); idempotent."""
+    global _config
+    with _lock:
+        if _config is None or config is not None or overrides:
+            _config = config or WorkerConfig.from_env(**overrides)
+        return _config
+
+
+def current_config() -> WorkerConfig:
+    if _config is None:
+        raise ConfigError("call cgx_ps.worker.init() first")
+    return _config
+
+
+def rank() -> int:
+    return current_config().rank
+
+
+def size() -> int:
+    return current_config().world_size
+
+
+def engine_for_layout(layout: ps_pb2.Layout) -> tuple[CommEngine, WorkerConfig]:
+    """Start the communication engine and register the layout with every shard."""
+    global _engine
+    config = current_config()
+    with _lock:
+        if _engine is not None:
+            raise ConfigError("one DistributedOptimizer per process: a second one would need its own session")
+        # Until ranks of a node reduce locally, every rank takes part as its own node.
+        engine = CommEngine(config, node_id=f"rank-{config.rank}", num_nodes=config.world_size)
+        try:
+            engine.connect(layout)
+        except BaseException:
+            engine.close()
+            raise
+        _engine = engine
+        return engine, config
+
+
+def connected_engine() -> CommEngine:
+    if _engine is None:
+        raise ConfigError("create the DistributedOptimizer before broadcasting: broadcasts travel through "
+                          "the shards' session, which the optimizer opens")
+    return _engine
+
+
+def shutdown() -> None:
+    """Close the shard connections (also runs at interpreter exit)."""
+    global _engine
+    with _lock:
+        engine, _engine = _engine, None
+    if engine is not None:
+        engine.close()
+
+
+atexit.register(shutdown)

@@ -1,0 +1,202 @@
+"""Two shards and several real worker processes on localhost: exact aggregates, identical
+replicas, real training, and the failures a user must be told about clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgx_ps.kernels import Codec, dequantize, encode
+from cgx_ps.layout import codec_of
+from cgx_ps.server import LocalCluster
+from cgx_ps.server.aggregator import result_seed
+from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker import ConfigError, WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "workers"))
+from step_worker import rank_gradient  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(2, extra_args=["--round-timeout", "8", "--log-level", "WARNING"]) as c:
+        yield c
+
+
+def env_for(rank: int, world: int, servers: list[str], **extra: str) -> dict[str, str]:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(world), CGX_PS_SERVERS=",".join(servers),
+               OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
+    env.update(extra)
+    return env
+
+
+def run_workers(script: Path, world: int, servers: list[str], args_for, timeout: float = 240,
+                env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
+    job = {"CGX_PS_JOB_ID": f"test-{uuid.uuid4().hex[:8]}", **(env_extra or {})}
+    procs = [subprocess.Popen([sys.executable, str(script), *args_for(r)], env=env_for(r, world, servers, **job),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Replay the steps with the reference codec: what every replica must hold afterwards."""
+    layout = ps_pb2.Layout.FromString(saved["layout"])
+    params = {n: t.clone() for n, t in saved["initial"].items()}
+    for step in range(steps):
+        grads = []
+        for r in range(world):
+            g = {}
+            for name, p in params.items():
+                acc = rank_gradient(name, p, r, step, 0)
+                for part in range(1, accumulate):
+                    acc = acc + rank_gradient(name, p, r, step, part)
+                g[name] = acc
+            grads.append(g)
+        avg = {n: torch.empty(p.numel(), dtype=torch.float32) for n, p in params.items()}
+        for block in layout.blocks:
+            s = block.codec
+            decoded = []
+            for r in range(world):
+                buf = torch.cat([grads[r][layout.tensors[seg.tensor_index].name].reshape(-1)
+                                 [seg.offset:seg.offset + seg.numel].float() for seg in block.segments])
+                seed = zlib.crc32(f"{r}/{block.block_id}/{step}".encode())
+                payload = encode(buf, codec_of(s), bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                                 stochastic=s.stochastic, seed=seed, impl="reference").to_bytes()
+                decoded.append(dequantize(payload, impl="reference"))
+            total = decoded[0]
+            for d in decoded[1:]:
+                total = total + d
+            result = encode(total, codec_of(s), bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                            stochastic=s.stochastic, seed=result_seed(block.block_id, step), impl="reference")
+            mean = dequantize(result.to_bytes(), impl="reference") * (1.0 / world)
+            at = 0
+            for seg in block.segments:
+                name = layout.tensors[seg.tensor_index].name
+                avg[name][seg.offset:seg.offset + seg.numel] = mean[at:at + seg.numel]
+                at += seg.numel
+        for name, p in params.items():
+            p.add_(avg[name].view(p.shape).to(dtype), alpha=-1.0)  # SGD, lr 1
+    return params
+
+
+@pytest.mark.parametrize("compression, dtype, accumulate, steps", [
+    ("4bit", "float32", 1, 3),
+    ("2bit", "float32", 2, 2),   # gradient accumulation over two backward passes
+    ("fp32", "float32", 1, 2),
+    ("4bit", "float16", 1, 2),   # half-precision gradients
+    ("8bit", "bfloat16", 1, 1),
+])
+def test_update_matches_reference_and_replicas_identical(cluster, tmp_path, compression, dtype, accumulate, steps):
+    world = 2
+    outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
+    results = run_workers(ROOT / "tests/workers/step_worker.py", world, cluster.addresses,
+                          lambda r: ["--compression", compression, "--dtype", dtype, "--steps", str(steps),
+                                     "--accumulate", str(accumulate), "--out", str(outs[r])])
+    for r, res in enumerate(results):
+        assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
+    saved = [torch.load(o, weights_only=False) for o in outs]
+    layout = ps_pb2.Layout.FromString(saved[0]["layout"])
+    assert len(layout.blocks) > 2 and {b.shard for b in layout.blocks} == {0, 1}  # both shards used
+    for name in saved[0]["final"]:
+        assert torch.equal(saved[0]["initial"][name], saved[1]["initial"][name])  # broadcast worked
+        assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name  # bit-identical
+    expected = expected_params(saved[0], world, steps, accumulate, getattr(torch, dtype))
+    for name, value in expected.items():
+        assert torch.equal(saved[0]["final"][name], value), name  # exact, against the reference codec
+    stats = saved[0]["stats"]
+    if compression == "4bit":
+        assert stats["fp32_bytes"] / stats["bytes_pushed"] > 5
+
+
+def run_example(cluster, world: int, compression: str, epochs: int) -> list[dict]:
+    results = run_workers(ROOT / "examples/train.py", world, cluster.addresses,
+                          lambda r: ["--compression", compression, "--epochs", str(epochs), "--json"])
+    summaries = []
+    for r, res in enumerate(results):
+        assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
+        lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+        summaries.append(lines)
+    return summaries
+
+
+def test_training_converges_identically_and_4bit_matches_fp32_accuracy(cluster):
+    runs = {c: run_example(cluster, 2, c, epochs=6) for c in ("fp32", "4bit")}
+    for compression, per_rank in runs.items():
+        steps = [e for e in per_rank[0] if e["event"] == "step"]
+        first, last = sum(e["loss"] for e in steps[:10]) / 10, sum(e["loss"] for e in steps[-10:]) / 10
+        assert last < 0.3 * first, (compression, first, last)  # loss decreases
+        done = [next(e for e in lines if e["event"] == "done") for lines in per_rank]
+        assert done[0]["param_sha256"] == done[1]["param_sha256"]  # replicas bit-identical
+    acc = {c: next(e for e in runs[c][0] if e["event"] == "done")["accuracy"] for c in runs}
+    assert acc["fp32"] > 0.9
+    assert acc["4bit"] >= acc["fp32"] - 0.01, acc
+    done4 = next(e for e in runs["4bit"][0] if e["event"] == "done")
+    assert done4["fp32_bytes"] / done4["bytes_pushed"] > 6
+
+
+def test_mismatched_model_refused_and_peer_fails_clearly(tmp_path):
+    with LocalCluster(1, extra_args=["--round-timeout", "3", "--log-level", "WARNING"]) as c:
+        results = run_workers(ROOT / "tests/workers/step_worker.py", 2, c.addresses,
+                              lambda r: ["--hidden", "300" if r == 0 else "200", "--out", str(tmp_path / f"{r}.pt")],
+                              timeout=120)
+    assert all(r.returncode != 0 for r in results)
+    # whichever registered second is refused, naming the tensor; the first is told it is alone
+    refused = [r for r in results if "declares a different model layout than the session's: tensor '0.bias'" in r.stderr]
+    assert len(refused) == 1, [r.stderr[-500:] for r in results]
+    assert "shape [300] expected, got [200]" in refused[0].stderr or "shape [200] expected, got [300]" in refused[0].stderr
+    other = results[1 - results.index(refused[0])]
+    assert "was not put within 3s" in other.stderr or "waiting for node(s)" in other.stderr, other.stderr[-800:]
+
+
+def test_unreachable_shard_gives_a_clear_error(tmp_path):
+    results = run_workers(ROOT / "tests/workers/step_worker.py", 1, ["127.0.0.1:9"],
+                          lambda r: ["--out", str(tmp_path / "x.pt")], timeout=60,
+                          env_extra={"CGX_PS_CONNECT_TIMEOUT": "1.5"})
+    assert results[0].returncode != 0
+    assert "ShardUnavailableError: shard 127.0.0.1:9 unreachable for 1.5s" in results[0].stderr
+
+
+# ---- configuration from the environment -------------------------------------------------------------
+
+
+def test_config_from_torchrun_env():
+    c = WorkerConfig.from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                               "GROUP_RANK": "1", "CGX_PS_SERVERS": "a:1, b:2"})
+    assert (c.rank, c.world_size, c.node_rank, c.num_nodes, c.servers) == (5, 8, 1, 2, ("a:1", "b:2"))
+
+
+def test_config_standalone_per_node_with_template():
+    c = WorkerConfig.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                               "CGX_PS_NODE_RANK": "3", "CGX_PS_NUM_NODES": "4",
+                               "CGX_PS_SERVERS": "shard-{i}.svc:7070", "CGX_PS_NUM_SHARDS": "3"})
+    assert (c.rank, c.world_size, c.node_rank, c.num_nodes) == (7, 8, 3, 4)
+    assert c.servers == ("shard-0.svc:7070", "shard-1.svc:7070", "shard-2.svc:7070")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({}, "set CGX_PS_SERVERS"),
+    ({"CGX_PS_SERVERS": "nohostport"}, "is not host:port"),
+    ({"CGX_PS_SERVERS": "s-{i}:1"}, "set CGX_PS_NUM_SHARDS"),
+    ({"CGX_PS_SERVERS": "a:1,b:2", "CGX_PS_NUM_SHARDS": "3"}, "lists 2 shards but CGX_PS_NUM_SHARDS=3"),
+    ({"CGX_PS_SERVERS": "a:1", "RANK": "x"}, "RANK='x' is not an integer"),
+    ({"CGX_PS_SERVERS": "a:1", "RANK": "4", "WORLD_SIZE": "2"}, "RANK=4 is not in 0..WORLD_SIZE-1=1"),
+])
+def test_config_errors_name_the_variable(env, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        WorkerConfig.from_env(env)

@@ -1,0 +1,60 @@
+"""A worker for tests/test_worker.py: one or more optimizer steps with known gradients.
+
+Every rank's gradient is a fixed random tensor seeded by its rank, so the parent test can
+compute the exact expected update with the reference codec. Writes the final parameters with
+torch.save to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import zlib
+
+import torch
+
+import cgx_ps.worker as cgx
+
+
+def model_for(dtype: torch.dtype, hidden: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10)).to(dtype)
+
+
+def rank_gradient(name: str, param: torch.Tensor, rank: int, step: int, part: int) -> torch.Tensor:
+    seed = zlib.crc32(f"{name}/{rank}/{step}/{part}".encode())
+    return torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)).to(param.dtype)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--compression", default="4bit")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--accumulate", type=int, default=1, help="backward passes per step")
+    p.add_argument("--hidden", type=int, default=300)
+    p.add_argument("--block-bytes", type=int, default=16384)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    config = cgx.init()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(100 + config.rank)  # different per rank: broadcast_parameters must fix it
+    model = model_for(dtype, args.hidden)
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression=args.compression, backward_passes_per_step=args.accumulate,
+                                   block_bytes=args.block_bytes)
+    cgx.broadcast_parameters(model.state_dict(), root_rank=0)
+    initial = {n: t.clone() for n, t in model.state_dict().items()}
+    for step in range(args.steps):
+        opt.zero_grad()
+        for part in range(args.accumulate):
+            # loss = sum(param * g): d loss / d param = g, a gradient we know exactly
+            loss = sum((param * rank_gradient(name, param, config.rank, step, part)).sum()
+                       for name, param in model.named_parameters())
+            loss.backward()
+        opt.step()
+    torch.save({"initial": initial, "final": model.state_dict(), "layout": opt.layout.SerializeToString(),
+                "rank": config.rank, "stats": vars(opt.stats)}, args.out)
+    cgx.shutdown()
+
+
+if __name__ == "__main__":
+    main()
