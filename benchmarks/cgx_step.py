@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""One cgx-ps training worker with the same model, data and JSON output as ddp_step.py.
+
+Launched once per worker with RANK, WORLD_SIZE, CGX_PS_SERVERS (and CGX_PS_NODE_RANK /
+CGX_PS_NUM_NODES / CGX_PS_JOB_ID); trains the model of ``--model`` with cgx-ps compression
+``--compression`` and prints one JSON line. Besides ddp_step.py's fields it reports
+``exposed_comm_s`` (median time step() waited for communication after overlap) and
+``bytes_pushed_per_step`` / ``fp32_bytes_per_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ddp_step import MODELS, Teacher, batch_seed, build_model, iface_bytes, make_batch  # noqa: E402
+
+import cgx_ps.worker as cgx  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="mlp17m")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--compression", default="4bit", help="fp32, fp16, Nbit")
+    p.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-size", type=int, default=512)
+    p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = cgx.init()
+    torch.manual_seed(args.seed)  # same initial model as ddp_step.py (and broadcast anyway)
+    model = build_model(args.model)
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr), model.named_parameters(),
+                                   compression=args.compression, block_bytes=int(args.block_mb * (1 << 20)))
+    cgx.broadcast_parameters(model.state_dict(), root_rank=0)
+    teacher = Teacher(args.model, args.seed)
+    total = args.warmup + args.steps
+    batches = [make_batch(args.model, teacher, args.batch_size, batch_seed(args.seed, s, config.rank))
+               for s in range(total)]
+    eval_x, eval_y = make_batch(args.model, teacher, args.eval_size, 7_777_777 + args.seed)
+
+    @torch.no_grad()
+    def eval_loss() -> float:
+        return sum(F.cross_entropy(model(x), y, reduction="sum").item()
+                   for x, y in zip(eval_x.split(256), eval_y.split(256))) / args.eval_size
+
+    times, exposed, pushed, fp32 = [], [], 0, 0
+    counters0 = None
+    loss = float("nan")
+    for step, (x, y) in enumerate(batches):
+        if step == args.warmup:
+            counters0 = iface_bytes(args.iface)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_t = F.cross_entropy(model(x), y)
+        loss_t.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        loss = loss_t.item()
+        if step >= args.warmup:
+            exposed.append(opt.stats.exposed_comm_s)
+            pushed += opt.stats.bytes_pushed
+            fp32 += opt.stats.fp32_bytes
+    counters1 = iface_bytes(args.iface)
+    timed = times[args.warmup:]
+    tx = rx = None
+    if counters0 and counters1 and args.steps:
+        rx = (counters1[0] - counters0[0]) / args.steps
+        tx = (counters1[1] - counters0[1]) / args.steps
+    result = {
+        "rank": config.rank, "world_size": config.world_size, "model": args.model,
+        "params": sum(p.numel() for p in model.parameters()), "compression": args.compression,
+        "batch_size": args.batch_size, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
+        "step_times_s": times, "median_step_s": statistics.median(timed) if timed else None,
+        "mean_step_s": statistics.mean(timed) if timed else None,
+        "exposed_comm_s": statistics.median(exposed) if exposed else None,
+        "bytes_pushed_per_step": pushed / max(args.steps, 1), "fp32_bytes_per_step": fp32 / max(args.steps, 1),
+        "train_loss": loss, "eval_loss": eval_loss(), "iface": args.iface,
+        "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, "torch": torch.__version__,
+    }
+    cgx.shutdown()
+    print(json.dumps(result), flush=True)
+    return 0 if math.isfinite(result["eval_loss"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
