@@ -54,8 +54,11 @@ def run_workers(script: Path, world: int, servers: list[str], args_for, timeout:
     return results
 
 
-def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Replay the steps with the reference codec: what every replica must hold afterwards."""
+def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype: torch.dtype,
+                    local: int = 1) -> dict[str, torch.Tensor]:
+    """Replay the steps with the reference codec: what every replica must hold afterwards.
+    With local > 1, ranks n*local..n*local+local-1 form node n and sum before pushing (for
+    local = 2 that float32 sum does not depend on the order)."""
     layout = ps_pb2.Layout.FromString(saved["layout"])
     params = {n: t.clone() for n, t in saved["initial"].items()}
     for step in range(steps):
@@ -72,10 +75,13 @@ def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype:
         for block in layout.blocks:
             s = block.codec
             decoded = []
-            for r in range(world):
-                buf = torch.cat([grads[r][layout.tensors[seg.tensor_index].name].reshape(-1)
-                                 [seg.offset:seg.offset + seg.numel].float() for seg in block.segments])
-                seed = zlib.crc32(f"{r}/{block.block_id}/{step}".encode())
+            for node in range(world // local):
+                buf = None
+                for r in range(node * local, (node + 1) * local):
+                    part = torch.cat([grads[r][layout.tensors[seg.tensor_index].name].reshape(-1)
+                                      [seg.offset:seg.offset + seg.numel].float() for seg in block.segments])
+                    buf = part if buf is None else buf + part
+                seed = zlib.crc32(f"{node}/{block.block_id}/{step}".encode())
                 payload = encode(buf, codec_of(s), bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
                                  stochastic=s.stochastic, seed=seed, impl="reference").to_bytes()
                 decoded.append(dequantize(payload, impl="reference"))
@@ -200,3 +206,79 @@ def test_config_standalone_per_node_with_template():
 def test_config_errors_name_the_variable(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         WorkerConfig.from_env(env)
+
+
+# ---- intra-node reduction: two nodes of two local ranks ------------------------------------------------
+
+
+def _shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("cgxps-*")} if Path("/dev/shm").is_dir() else set()
+
+
+def run_nodes(cluster, nodes: int, local: int, args_for, timeout: float = 240, env_extra=None):
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    procs = []
+    for node in range(nodes):
+        for lr in range(local):
+            rank = node * local + lr
+            env = dict(os.environ, LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE=str(local), RANK=str(lr),
+                       WORLD_SIZE=str(local), CGX_PS_NODE_RANK=str(node), CGX_PS_NUM_NODES=str(nodes),
+                       CGX_PS_SERVERS=",".join(cluster.addresses), CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1",
+                       CGX_PS_CONNECT_TIMEOUT="20", **(env_extra or {}))
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args_for(rank)],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def _pushes(metrics_port: int) -> dict[str, float]:
+    import urllib.request
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line.startswith("cgx_ps_pushes_total{") and 'outcome="accepted"' in line:
+            node = line.split('node="')[1].split('"')[0]
+            out[node] = float(line.split()[-1])
+    return out
+
+
+def test_two_nodes_of_two_ranks_reduce_locally_and_push_once(tmp_path):
+    before = _shm_files()
+    steps = 3
+    with LocalCluster(2, metrics_base_port=0, extra_args=["--round-timeout", "20", "--log-level", "WARNING"]) as c:
+        outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
+        results = run_nodes(c, 2, 2, lambda r: ["--compression", "4bit", "--steps", str(steps), "--out", str(outs[r])])
+        for r, res in enumerate(results):
+            assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
+        pushes = [_pushes(port) for port in c.metrics_ports]
+    saved = [torch.load(o, weights_only=False) for o in outs]
+    layout = ps_pb2.Layout.FromString(saved[0]["layout"])
+    for r in range(1, 4):
+        for name in saved[0]["final"]:
+            assert torch.equal(saved[0]["final"][name], saved[r]["final"][name]), (r, name)
+    expected = expected_params(saved[0], 4, steps, 1, torch.float32, local=2)
+    for name, value in expected.items():
+        assert torch.equal(saved[0]["final"][name], value), name
+    # the shards count nodes: exactly one push per block per node per round, whatever the ranks
+    for shard, counts in enumerate(pushes):
+        owned = sum(1 for b in layout.blocks if b.shard == shard)
+        assert counts == {"node-0": owned * steps, "node-1": owned * steps}, (shard, counts)
+    # both local ranks of a node pushed (reduce-scatter: the compression work is shared)
+    pushed_bytes = [s["stats"]["bytes_pushed"] for s in saved]
+    assert all(b > 0 for b in pushed_bytes), pushed_bytes
+    assert _shm_files() == before  # nothing left in /dev/shm
+
+
+def test_dead_local_rank_fails_its_node_clearly(tmp_path):
+    before = _shm_files()
+    with LocalCluster(1, extra_args=["--round-timeout", "10", "--log-level", "WARNING"]) as c:
+        results = run_nodes(c, 1, 2, lambda r: ["--steps", "2", "--out", str(tmp_path / f"{r}.pt"),
+                                                *(["--die-at-step", "1"] if r == 1 else [])], timeout=120)
+    assert results[1].returncode == 3
+    assert results[0].returncode != 0
+    assert "IntraNodeError: local rank 1 (pid" in results[0].stderr and "exited while waiting" in results[0].stderr, \
+        results[0].stderr[-1500:]
+    assert _shm_files() == before

@@ -36,6 +36,7 @@ _STOP = object()  # queue sentinel: end the node's stream
 @dataclass(eq=False)
 class _NodeStream:
     node_id: str
+    member: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     error: PushRejected | None = None
 
@@ -47,8 +48,10 @@ class _Session:
     num_nodes: int
     aggregator: Aggregator
     job_id: str = ""
-    nodes: set[str] = field(default_factory=set)
-    streams: dict[str, _NodeStream] = field(default_factory=dict)
+    nodes: dict[str, set[int]] = field(default_factory=dict)  # node id -> members registered
+    streams: dict[tuple[str, int], _NodeStream] = field(default_factory=dict)
+    # streams that pushed each (block, round), so the result goes back exactly there
+    pushers: dict[tuple[int, int], list[_NodeStream]] = field(default_factory=dict)
     streamed: bool = False  # a node opened its Exchange stream: the job is running
     last_activity: float = field(default_factory=time.monotonic)
 
@@ -100,7 +103,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         elif context_message:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, context_message[0])
         session.last_activity = time.monotonic()
-        session.nodes.add(node)
+        session.nodes.setdefault(node, set()).add(request.member)
         session.aggregator.known_nodes.add(node)
         owned = sorted(b.block_id for b in session.layout.blocks if b.shard == self.config.shard_index)
         log.info("node %s registered (%d/%d nodes, %d blocks owned)", node, len(session.nodes),
@@ -128,12 +131,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                            f"connected); job {job!r} must wait or use other shards")
             return False
         diff = first_difference(session.layout, request.layout)
-        if node in session.nodes:
+        if request.member in session.nodes.get(node, ()):
             if session.started() or diff is not None:
-                # the node restarted, so the job did: start over at round 0
-                message.append(f"session reset: node {node} registered again")
+                # the process restarted, so the job did: start over at round 0
+                message.append(f"session reset: node {node} member {request.member} registered again")
                 return True
             return False  # a retried Register: idempotent
+        if node in session.nodes and diff is None and request.num_nodes == session.num_nodes:
+            return False  # another local rank of a known node
         if diff is not None and not job and idle and time.monotonic() - session.last_activity > 10.0:
             message.append("a new job (no job id) replaces an idle session")
             return True
@@ -176,10 +181,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     # ---- results and failures -------------------------------------------------------------------
 
     def _broadcast(self, session: _Session, block_id: int, round_: int, data: bytes) -> None:
+        """Send a result to the stream of every node that pushed it (one per node)."""
         messages = _pull_messages(block_id, round_, data)
-        for stream in session.streams.values():
+        streams = session.pushers.pop((block_id, round_), [])
+        for stream in streams:
             stream.queue.put_nowait(messages)
-        self.metrics.bytes_out.inc(len(data) * len(session.streams))
+        self.metrics.bytes_out.inc(len(data) * len(streams))
 
     def _on_failure(self, session: _Session, failure: RoundFailure) -> None:
         error = ps_pb2.ExchangeResponse(error=ps_pb2.RoundError(
@@ -195,8 +202,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
-        node, session = first.hello.node_id, self.session
-        if session is None or node not in session.nodes:
+        node, member, session = first.hello.node_id, first.hello.member, self.session
+        if session is None or member not in session.nodes.get(node, ()):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"node {node!r} has not registered with this shard (push before Register)")
         if first.hello.layout_hash != session.layout_hash:
@@ -206,11 +213,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if session.aggregator.failed is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"session failed: {session.aggregator.failed.message}")
-        stream = _NodeStream(node)
-        old = session.streams.get(node)
+        stream = _NodeStream(node, member)
+        old = session.streams.get((node, member))
         if old is not None:  # a reconnect replaces the old stream
             old.queue.put_nowait(_STOP)
-        session.streams[node] = stream
+        session.streams[(node, member)] = stream
         session.streamed = True
         session.last_activity = time.monotonic()
         self.metrics.connected_nodes.inc()
@@ -225,8 +232,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         finally:
             reader.cancel()
             self.metrics.connected_nodes.dec()
-            if session.streams.get(node) is stream:
-                del session.streams[node]
+            if session.streams.get((node, member)) is stream:
+                del session.streams[(node, member)]
             session.last_activity = time.monotonic()
         if stream.error is not None:
             await context.abort(stream.error.code, stream.error.message)
@@ -304,9 +311,15 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     async def _push(self, session: _Session, stream: _NodeStream, chunk: ps_pb2.PushChunk,
                     payload: bytes) -> None:
+        pushers = session.pushers.setdefault((chunk.block_id, chunk.round), [])
+        pushers.append(stream)  # before push(): the last push completes the round inside it
         try:
             outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
+            if not outcome.accepted and stream in pushers:
+                pushers.remove(stream)
         except PushRejected as exc:
+            if stream in pushers:
+                pushers.remove(stream)
             stream.error = stream.error or exc
             self.metrics.push(stream.node_id, "rejected")
             log.warning("node %s: %s", stream.node_id, exc.message)

@@ -33,7 +33,7 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 class ShardClient:
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
-                 connect_timeout_s: float = 60.0, job_id: str = "") -> None:
+                 connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0) -> None:
         self.address = address
         self.node_id = node_id
         self.num_nodes = num_nodes
@@ -41,6 +41,7 @@ class ShardClient:
         self.layout_hash = layout_hash(layout)
         self.connect_timeout_s = connect_timeout_s
         self.job_id = job_id
+        self.member = member
         self.registration: ps_pb2.RegisterResponse | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call = None
@@ -59,7 +60,7 @@ class ShardClient:
         stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
                                          layout_hash=self.layout_hash, client_version=__version__,
-                                         job_id=self.job_id)
+                                         job_id=self.job_id, member=self.member)
         deadline = time.monotonic() + self.connect_timeout_s
         delay = 0.1
         while True:
@@ -82,7 +83,7 @@ class ShardClient:
     async def _open_stream(self) -> None:
         self._call = ps_pb2_grpc.ParameterServerStub(self._channel).Exchange()
         await self._call.write(ps_pb2.ExchangeRequest(
-            hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash)))
+            hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member)))
         self._reader = asyncio.create_task(self._read_results())
 
     async def reopen(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -25,10 +25,12 @@ __all__ = ["CommEngine"]
 
 
 class CommEngine:
-    def __init__(self, config: WorkerConfig, node_id: str, num_nodes: int, codec_threads: int = 2) -> None:
+    def __init__(self, config: WorkerConfig, node_id: str, num_nodes: int, member: int = 0,
+                 codec_threads: int = 2) -> None:
         self.config = config
         self.node_id = node_id
         self.num_nodes = num_nodes
+        self.member = member
         self.clients: list[ShardClient] = []
         self.executor = concurrent.futures.ThreadPoolExecutor(codec_threads, thread_name_prefix="cgx-codec")
         self.loop = asyncio.new_event_loop()
@@ -52,7 +54,7 @@ class CommEngine:
             raise ConfigError(f"layout has {layout.num_shards} shards, CGX_PS_SERVERS lists "
                               f"{len(self.config.servers)}")
         self.clients = [ShardClient(a, self.node_id, self.num_nodes, layout, self.config.connect_timeout_s,
-                                    self.config.job_id) for a in self.config.servers]
+                                    self.config.job_id, self.member) for a in self.config.servers]
 
         async def connect_all() -> None:
             await asyncio.gather(*[c.connect() for c in self.clients])
@@ -79,18 +81,20 @@ class CommEngine:
 
     # ---- blocks ---------------------------------------------------------------------------------
 
-    def exchange(self, shard: int, block_id: int, round_: int, encode: Callable[[], bytes],
-                 decode: Callable[[bytes], None]) -> concurrent.futures.Future[int]:
-        """Encode, push, await the aggregate, decode: all off the caller's thread.
-        The future's result is the number of bytes pushed."""
-        return asyncio.run_coroutine_threadsafe(self._exchange(shard, block_id, round_, encode, decode), self.loop)
+    def submit(self, coro: Awaitable[int]) -> concurrent.futures.Future[int]:
+        """Run a coroutine on the communication loop; returns a thread-safe future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def _exchange(self, shard: int, block_id: int, round_: int, encode: Callable[[], bytes],
-                        decode: Callable[[bytes], None]) -> int:
-        client = self.clients[shard]
-        payload = await self.loop.run_in_executor(self.executor, encode)
-        result = await client.exchange(block_id, round_, payload)
-        await self.loop.run_in_executor(self.executor, decode, result)
+    async def in_thread(self, fn: Callable, *args):
+        """Run blocking work (a codec kernel) on a codec thread."""
+        return await self.loop.run_in_executor(self.executor, fn, *args)
+
+    async def exchange(self, shard: int, block_id: int, round_: int, encode: Callable[[], bytes],
+                       decode: Callable[[bytes], None]) -> int:
+        """Encode, push, await the aggregate, decode; returns the number of bytes pushed."""
+        payload = await self.in_thread(encode)
+        result = await self.clients[shard].exchange(block_id, round_, payload)
+        await self.in_thread(decode, result)
         return len(payload)
 
     # ---- blobs (broadcast) ------------------------------------------------------------------------

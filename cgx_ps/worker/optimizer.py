@@ -21,6 +21,7 @@ For gradient clipping after synchronization (Horovod style)::
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import zlib
@@ -33,6 +34,7 @@ from ..kernels import Codec, dequantize, encode
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import CgxPsError, ConfigError
+from .intranode import NodeReducer
 from .layout import DEFAULT_BLOCK_BYTES, Compression, TensorInfo, build_layout
 from .runtime import engine_for_layout
 
@@ -85,6 +87,12 @@ class _DistributedMixin:
         self._cgx_layout = build_layout([TensorInfo.of(n, p) for n, p in named_parameters],
                                         _num_shards(), compression, block_bytes)
         self._cgx_engine, self._cgx_config = engine_for_layout(self._cgx_layout)
+        config = self._cgx_config
+        self._cgx_reducer = None
+        if config.local_world_size > 1:  # ranks of this node reduce through shared memory first
+            self._cgx_reducer = NodeReducer(self._cgx_layout, config.local_rank, config.local_world_size,
+                                            config.node_rank, config.job_id or os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                                            timeout_s=self._cgx_engine.round_timeout_s)
         self._cgx_backward_passes = backward_passes_per_step
         self._cgx_error_feedback = error_feedback
         self._cgx_warmup = warmup_steps
@@ -99,7 +107,12 @@ class _DistributedMixin:
         tensors = self._cgx_layout.tensors
         for spec in self._cgx_layout.blocks:
             device = params[tensors[spec.segments[0].tensor_index].name].device
-            block = _Block(spec, [], torch.zeros(spec.numel, dtype=torch.float32, device=device))
+            if self._cgx_reducer is not None:
+                # CUDA tensors stage through host shared memory here (CUDA IPC is not built yet)
+                buffer = self._cgx_reducer.buffer(spec.block_id)
+            else:
+                buffer = torch.zeros(spec.numel, dtype=torch.float32, device=device)
+            block = _Block(spec, [], buffer)
             at = 0
             for seg in spec.segments:
                 param = params[tensors[seg.tensor_index].name]
@@ -139,34 +152,54 @@ class _DistributedMixin:
 
     def _cgx_submit(self, block: _Block) -> None:
         """Copy the block's gradients into its buffer and hand it to the communication thread."""
+        reducer, seq = self._cgx_reducer, block.round + 1
+        if reducer is not None:
+            reducer.before_write(block.spec.block_id, seq)
         for param, p_off, b_off, n in block.segments:
             if param.grad is None:
                 block.buffer[b_off:b_off + n].zero_()  # unused in this step: contributes zeros
             else:
                 block.buffer[b_off:b_off + n].copy_(param.grad.detach().reshape(-1)[p_off:p_off + n])
-        compressed = self._cgx_step >= self._cgx_warmup
-        seed = zlib.crc32(f"{self._cgx_config.node_rank}/{block.spec.block_id}/{block.round}".encode())
-        scale = 1.0 / self._cgx_config.world_size
-        error_feedback = self._cgx_error_feedback and compressed
         ready = None
         if block.buffer.is_cuda:  # the comm thread must not read the buffer before the copies ran
             ready = torch.cuda.Event()
             ready.record()
+        if reducer is not None:
+            reducer.mark_ready(block.spec.block_id, seq)
+            if reducer.owner(block.spec.block_id) != self._cgx_config.local_rank:
+                block.future = self._cgx_engine.submit(self._cgx_fetch(block, seq))
+                block.round += 1
+                return
+        compressed = self._cgx_step >= self._cgx_warmup
+        block.future = self._cgx_engine.submit(self._cgx_exchange(block, seq, ready, compressed))
+        block.round += 1
 
-        def encode_block() -> bytes:
-            if ready is not None:
-                ready.synchronize()
-            return _encode(block, compressed, seed, error_feedback)
+    async def _cgx_fetch(self, block: _Block, seq: int) -> int:
+        await self._cgx_reducer.fetch(block.spec.block_id, seq)
+        return 0
 
-        def decode_block(result: bytes) -> None:
+    async def _cgx_exchange(self, block: _Block, seq: int, ready, compressed: bool) -> int:
+        """Owner of the block for this node: (local sum,) encode, push, pull, decode, publish."""
+        engine, config, reducer = self._cgx_engine, self._cgx_config, self._cgx_reducer
+        spec = block.spec
+        seed = zlib.crc32(f"{config.node_rank}/{spec.block_id}/{seq - 1}".encode())
+        error_feedback = self._cgx_error_feedback and compressed
+        if ready is not None:
+            await engine.in_thread(ready.synchronize)
+        if reducer is not None:
+            await reducer.reduce(spec.block_id, seq, engine.in_thread)
+
+        def decode(result: bytes) -> None:
             dequantize(result, out=block.buffer)
-            block.buffer.mul_(scale)
+            block.buffer.mul_(1.0 / config.world_size)
             if block.buffer.is_cuda:
                 torch.cuda.current_stream(block.buffer.device).synchronize()
 
-        block.future = self._cgx_engine.exchange(block.spec.shard, block.spec.block_id, block.round,
-                                                 encode_block, decode_block)
-        block.round += 1
+        pushed = await engine.exchange(spec.shard, spec.block_id, seq - 1,
+                                       lambda: _encode(block, compressed, seed, error_feedback), decode)
+        if reducer is not None:
+            reducer.publish(spec.block_id, seq)
+        return pushed
 
     # ---- synchronize / step ---------------------------------------------------------------------
 

@@ -47,8 +47,8 @@ def engine_for_layout(layout: ps_pb2.Layout) -> tuple[CommEngine, WorkerConfig]:
     with _lock:
         if _engine is not None:
             raise ConfigError("one DistributedOptimizer per process: a second one would need its own session")
-        # Until ranks of a node reduce locally, every rank takes part as its own node.
-        engine = CommEngine(config, node_id=f"rank-{config.rank}", num_nodes=config.world_size)
+        # The node is what the shards count; each local rank speaks for it as one member.
+        engine = CommEngine(config, node_id=config.node_id, num_nodes=config.num_nodes, member=config.local_rank)
         try:
             engine.connect(layout)
         except BaseException:

@@ -8,6 +8,7 @@ torch.save to --out.
 from __future__ import annotations
 
 import argparse
+import os
 import zlib
 
 import torch
@@ -33,6 +34,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=300)
     p.add_argument("--block-bytes", type=int, default=16384)
     p.add_argument("--out", required=True)
+    p.add_argument("--die-at-step", type=int, default=-1, help="exit abruptly before this step")
     args = p.parse_args()
     config = cgx.init()
     dtype = getattr(torch, args.dtype)
@@ -44,6 +46,8 @@ def main() -> None:
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
     initial = {n: t.clone() for n, t in model.state_dict().items()}
     for step in range(args.steps):
+        if step == args.die_at_step:
+            os._exit(3)  # a crash: no cleanup, no goodbye
         opt.zero_grad()
         for part in range(args.accumulate):
             # loss = sum(param * g): d loss / d param = g, a gradient we know exactly
