@@ -46,8 +46,8 @@ class StepStats:
     """What the last synchronized step sent, and how long it waited for communication."""
 
     step: int = 0
-    bytes_pushed: int = 0  # compressed bytes this node pushed
-    fp32_bytes: int = 0  # what the same gradients weigh uncompressed
+    bytes_pushed: int = 0  # compressed bytes this process pushed (its share of the node's blocks)
+    fp32_bytes: int = 0  # what the same blocks weigh uncompressed
     exposed_comm_s: float = 0.0  # time synchronize() blocked waiting for blocks in flight
     compressed: bool = True  # False during warm-up steps
 
@@ -218,8 +218,9 @@ class _DistributedMixin:
         stats = StepStats(step=self._cgx_step, compressed=self._cgx_step >= self._cgx_warmup)
         try:
             for block in self._cgx_blocks:
-                stats.bytes_pushed += block.future.result()
-                stats.fp32_bytes += 4 * block.spec.numel
+                pushed = block.future.result()  # 0: another local rank pushed it for the node
+                stats.bytes_pushed += pushed
+                stats.fp32_bytes += 4 * block.spec.numel if pushed else 0
         except CgxPsError:
             self._cgx_reset_pending()
             raise
