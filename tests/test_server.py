@@ -215,7 +215,7 @@ BAD_PUSHES = {
     "wrong codec": (lambda blk: ps_pb2.PushChunk(
                         round=0, block_id=blk.block_id, total_bytes=len(_good(blk)), offset=0,
                         data=encode(torch.randn((len(_good(blk)) - 32) // 2), Codec.FP16).to_bytes()),
-                    grpc.StatusCode.INVALID_ARGUMENT, "the layout declares"),
+                    grpc.StatusCode.INVALID_ARGUMENT, "round 0 expects MAXMIN bits=4"),
     "gap in offsets": (lambda blk: ps_pb2.PushChunk(round=0, block_id=blk.block_id, total_bytes=len(_good(blk)),
                                                     offset=64, data=b"x" * 10),
                        grpc.StatusCode.INVALID_ARGUMENT, "does not continue"),
@@ -454,3 +454,43 @@ async def test_blob_put_get() -> None:
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         await server.stop(drain=False)
+
+
+async def test_set_codecs_changes_a_block_from_a_round_on(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    a, b = await connect(shard, layout, 2)
+    two = ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=2, bucket_size=512, stochastic=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id="node-0", from_round=1,
+                                                         blocks=[ps_pb2.BlockCodec(block_id=0, codec=two)]))
+            blk = layout.blocks[0]
+            x = torch.randn(4096)
+            r0 = await asyncio.gather(a.exchange(0, 0, encode_block(blk, x, 1)), b.exchange(0, 0, encode_block(blk, x, 2)))
+            assert decode_header_bits(r0[0]) == 4  # round 0: still 4 bits
+            p2 = encode(x, Codec.MAXMIN, bits=2, bucket_size=512, stochastic=True, seed=3).to_bytes()
+            r1 = await asyncio.gather(a.exchange(0, 1, p2), b.exchange(0, 1, p2))
+            assert decode_header_bits(r1[0]) == 2 and r1[0] == r1[1]
+            # a change for a round already under way is refused
+            fut = a.expect(0, 2)
+            await a.push(0, 2, p2)
+            while not shard.service.rounds_in_flight() or shard.service.pending_pushes:
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id="node-0", from_round=2,
+                                                             blocks=[ps_pb2.BlockCodec(block_id=0, codec=two)]))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "round 2 is already under way" in info.value.details()
+            fut.cancel()
+            reply = await stub.Probe(iter([ps_pb2.ProbeChunk(data=b"x" * 1000)] * 3))
+            assert reply.bytes == 3000
+        body = urllib.request.urlopen(f"http://127.0.0.1:{shard.metrics_port}/metrics", timeout=5).read().decode()
+        assert 'cgx_ps_block_bits{block="0",shard="0"} 2.0' in body
+    finally:
+        await close([a, b])
+
+
+def decode_header_bits(payload: bytes) -> int:
+    from cgx_ps.kernels import decode_header
+    return decode_header(payload).bits

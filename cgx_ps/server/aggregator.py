@@ -20,7 +20,8 @@ from typing import Callable
 import grpc
 import torch
 
-from ..kernels import HEADER_SIZE, Codec, CodecError, decode_header, dequantize, encode
+from ..kernels import HEADER_SIZE, Codec, CodecError, body_size, decode_header, dequantize, encode
+from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
 from .metrics import ShardMetrics
@@ -67,6 +68,15 @@ class _Block:
     last_result: bytes | None = None  # result of round - 1, for retried pushes
     last_nodes: frozenset[str] = frozenset()
     round_encoding: tuple[int, int, int] | None = None  # (codec, bits, bucket) of this round
+    # adaptive compression: (from_round, settings) announced with SetCodecs, ascending
+    schedule: list[tuple[int, ps_pb2.CodecSettings]] = field(default_factory=list)
+
+    def settings_for(self, round_: int) -> ps_pb2.CodecSettings:
+        current = self.spec.codec
+        for start, settings in self.schedule:
+            if start <= round_:
+                current = settings
+        return current
 
 
 def result_seed(block_id: int, round_: int) -> int:
@@ -99,10 +109,32 @@ class Aggregator:
 
     # ---- queries used by the service ----------------------------------------------------------
 
-    def allowed_sizes(self, block_id: int) -> tuple[int, ...]:
-        """Wire sizes a push of this block may have: its declared codec, or uncompressed."""
+    def allowed_sizes(self, block_id: int, round_: int) -> tuple[int, ...]:
+        """Wire sizes a push of this block may have in a round: its codec then, or uncompressed."""
         block = self._block(block_id)
-        return block.payload_size, HEADER_SIZE + 4 * block.spec.numel
+        s = block.settings_for(round_)
+        size = HEADER_SIZE + body_size(codec_of(s), block.spec.numel, s.bits, s.bucket_size)
+        return size, HEADER_SIZE + 4 * block.spec.numel
+
+    def set_codecs(self, from_round: int, changes: list[tuple[int, ps_pb2.CodecSettings]]) -> None:
+        """Schedule new settings for blocks from a round on (all or none are applied)."""
+        for block_id, settings in changes:
+            block = self._block(block_id)
+            started = block.round + (1 if block.pushed else 0)
+            if from_round < started:
+                raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"block {block_id}: cannot change settings from round {from_round}, "
+                                   f"round {started - 1} is already under way")
+            try:
+                validate_settings(codec_of(settings), settings.bits, settings.bucket_size)
+            except (CodecError, ValueError) as exc:
+                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {block_id}: {exc}") from None
+        for block_id, settings in changes:
+            block = self.blocks[block_id]
+            block.schedule = [(r, c) for r, c in block.schedule if r < from_round] + [(from_round, settings)]
+            if self.metrics:
+                self.metrics.block_bits.labels(shard=self.metrics.shard, block=str(block_id)).set(
+                    settings.bits if settings.codec == ps_pb2.CODEC_MAXMIN else 32)
 
     def next_round(self, block_id: int) -> int:
         return self._block(block_id).round
@@ -175,16 +207,17 @@ class Aggregator:
             h = decode_header(payload)
         except CodecError as exc:
             raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {spec.block_id}: {exc}") from None
-        codec = codec_of(spec.codec)
-        declared = (int(codec), spec.codec.bits, spec.codec.bucket_size) if codec == Codec.MAXMIN \
+        settings = block.settings_for(block.round)
+        codec = codec_of(settings)
+        declared = (int(codec), settings.bits, settings.bucket_size) if codec == Codec.MAXMIN \
             else (int(codec), h.bits, 0)
         got = (int(h.codec), h.bits, h.bucket_size)
         if h.numel != spec.numel or got not in (declared, (int(Codec.FP32), 32, 0)):
             raise PushRejected(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"block {spec.block_id}: payload is {h.codec.name} bits={h.bits} bucket={h.bucket_size} "
-                f"numel={h.numel}; the layout declares {codec.name} bits={spec.codec.bits} "
-                f"bucket={spec.codec.bucket_size} numel={spec.numel} (or FP32)",
+                f"numel={h.numel}; round {block.round} expects {codec.name} bits={settings.bits} "
+                f"bucket={settings.bucket_size} numel={spec.numel} (or FP32)",
             )
         if block.round_encoding is not None and got != block.round_encoding:
             c, b, k = block.round_encoding
@@ -223,7 +256,7 @@ class Aggregator:
         assert block.acc is not None and block.round_encoding is not None
         codec, bits, bucket = block.round_encoding
         acc, seed = block.acc, result_seed(block.spec.block_id, round_)
-        stochastic = block.spec.codec.stochastic
+        stochastic = block.settings_for(round_).stochastic
         if not (self.error_feedback and codec == Codec.MAXMIN):
             return encode(acc, codec, bits=bits, bucket_size=bucket or 1024, stochastic=stochastic,
                           seed=seed).to_bytes()

@@ -37,7 +37,13 @@ class ShardMetrics:
                                      ["shard"], registry=r).labels(**labels)
         self.inflight_bytes = Gauge("cgx_ps_inflight_bytes", "Pushed bytes buffered, not yet summed",
                                     ["shard"], registry=r).labels(**labels)
+        self.block_bits = Gauge("cgx_ps_block_bits", "Bits per element a block travels with since the last "
+                                "SetCodecs (32: uncompressed)", ["shard", "block"], registry=r)
         self._shard = str(shard_index)
+
+    @property
+    def shard(self) -> str:
+        return self._shard
 
     def push(self, node: str, outcome: str) -> None:
         self.pushes.labels(shard=self._shard, node=node, outcome=outcome).inc()

@@ -281,7 +281,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise PushRejected(grpc.StatusCode.UNAVAILABLE, "shard is shutting down; no new rounds")
         assembly = partial.get(chunk.block_id)
         if assembly is None:
-            sizes = session.aggregator.allowed_sizes(chunk.block_id)  # also rejects unknown ids
+            sizes = session.aggregator.allowed_sizes(chunk.block_id, chunk.round)  # rejects unknown ids
             if chunk.total_bytes not in sizes:
                 raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
@@ -372,6 +372,30 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         for off in range(0, max(len(data), 1), CHUNK_BYTES):
             yield ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off,
                                    data=bytes(view[off: off + CHUNK_BYTES]))
+
+    # ---- adaptive compression and link probe -----------------------------------------------------
+
+    async def SetCodecs(self, request: ps_pb2.SetCodecsRequest, context: grpc.aio.ServicerContext
+                        ) -> ps_pb2.SetCodecsResponse:
+        session = self.session
+        if session is None or request.node_id not in session.nodes:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {request.node_id!r} has not registered with this shard")
+        mine = [(b.block_id, b.codec) for b in request.blocks if b.block_id in session.aggregator.blocks]
+        try:
+            session.aggregator.set_codecs(request.from_round, mine)
+        except PushRejected as exc:
+            await context.abort(exc.code, exc.message)
+        if mine:
+            log.info("codec settings of %d blocks change from round %d (by %s)", len(mine), request.from_round,
+                     request.node_id)
+        return ps_pb2.SetCodecsResponse()
+
+    async def Probe(self, request_iterator, context: grpc.aio.ServicerContext) -> ps_pb2.ProbeResponse:
+        total = 0
+        async for chunk in request_iterator:
+            total += len(chunk.data)
+        return ps_pb2.ProbeResponse(bytes=total)
 
     # ---- shutdown -------------------------------------------------------------------------------
 

@@ -201,3 +201,37 @@ class GetBlobRequest(_message.Message):
     key: str
     timeout_s: float
     def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class BlockCodec(_message.Message):
+    __slots__ = ("block_id", "codec")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    codec: CodecSettings
+    def __init__(self, block_id: _Optional[int] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ...) -> None: ...
+
+class SetCodecsRequest(_message.Message):
+    __slots__ = ("node_id", "from_round", "blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    from_round: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockCodec]
+    def __init__(self, node_id: _Optional[str] = ..., from_round: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockCodec, _Mapping]]] = ...) -> None: ...
+
+class SetCodecsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProbeChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...

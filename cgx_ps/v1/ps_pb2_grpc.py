@@ -54,6 +54,16 @@ class ParameterServerStub:
                 request_serializer=cgx__ps_dot_v1_dot_ps__pb2.GetBlobRequest.SerializeToString,
                 response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.FromString,
                 _registered_method=True)
+        self.SetCodecs = channel.unary_unary(
+                '/cgx_ps.v1.ParameterServer/SetCodecs',
+                request_serializer=cgx__ps_dot_v1_dot_ps__pb2.SetCodecsRequest.SerializeToString,
+                response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.SetCodecsResponse.FromString,
+                _registered_method=True)
+        self.Probe = channel.stream_unary(
+                '/cgx_ps.v1.ParameterServer/Probe',
+                request_serializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeChunk.SerializeToString,
+                response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -85,6 +95,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetCodecs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +129,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetBlob,
                     request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.GetBlobRequest.FromString,
                     response_serializer=cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.SerializeToString,
+            ),
+            'SetCodecs': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCodecs,
+                    request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.SetCodecsRequest.FromString,
+                    response_serializer=cgx__ps_dot_v1_dot_ps__pb2.SetCodecsResponse.SerializeToString,
+            ),
+            'Probe': grpc.stream_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeChunk.FromString,
+                    response_serializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +249,60 @@ class ParameterServer:
             '/cgx_ps.v1.ParameterServer/GetBlob',
             cgx__ps_dot_v1_dot_ps__pb2.GetBlobRequest.SerializeToString,
             cgx__ps_dot_v1_dot_ps__pb2.BlobChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCodecs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cgx_ps.v1.ParameterServer/SetCodecs',
+            cgx__ps_dot_v1_dot_ps__pb2.SetCodecsRequest.SerializeToString,
+            cgx__ps_dot_v1_dot_ps__pb2.SetCodecsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/cgx_ps.v1.ParameterServer/Probe',
+            cgx__ps_dot_v1_dot_ps__pb2.ProbeChunk.SerializeToString,
+            cgx__ps_dot_v1_dot_ps__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -111,6 +111,25 @@ class ShardClient:
             await self._channel.close()
         self._fail_all(CgxPsError(f"connection to shard {self.address} closed"))
 
+    # ---- control: adaptive settings, link probe -------------------------------------------------
+
+    async def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
+        stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        try:
+            await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks),
+                                 timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise ShardRejectedError(self.address, exc.code().name, exc.details() or "") from None
+
+    async def probe(self, nbytes: int) -> float:
+        """Seconds to upload nbytes to the shard (1 MiB chunks, as pushes travel)."""
+        stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        chunk = ps_pb2.ProbeChunk(data=bytes(min(nbytes, CHUNK_BYTES)))
+        count = max(1, nbytes // CHUNK_BYTES)
+        t0 = time.perf_counter()
+        await stub.Probe(iter([chunk] * count), timeout=120)
+        return time.perf_counter() - t0
+
     # ---- push / pull ----------------------------------------------------------------------------
 
     async def exchange(self, block_id: int, round_: int, payload: bytes) -> bytes:

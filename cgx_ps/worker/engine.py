@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from typing import Awaitable, Callable
 
 import grpc
@@ -96,6 +97,25 @@ class CommEngine:
         result = await self.clients[shard].exchange(block_id, round_, payload)
         await self.in_thread(decode, result)
         return len(payload)
+
+    # ---- control (adaptive compression, auto mode) ------------------------------------------------
+
+    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
+        """Announce new block settings to every shard (each keeps the blocks it owns)."""
+        async def announce() -> None:
+            await asyncio.gather(*[c.set_codecs(from_round, blocks) for c in self.clients])
+
+        self._call(announce())
+
+    def probe(self, nbytes_per_shard: int) -> float:
+        """Aggregate upload throughput to all shards at once, bytes per second."""
+        async def run() -> float:
+            await asyncio.gather(*[c.probe(CHUNK_BYTES) for c in self.clients])  # warm the streams
+            t0 = time.perf_counter()
+            await asyncio.gather(*[c.probe(nbytes_per_shard) for c in self.clients])
+            return len(self.clients) * nbytes_per_shard / (time.perf_counter() - t0)
+
+        return self._call(run())
 
     # ---- blobs (broadcast) ------------------------------------------------------------------------
 

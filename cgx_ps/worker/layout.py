@@ -40,6 +40,12 @@ class Compression:
     exclude: tuple[str, ...] = ()  # fnmatch patterns of names that stay uncompressed
     overrides: dict[str, int | None] = field(default_factory=dict)  # name pattern -> bits or None
     fallback: int = ps_pb2.CODEC_FP32  # codec of uncompressed tensors (FP32, FP16 or BF16)
+    # layer-wise adaptive bits (issue #7): re-chosen every `interval` steps; blocks never span
+    # two compressed tensors so each tensor's bits can change on its own
+    adaptive: bool = False
+    interval: int = 100
+    # auto mode: compress only when measured link and codec speed say it pays
+    auto: bool = False
 
     def __post_init__(self) -> None:
         for b in [self.bits, *self.overrides.values()]:
@@ -56,13 +62,17 @@ class Compression:
         if isinstance(spec, Compression):
             return spec
         text = (spec or "4bit").strip().lower()
+        mode, _, every = text.partition(":")  # "adaptive:50": re-decide every 50 steps
+        if mode in ("adaptive", "auto") and (every == "" or every.isdigit() and int(every) > 0):
+            return cls(adaptive=mode == "adaptive", auto=mode == "auto", interval=int(every or 100))
         if text in ("fp32", "none", "off"):
             return cls(bits=None)
         if text in ("fp16", "bf16"):
             return cls(bits=None, fallback=ps_pb2.CODEC_FP16 if text == "fp16" else ps_pb2.CODEC_BF16)
         if text.endswith("bit") and text[:-3].isdigit():
             return cls(bits=int(text[:-3]))
-        raise ValueError(f"unknown compression {spec!r}: use fp32, fp16, bf16 or Nbit with N in 1..8")
+        raise ValueError(f"unknown compression {spec!r}: use fp32, fp16, bf16, Nbit with N in 1..8, "
+                         f"adaptive or auto")
 
     def settings_for(self, name: str, shape: Sequence[int]) -> ps_pb2.CodecSettings:
         bits = self.bits
@@ -104,13 +114,19 @@ def build_layout(tensors: Iterable[TensorInfo], num_shards: int, compression: Co
     for i, spec in enumerate(layout.tensors):
         groups.setdefault(spec.codec.SerializeToString(deterministic=True), []).append(i)
     for members in groups.values():  # insertion order: first tensor name of each codec group
-        _cut_blocks(layout, members, block_numel)
+        compressed = layout.tensors[members[0]].codec.codec == ps_pb2.CODEC_MAXMIN
+        if compression.adaptive and compressed:
+            for index in members:  # one tensor per block: its bits can change on their own
+                _cut_blocks(layout, [index], block_numel)
+        else:
+            _cut_blocks(layout, members, block_numel)
     _assign_shards(layout, num_shards)
     validate_layout(layout)
     return layout
 
 
 def _cut_blocks(layout: ps_pb2.Layout, members: list[int], block_numel: int) -> None:
+    """Concatenate the members' elements and cut them into blocks of block_numel."""
     codec = layout.tensors[members[0]].codec
     if codec.codec == ps_pb2.CODEC_MAXMIN:  # keep buckets whole inside blocks
         block_numel = max(codec.bucket_size, block_numel // codec.bucket_size * codec.bucket_size)

@@ -34,6 +34,7 @@ from ..kernels import Codec, dequantize, encode
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import CgxPsError, ConfigError
+from .autotune import Tuner
 from .intranode import NodeReducer
 from .layout import DEFAULT_BLOCK_BYTES, Compression, TensorInfo, build_layout
 from .runtime import engine_for_layout
@@ -65,6 +66,11 @@ class _Block:
     round: int = 0
     future: object | None = None
     residual: torch.Tensor | None = None
+    settings: ps_pb2.CodecSettings | None = None  # current codec settings (adaptive may change them)
+
+    def __post_init__(self) -> None:
+        if self.settings is None:
+            self.settings = self.spec.codec
 
 
 class _DistributedMixin:
@@ -121,8 +127,12 @@ class _DistributedMixin:
                 at += seg.numel
             self._cgx_blocks.append(block)
         self._cgx_reset_pending()
+        self._cgx_compress = True  # auto mode may turn compression off (all ranks at once)
+        self._cgx_backward_s = 0.0  # first to last gradient hook of the last step
+        self._cgx_hook_times: list[float] = []
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad) for p in params.values()
                            if p.requires_grad]
+        self._cgx_tuner = Tuner(self, compression) if compression.adaptive or compression.auto else None
 
     # ---- hooks: gradients enter here --------------------------------------------------------------
 
@@ -136,6 +146,13 @@ class _DistributedMixin:
         if self._cgx_skip_hooks:
             return
         with self._cgx_lock:
+            now = time.perf_counter()
+            if not self._cgx_hook_times:
+                self._cgx_hook_times.append(now)
+            elif len(self._cgx_hook_times) == 1:
+                self._cgx_hook_times.append(now)
+            else:
+                self._cgx_hook_times[1] = now
             passes = self._cgx_passes.get(id(param), 0) + 1
             self._cgx_passes[id(param)] = passes
             if passes != self._cgx_backward_passes:
@@ -170,7 +187,7 @@ class _DistributedMixin:
                 block.future = self._cgx_engine.submit(self._cgx_fetch(block, seq))
                 block.round += 1
                 return
-        compressed = self._cgx_step >= self._cgx_warmup
+        compressed = self._cgx_step >= self._cgx_warmup and self._cgx_compress
         block.future = self._cgx_engine.submit(self._cgx_exchange(block, seq, ready, compressed))
         block.round += 1
 
@@ -215,7 +232,7 @@ class _DistributedMixin:
         for block in leftover:
             self._cgx_submit(block)
         t0 = time.perf_counter()
-        stats = StepStats(step=self._cgx_step, compressed=self._cgx_step >= self._cgx_warmup)
+        stats = StepStats(step=self._cgx_step, compressed=self._cgx_step >= self._cgx_warmup and self._cgx_compress)
         try:
             for block in self._cgx_blocks:
                 pushed = block.future.result()  # 0: another local rank pushed it for the node
@@ -225,6 +242,9 @@ class _DistributedMixin:
             self._cgx_reset_pending()
             raise
         stats.exposed_comm_s = time.perf_counter() - t0
+        times = self._cgx_hook_times
+        self._cgx_backward_s = times[-1] - times[0] if len(times) == 2 else 0.0
+        self._cgx_hook_times = []
         for block in self._cgx_blocks:
             for param, p_off, b_off, n in block.segments:
                 if param.grad is None:
@@ -250,6 +270,8 @@ class _DistributedMixin:
             raise CgxPsError("step() inside skip_synchronize() needs synchronize() first")
         result = super().step(closure)
         self._cgx_synchronized = False
+        if self._cgx_tuner is not None:
+            self._cgx_tuner.after_step(self._cgx_step)
         self._cgx_step += 1
         return result
 
@@ -263,7 +285,7 @@ class _DistributedMixin:
 
 
 def _encode(block: _Block, compressed: bool, seed: int, error_feedback: bool) -> bytes:
-    s = block.spec.codec
+    s = block.settings
     codec = codec_of(s) if compressed else Codec.FP32
     if not error_feedback or codec != Codec.MAXMIN:
         return encode(block.buffer, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
@@ -295,7 +317,9 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     """Wrap ``optimizer`` so that ``step()`` averages gradients across all workers through the
     shards, compressed.
 
-    compression: "4bit" (default), "Nbit" for N in 1..8, "fp16", "bf16", "fp32", or a
+    compression: "4bit" (default), "Nbit" for N in 1..8, "fp16", "bf16", "fp32", "adaptive"
+        (bits per tensor re-chosen every 100 steps: fewer bytes at the error of uniform 4 bits),
+        "auto" (compress only when the measured link and codec speed say it pays), or a
         ``Compression`` with name-pattern exclusions and per-tensor overrides. 1-D tensors and
         tensors under 1024 elements always travel uncompressed.
     backward_passes_per_step: gradients accumulate over this many backward passes per step.

@@ -22,7 +22,8 @@ def model_for(dtype: torch.dtype, hidden: int) -> torch.nn.Module:
 
 def rank_gradient(name: str, param: torch.Tensor, rank: int, step: int, part: int) -> torch.Tensor:
     seed = zlib.crc32(f"{name}/{rank}/{step}/{part}".encode())
-    return torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)).to(param.dtype)
+    scale = 10.0 if name.startswith("2.") else 1.0  # layers that differ: adaptive bits have a choice
+    return (scale * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))).to(param.dtype)
 
 
 def main() -> None:
@@ -56,7 +57,8 @@ def main() -> None:
             loss.backward()
         opt.step()
     torch.save({"initial": initial, "final": model.state_dict(), "layout": opt.layout.SerializeToString(),
-                "rank": config.rank, "stats": vars(opt.stats)}, args.out)
+                "rank": config.rank, "stats": vars(opt.stats),
+                "tuning": opt._cgx_tuner.history if opt._cgx_tuner else []}, args.out)
     cgx.shutdown()
 
 

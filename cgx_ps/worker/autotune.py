@@ -1,0 +1,149 @@
+"""Choosing compression while training: layer-wise adaptive bits and the auto on/off mode.
+
+One place decides, rank 0, and every rank applies the decision at the same step boundary:
+
+1. rank 0 computes the decision after ``step()`` of step s (the gradients there are the averaged
+   ones, identical on every rank);
+2. for new bit widths, it announces them to every shard with SetCodecs, effective from the next
+   round, and waits for every shard to accept (so no push of that round can be refused);
+3. it publishes the decision through shard 0's blob store under ``tune/<s>``; every other rank
+   reads it at the same step boundary before its next backward.
+
+Adaptive bits (``compression="adaptive"``): every ``interval`` steps, estimate for each compressed
+tensor and each candidate bit width the error of quantizing the running average of its gradient
+and its size, and solve the multiple-choice knapsack (``adaptive.choose_bits``): fewest bytes at
+no more error than uniform 4 bits.
+
+Auto (``compression="auto"``): after the first step and every ``interval`` steps, measure the
+upload throughput to the shards and the codec's cost on this device, predict the communication
+each choice leaves exposed after overlapping with backward, and compress only if that is less.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import dequantize, quantize
+from ..kernels.wire import HEADER_SIZE, Codec, body_size
+from ..v1 import ps_pb2
+from .adaptive import DEFAULT_CANDIDATES, RunningAverage, choose_bits, estimate_tensor
+from .broadcast import broadcast_object
+
+__all__ = ["Tuner", "AutoFigures", "predict_exposed"]
+
+log = logging.getLogger(__name__)
+
+_PROBE_BYTES = 4 << 20  # per shard: long enough to measure a 1 Gbit/s link (~35 ms)
+
+
+@dataclass(frozen=True)
+class AutoFigures:
+    """What auto mode decides from, per step of this node."""
+
+    throughput_bps: float  # measured upload bytes/s to all shards together
+    fp32_bytes: int  # the gradient uncompressed
+    compressed_bytes: int  # the gradient at the configured bits
+    codec_s: float  # encode + decode of the compressed blocks on this device
+    overlap_s: float  # backward time that communication can hide behind
+
+    def exposed(self, compress: bool) -> float:
+        return predict_exposed(self, compress)
+
+
+def predict_exposed(f: AutoFigures, compress: bool) -> float:
+    """Predicted communication time left exposed: push + pull of the bytes at the measured rate,
+    minus what backward hides; the codec's CPU time is counted in full (it competes with compute)."""
+    wire = 2 * (f.compressed_bytes if compress else f.fp32_bytes) / f.throughput_bps
+    return max(0.0, wire - f.overlap_s) + (f.codec_s if compress else 0.0)
+
+
+class Tuner:
+    def __init__(self, opt, compression) -> None:
+        self.opt = opt
+        self.compression = compression
+        self.interval = max(1, compression.interval)
+        self.rank0 = opt._cgx_config.rank == 0
+        self.average = RunningAverage() if compression.adaptive and self.rank0 else None
+        layout = opt._cgx_layout
+        self.adaptive_blocks = [b for b in opt._cgx_blocks if b.spec.codec.codec == ps_pb2.CODEC_MAXMIN]
+        self.names = {b.spec.block_id: layout.tensors[b.spec.segments[0].tensor_index].name
+                      for b in self.adaptive_blocks}
+        self.history: list[dict] = []
+
+    def after_step(self, step: int) -> None:
+        """Called by step() after the optimizer stepped; step counts from 0."""
+        if self.average is not None:
+            for name in set(self.names.values()):
+                param = self.opt._cgx_params[name]
+                if param.grad is not None:
+                    self.average.update(name, param.grad)
+        due_auto = self.compression.auto and (step == 0 or (step + 1) % self.interval == 0)
+        due_adaptive = self.compression.adaptive and (step + 1) % self.interval == 0
+        if not (due_auto or due_adaptive):
+            return
+        decision = self._decide(due_auto, due_adaptive) if self.rank0 else None
+        decision = broadcast_object(decision, root_rank=0)
+        self._apply(decision)
+
+    # ---- rank 0 -------------------------------------------------------------------------------------
+
+    def _decide(self, auto: bool, adaptive: bool) -> dict:
+        decision: dict = {"from_round": self.opt._cgx_blocks[0].round}
+        if auto:
+            figures = self._measure()
+            compress = figures.exposed(True) < figures.exposed(False)
+            decision.update(compress=compress, figures=figures.__dict__)
+            log.info("auto mode: %s (link %.0f MB/s, %.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; "
+                     "exposed %.1f ms compressed vs %.1f ms not)", "compress" if compress else "no compression",
+                     figures.throughput_bps / 1e6, figures.fp32_bytes / 1e6, figures.compressed_bytes / 1e6,
+                     figures.codec_s * 1e3, figures.overlap_s * 1e3, figures.exposed(True) * 1e3,
+                     figures.exposed(False) * 1e3)
+        if adaptive and self.average is not None and self.average.names():
+            estimates = {n: estimate_tensor(self.average.average(n), DEFAULT_CANDIDATES,
+                                            self.compression.bucket_size, stochastic=True)
+                         for n in self.average.names()}
+            bits = choose_bits(estimates)
+            self.average.reset()
+            changes = []
+            for block in self.adaptive_blocks:
+                new = bits.get(self.names[block.spec.block_id])
+                if new is not None and new != block.settings.bits:
+                    changes.append(ps_pb2.BlockCodec(block_id=block.spec.block_id, codec=ps_pb2.CodecSettings(
+                        codec=ps_pb2.CODEC_MAXMIN, bits=new, bucket_size=block.settings.bucket_size,
+                        stochastic=block.settings.stochastic)))
+            if changes:
+                # every shard must expect the new settings before any rank pushes that round
+                self.opt._cgx_engine.set_codecs(decision["from_round"], changes)
+            decision["bits"] = bits
+            log.info("adaptive bits from round %d: %s", decision["from_round"], bits)
+        return decision
+
+    def _measure(self) -> AutoFigures:
+        opt = self.opt
+        throughput = opt._cgx_engine.probe(_PROBE_BYTES)
+        fp32 = sum(HEADER_SIZE + 4 * b.spec.numel for b in opt._cgx_blocks)
+        compressed = sum(HEADER_SIZE + body_size(Codec(b.spec.codec.codec), b.spec.numel, b.spec.codec.bits,
+                                                 b.spec.codec.bucket_size) for b in opt._cgx_blocks)
+        q_numel = sum(b.spec.numel for b in self.adaptive_blocks)
+        sample = torch.randn(min(max(q_numel, 1), 1 << 20))
+        t0 = time.perf_counter()
+        dequantize(quantize(sample, 4, stochastic=True), out=sample)
+        codec_s = (time.perf_counter() - t0) * q_numel / sample.numel()
+        return AutoFigures(throughput, fp32, compressed, codec_s, opt._cgx_backward_s)
+
+    # ---- every rank -------------------------------------------------------------------------------
+
+    def _apply(self, decision: dict) -> None:
+        self.history.append(decision)
+        if "compress" in decision:
+            self.opt._cgx_compress = decision["compress"]
+        for block in self.adaptive_blocks:
+            bits = decision.get("bits", {}).get(self.names[block.spec.block_id])
+            if bits is not None:
+                block.settings = ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=bits,
+                                                      bucket_size=block.settings.bucket_size,
+                                                      stochastic=block.settings.stochastic)

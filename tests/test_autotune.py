@@ -1,0 +1,109 @@
+"""Adaptive bits and auto mode with real shards and worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgx_ps.server import LocalCluster
+from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker.layout import Compression
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _env(rank: int, world: int, servers: list[str], job: str) -> dict[str, str]:
+    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(world), CGX_PS_SERVERS=",".join(servers),
+                CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
+
+
+def test_compression_parse_modes():
+    assert Compression.parse("adaptive") == Compression(adaptive=True)
+    assert Compression.parse("auto:7") == Compression(auto=True, interval=7)
+    with pytest.raises(ValueError, match="adaptive or auto"):
+        Compression.parse("adaptive:x")
+
+
+def test_adaptive_bits_change_on_the_same_round_everywhere(tmp_path):
+    job = uuid.uuid4().hex[:8]
+    with LocalCluster(2, metrics_base_port=0, extra_args=["--round-timeout", "20", "--log-level", "WARNING"]) as c:
+        outs = [tmp_path / f"{r}.pt" for r in range(2)]
+        procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--compression",
+                                   "adaptive:2", "--steps", "6", "--hidden", "512", "--out", str(outs[r])],
+                                  env=_env(r, 2, c.addresses, job), stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+        assert all(p.returncode == 0 for p in procs), errs[0][-2000:] + errs[1][-2000:]
+        metrics = "".join(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                          for port in c.metrics_ports)
+    saved = [torch.load(o, weights_only=False) for o in outs]
+    for name in saved[0]["final"]:  # replicas stay bit-identical across the changes
+        assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name
+    history = saved[0]["tuning"]
+    assert history == saved[1]["tuning"]  # every rank applied the same decisions
+    assert [d["from_round"] for d in history] == [2, 4, 6]
+    bits = history[0]["bits"]
+    layout = ps_pb2.Layout.FromString(saved[0]["layout"])
+    compressed = {t.name for t in layout.tensors if t.codec.codec == ps_pb2.CODEC_MAXMIN}
+    assert set(bits) == compressed
+    # the small layer with 10x larger gradients gets more bits, the big one fewer: fewer bytes
+    # than uniform 4 bits at no more error
+    assert bits["2.weight"] > 4 > bits["0.weight"], bits
+    assert "rejected" not in metrics  # no push was refused around the changes
+    assert f'cgx_ps_block_bits{{block="0",shard="' in metrics or 'cgx_ps_block_bits{block="' in metrics
+
+
+def _run_auto(model: str, servers: list[str], spawn=None) -> dict:
+    job = uuid.uuid4().hex[:8]
+    argv = [sys.executable, str(ROOT / "tests/workers/auto_worker.py"), "--model", model]
+    env = _env(0, 1, servers, job)
+    proc = spawn(argv, env) if spawn else subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_auto_mode_skips_compression_when_communication_hides_behind_compute():
+    with LocalCluster(1, extra_args=["--log-level", "WARNING"]) as c:
+        result = _run_auto("conv", c.addresses)
+    first = result["decisions"][0]
+    f = first["figures"]
+    assert first["compress"] is False, f
+    assert f["throughput_bps"] > 50e6 and f["overlap_s"] > 0  # loopback, real backward
+    assert result["compressed"] is False
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                    reason="needs root and iproute2 for network namespaces")
+def test_auto_mode_compresses_on_a_throttled_link():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import netcluster
+
+    with netcluster.Cluster(hosts=2, rate="100mbit") as cluster:
+        shard = cluster.spawn(1, [sys.executable, "-m", "cgx_ps.cli", "server", "--host", cluster.address(1),
+                                  "--port", "7070", "--metrics-port", "-1", "--log-level", "WARNING"])
+        try:
+            result = _run_auto("mlp", [f"{cluster.address(1)}:7070"],
+                               spawn=lambda argv, env: cluster.spawn(0, argv, env, stdout=subprocess.PIPE,
+                                                                     stderr=subprocess.PIPE, text=True))
+        finally:
+            shard.terminate()
+            shard.wait(timeout=30)
+    first = result["decisions"][0]
+    f = first["figures"]
+    assert first["compress"] is True, f
+    assert f["throughput_bps"] < 15e6  # the 100 Mbit/s link was measured, not loopback
+    assert result["compressed"] is True
