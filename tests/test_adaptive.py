@@ -16,7 +16,7 @@ from cgx_ps.worker import adaptive
 from cgx_ps.worker.adaptive import (RunningAverage, TensorEstimate, choose_bits, estimate_tensor,
                                     evaluate, solve_min_bytes, solve_min_error)
 
-SEEDS = range(300)  # pytest shows the failing seed in the traceback's locals with -l
+SEEDS = range(300)  # looped inside each test; `pytest -l` shows the failing seed
 
 
 def _instance(seed: int, integer: bool = False) -> list[dict[int, tuple[float, int]]]:
@@ -87,40 +87,6 @@ def test_min_bytes_random_real_errors(resolution: int) -> None:
         _check_min_bytes_real(seed, resolution)
 
 
-def test_discretize_rounds_up_and_no_further() -> None:
-    rng = np.random.default_rng(1)
-    for _ in range(200):
-        excess = rng.uniform(0, 1, 8) * float(rng.lognormal(0, 3))
-        excess[0] = 0.0
-        unit = float(excess.max()) / int(rng.integers(1, 2000))
-        units = adaptive._discretize(excess, unit, capacity=10**6)
-        assert units.dtype == np.int64 and units[0] == 0
-        assert (units * unit >= excess).all()       # never undercounts: the budget holds
-        assert (units - 1 <= excess / unit).all()   # and by at most one unit
-    clamped = adaptive._discretize(np.array([0.0, 5.0, 1e300]), 1e-300, capacity=10)
-    assert clamped.tolist() == [0, 11, 11]
-    assert adaptive._discretize(np.array([0.0, 1e-300]), 0.0, capacity=10).tolist() == [0, 11]
-
-
-def test_budget_holds_even_with_a_discretizer_that_undercounts(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fsum check behind the DP: rounding down would break the budget; it must not leak."""
-    monkeypatch.setattr(adaptive, "_discretize",
-                        lambda x, unit, cap: np.minimum(np.floor(x / unit), cap + 1).astype(np.int64))
-    for seed in range(100):
-        options = _instance(seed)
-        budget = _budget(options, np.random.default_rng(seed))
-        assert evaluate(options, solve_min_bytes(options, budget, 5))[0] <= budget
-
-
-def test_slack_left_by_rounding_is_spent() -> None:
-    # unit = 1.0 at resolution 1, and 0.5 rounds up to a whole unit: the DP alone fits only one
-    # of the two cheap options; the greedy pass finds the real slack for the second.
-    options = [{2: (0.5, 10), 8: (0.0, 100)}, {2: (0.5, 10), 8: (0.0, 100)}]
-    assert solve_min_bytes(options, 1.0, resolution=1) == [2, 2]
-    assert solve_min_error([{2: (3.0, 10), 4: (1.0, 20), 8: (0.0, 40)}], 39, resolution=1) == [4]
-
-
 def _check_min_bytes_real(seed: int, resolution: int) -> None:
     options = _instance(seed)
     n = len(options)
@@ -166,6 +132,44 @@ def test_min_bytes_edges() -> None:
     assert solve_min_bytes([], 0.0) == []
     # equal bytes: the more precise option wins
     assert solve_min_bytes([{2: (5.0, 10), 8: (1.0, 10)}], 100.0) == [8]
+
+
+def test_discretize_rounds_up_and_no_further() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        excess = rng.uniform(0, 1, 8) * float(rng.lognormal(0, 3))
+        excess[0] = 0.0
+        unit = float(excess.max()) / int(rng.integers(1, 2000))
+        units = adaptive._discretize(excess, unit, capacity=10**6)
+        assert units.dtype == np.int64 and units[0] == 0
+        assert (units * unit >= excess).all()       # never undercounts: the budget holds
+        assert (units - 1 <= excess / unit).all()   # and by at most one unit
+    clamped = adaptive._discretize(np.array([0.0, 5.0, 1e300]), 1e-300, capacity=10)
+    assert clamped.tolist() == [0, 11, 11]
+    assert adaptive._discretize(np.array([0.0, 1e-300]), 0.0, capacity=10).tolist() == [0, 11]
+
+
+def test_budget_holds_even_with_a_discretizer_that_undercounts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every answer is checked on real errors: a discretizer that undercounts must not leak."""
+    monkeypatch.setattr(adaptive, "_discretize",
+                        lambda x, unit, cap: np.minimum(np.floor(x / unit), cap + 1).astype(np.int64))
+    for seed in range(100):
+        options = _instance(seed)
+        budget = _budget(options, np.random.default_rng(seed))
+        assert evaluate(options, solve_min_bytes(options, budget, 5))[0] <= budget
+
+
+def test_slack_left_by_rounding_is_spent() -> None:
+    # resolution 1, unit 12: the DP's only 6-byte solution ([4, 2]) has real error 18 > 16, so
+    # the DP alone settles for 18 bytes; the greedy pass finds [4, 8]: 7 bytes, error 13.
+    options = [{2: (5.0, 15), 4: (9.0, 1), 8: (1.0, 16)}, {2: (9.0, 5), 4: (3.0, 17), 8: (4.0, 6)}]
+    assert solve_min_bytes(options, 16.0, resolution=1) == [4, 8]
+    assert _brute_min_bytes(options, 16.0) == 7
+    options = [{2: (0.0, 4), 4: (2.0, 4), 8: (8.0, 17)}, {2: (5.0, 1), 4: (0.0, 7), 8: (4.0, 12)},
+               {2: (4.0, 6), 4: (1.0, 14), 8: (7.0, 1)}]
+    choice = solve_min_error(options, 21, resolution=1)
+    assert evaluate(options, choice) == (_brute_min_error(options, 21), 17)
 
 
 # --------------------------------------------------------------------------- min error
@@ -262,6 +266,17 @@ def test_choose_bits_never_worse_than_uniform_4bit(identical_scale: bool) -> Non
     if not identical_scale:  # scales over 4 decades: moving bits where the error is pays
         assert nbytes < 0.9 * u_bytes
         assert len(set(bits.values())) > 1
+
+
+def test_choose_bits_falls_back_to_uniform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the solver's answer (discretized) is worse than the uniform default, the default wins."""
+    estimates = _estimates(_gradients(3, 5))
+    monkeypatch.setattr(adaptive, "solve_min_bytes", lambda options, *a: [8] * len(options))
+    assert choose_bits(estimates) == {name: 4 for name in estimates}
+    monkeypatch.setattr(adaptive, "solve_min_error", lambda options, *a: [2] * len(options))
+    names = sorted(estimates)
+    u_bytes = evaluate([estimates[n].options() for n in names], [4] * len(names))[1]
+    assert choose_bits(estimates, byte_budget=u_bytes) == {name: 4 for name in estimates}
 
 
 def test_choose_bits_byte_budget_and_arguments() -> None:

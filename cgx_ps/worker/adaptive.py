@@ -4,8 +4,8 @@ Uniform 4 bits spends the same precision on every tensor, yet tensors differ a l
 error quantization adds to them. Following L-GreCo, we measure for every tensor and candidate bit
 width the compression error and the exact wire size, then solve a multiple-choice knapsack:
 
-* ``solve_min_bytes``: fewest total bytes with total error <= an error budget (by default the
-  total error of uniform 4 bits, so the result is never worse than uniform 4 bits, and smaller);
+* ``solve_min_bytes``: fewest total bytes with total error <= an error budget (``choose_bits``
+  defaults to the total error of uniform 4 bits: as accurate as today's default, never bigger);
 * ``solve_min_error``: least total error with total bytes <= a byte budget.
 
 Both are exact dynamic programs over a discretized error axis (see ``_discretize`` for why the
@@ -234,7 +234,7 @@ def solve_min_bytes(
     best, real, choices = _levels(units, sizes, excess, capacity)
     fits = np.flatnonzero(real <= error_budget - floor)  # float screen; fsum decides below
     choice = [int(np.argmin(e)) for e in errs]  # level 0: always within the budget
-    for at in fits[np.argsort(best[fits], kind='stable')]:  # fewest bytes, then least error
+    for at in fits[np.lexsort((real[fits], best[fits]))]:  # fewest bytes, then least error
         candidate = _backtrack(choices, units, int(at))
         if total_error(candidate) <= error_budget:
             choice = candidate
@@ -256,8 +256,8 @@ def solve_min_error(
 
     The first round spans every combination (``sum(max - min) / resolution`` per unit), which is
     coarse: 2-bit errors dwarf the optimum. Each next round re-discretizes ``[0, E]``, with ``E``
-    the excess error of the best solution so far (the optimum lies inside), until it improves by
-    less than 1%; the result is then within ``n * E / resolution`` of the optimum, before the
+    the excess error of the best solution so far (the optimum lies inside), until ``E`` shrinks
+    by less than 1%; the result is then within ``n * E / resolution`` of the optimum, before the
     same greedy slack pass as ``solve_min_bytes``.
 
     Raises ValueError when even the smallest choice of every tensor exceeds ``byte_budget``.
@@ -287,12 +287,12 @@ def solve_min_error(
         if best[at] > byte_budget:  # float fuzz hid every solution within the span: keep ours
             break
         found = _backtrack(choices, units, at)
-        previous = total_excess(choice)
-        if total_excess(found) < previous:
+        if total_excess(found) < total_excess(choice):
             choice = found
-        span = total_excess(choice)
-        if span <= 0 or span > 0.99 * previous:
+        narrower = total_excess(choice)
+        if narrower <= 0 or narrower > 0.99 * span:  # the range stopped shrinking: done
             break
+        span = narrower
 
     def total_bytes(choice: Sequence[int]) -> int:
         return sum(int(s[c]) for s, c in zip(sizes, choice))
@@ -352,7 +352,7 @@ def _arrays(
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[list[int]]]:
     """Per tensor: errors (float64), sizes (int64) and keys, sorted by (error, bytes).
 
-    Sorting by error makes ``argmin`` ties (equal bytes) pick the more precise option.
+    Sorting by error makes the DP's ties (equal bytes) keep the more precise option.
     """
     errs, sizes, keys = [], [], []
     for i, opts in enumerate(options):
