@@ -494,3 +494,29 @@ async def test_set_codecs_changes_a_block_from_a_round_on(shard: ShardServer) ->
 def decode_header_bits(payload: bytes) -> int:
     from cgx_ps.kernels import decode_header
     return decode_header(payload).bits
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+async def test_server_error_feedback_cancels_requantization_error(error_feedback: bool) -> None:
+    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, error_feedback=error_feedback))
+    await server.start()
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=2, bucket_size=512, stochastic=False))
+    a, b = await connect(server, layout, 2)
+    try:
+        blk = layout.blocks[0]
+        pa, pb = encode_block(blk, torch.randn(4096), 0), encode_block(blk, torch.randn(4096), 0)
+        exact = dequantize(pa) + dequantize(pb)  # the same every round: only the server's rounding errs
+        results = []
+        for r in range(16):
+            out = await asyncio.gather(a.exchange(0, r, pa), b.exchange(0, r, pb))
+            results.append(dequantize(out[0]))
+        mean_error = float((torch.stack(results).mean(0) - exact).abs().mean())
+        single_error = float((results[0] - exact).abs().mean())
+        assert single_error > 0
+        if error_feedback:
+            assert mean_error < 0.25 * single_error  # the carried residual cancels over rounds
+        else:
+            assert mean_error == pytest.approx(single_error)  # nearest rounding: the same error each round
+    finally:
+        await close([a, b])
+        await server.stop(drain=False)
