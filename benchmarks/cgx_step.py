@@ -97,6 +97,8 @@ def main(argv=None) -> int:
         "bytes_pushed_per_step": pushed / max(args.steps, 1), "fp32_bytes_per_step": fp32 / max(args.steps, 1),
         "train_loss": loss, "eval_loss": eval_loss(), "iface": args.iface,
         "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, "torch": torch.__version__,
+        # adaptive/auto decisions: bits per tensor, compress on/off and the figures behind them
+        "tuning": opt._cgx_tuner.history if opt._cgx_tuner else [],
     }
     cgx.shutdown()
     print(json.dumps(result), flush=True)

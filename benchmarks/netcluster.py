@@ -33,6 +33,17 @@ Library::
 ``run_job`` is the generic runner (one script per host, env per host, gather
 one JSON line per host, timeout); ``run_ddp`` and ``run_single_process`` are
 thin wrappers over it for ``benchmarks/ddp_step.py``.
+
+cgx-ps shards are long-running processes started inside host namespaces with
+``start_shards`` (one ``cgx-ps server`` per listed host, on a free port read
+back from a port file); they are ordinary spawned processes, so the cluster's
+teardown kills them on every exit path too.  ``run_cgx`` starts shards on
+``shard_hosts`` (default: colocated, one per worker host), runs
+``benchmarks/cgx_step.py`` on ``worker_hosts`` and stops the shards::
+
+    with Cluster(hosts=4, rate="1gbit") as c:   # 2 worker hosts + 2 shard hosts
+        res = run_cgx(c, "mlp17m", "4bit", worker_hosts=[0, 1], shard_hosts=[2, 3])
+        print(res.results[0]["median_step_s"], res.info["shard_cpu_s"])
 """
 
 from __future__ import annotations
@@ -73,6 +84,11 @@ __all__ = [
     "run_job",
     "run_ddp",
     "run_single_process",
+    "ShardSet",
+    "start_shards",
+    "run_cgx",
+    "proc_cpu_seconds",
+    "machine_cpu_seconds",
     "main",
 ]
 
@@ -83,6 +99,8 @@ HOST_IFACE = "eth0"
 SUBNET = "10.77.0"
 HERE = Path(__file__).resolve().parent
 DDP_STEP = HERE / "ddp_step.py"
+CGX_STEP = HERE / "cgx_step.py"
+REPO_ROOT = HERE.parent
 
 
 # --------------------------------------------------------------------------
@@ -523,6 +541,8 @@ class JobResult:
     timed_out: bool
     wall_s: float
     stderr_tails: list[str] = field(default_factory=list)
+    cpu_s: list[float | None] = field(default_factory=list)  # CPU seconds of each host's process (sampled)
+    info: dict = field(default_factory=dict)  # machine_busy_s/machine_wall_s (all CPUs, whole job), extras
 
     @property
     def ok(self) -> bool:
@@ -565,6 +585,8 @@ def run_job(
     argv_of = argv if callable(argv) else (lambda i: argv)
     env_of = env if callable(env) else (lambda i: env or {})
     procs, files = [], []
+    cpu: list[float | None] = []
+    busy0, _, irq0 = machine_cpu_seconds(softirq=True)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cgxb-job-") as tmp:
         try:
@@ -573,9 +595,13 @@ def run_job(
                 err = open(os.path.join(tmp, f"{i}.err"), "w+")
                 files.append((out, err))
                 procs.append(cluster.spawn(i, argv_of(i), env=env_of(i), stdout=out, stderr=err))
+            cpu = [None] * len(procs)
             timed_out = False
             deadline = t0 + timeout
             while any(p.poll() is None for p in procs):
+                for k, p in enumerate(procs):  # last sample before exit (up to 0.1 s short)
+                    c = proc_cpu_seconds(p.pid) if p.returncode is None else None
+                    cpu[k] = c if c is not None else cpu[k]
                 if time.monotonic() > deadline:
                     timed_out = True
                     break
@@ -599,7 +625,10 @@ def run_job(
             tails.append(err.read()[-2000:])
             out.close()
             err.close()
-    return JobResult(name, results, [p.returncode for p in procs], timed_out, time.monotonic() - t0, tails)
+    wall = time.monotonic() - t0
+    busy1, _, irq1 = machine_cpu_seconds(softirq=True)
+    return JobResult(name, results, [p.returncode for p in procs], timed_out, wall, tails, cpu,
+                     {"machine_busy_s": busy1 - busy0, "machine_irq_s": irq1 - irq0, "machine_wall_s": wall})
 
 
 _port_counter = iter(range(29500, 29500 + 10000))
@@ -618,17 +647,19 @@ def _thread_env(threads: int) -> dict[str, str]:
 
 def run_ddp(cluster: Cluster, model: str = "mlp17m", hook: str = "none", steps: int = 20, warmup: int = 3,
             batch_size: int = 64, threads: int = 1, seed: int = 0, timeout: float = 180.0,
-            extra_args: Sequence[str] = ()) -> JobResult:
-    """``ddp_step.py`` on every host, one rank per host, gloo over the shaped links.
-    ``extra_args`` go to ddp_step.py as they are (e.g. ``["--bucket-cap-mb", "100"]``)."""
+            extra_args: Sequence[str] = (), hosts: Sequence[int] | None = None) -> JobResult:
+    """``ddp_step.py`` on every host (or on ``hosts``), one rank per host, gloo over the
+    shaped links.  ``extra_args`` go to ddp_step.py as they are (e.g.
+    ``["--bucket-cap-mb", "100"]``)."""
     port = next(_port_counter)
+    hosts = list(range(cluster.hosts)) if hosts is None else list(hosts)
 
     def env(i: int) -> dict[str, str]:
-        return {"RANK": i, "WORLD_SIZE": cluster.hosts, "MASTER_ADDR": cluster.address(0), "MASTER_PORT": port,
-                "GLOO_SOCKET_IFNAME": HOST_IFACE, **_thread_env(threads)}
+        return {"RANK": hosts.index(i), "WORLD_SIZE": len(hosts), "MASTER_ADDR": cluster.address(hosts[0]),
+                "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": HOST_IFACE, **_thread_env(threads)}
 
     argv = _ddp_argv(model, hook, steps, warmup, batch_size, threads, seed, timeout, extra_args)
-    return run_job(cluster, argv, env, timeout=timeout, name=f"ddp/{model}/{hook}")
+    return run_job(cluster, argv, env, hosts=hosts, timeout=timeout, name=f"ddp/{model}/{hook}")
 
 
 def run_single_process(cluster: Cluster, model: str = "mlp17m", steps: int = 20, warmup: int = 3,
@@ -638,6 +669,218 @@ def run_single_process(cluster: Cluster, model: str = "mlp17m", steps: int = 20,
     env = {"RANK": 0, "WORLD_SIZE": 1, **_thread_env(threads)}
     argv = _ddp_argv(model, "none", steps, warmup, batch_size, threads, seed, timeout)
     return run_job(cluster, argv, env, hosts=[host], timeout=timeout, name=f"single/{model}")
+
+
+# --------------------------------------------------------------------------
+# CPU accounting (to tell CPU contention from network time)
+# --------------------------------------------------------------------------
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def machine_cpu_seconds(softirq: bool = False) -> tuple[float, ...]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat; with
+    ``softirq`` also the irq + softirq part of busy (e.g. veth/tbf packet processing, which
+    is not charged to any process's utime/stime)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    total = sum(v[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    out = ((total - v[3] - v[4]) / _CLK_TCK, total / _CLK_TCK)
+    return out + ((v[5] + v[6]) / _CLK_TCK,) if softirq else out
+
+
+# --------------------------------------------------------------------------
+# cgx-ps: shard processes inside host namespaces, and the training runner
+# --------------------------------------------------------------------------
+
+
+def _repo_env(extra: Mapping[str, object] | None = None) -> dict[str, str]:
+    """Environment for a process that imports cgx_ps from this checkout."""
+    path = os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": str(REPO_ROOT) + (os.pathsep + path if path else "")}
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+class ShardSet:
+    """cgx-ps shard processes, shard k on host ``hosts[k]`` (a host may hold several).
+
+    Each shard binds its host's address on a free port.  The processes are
+    spawned through ``Cluster.spawn``, so ``Cluster.close`` kills them on every
+    exit path even if ``stop`` never runs; ``stop`` asks them to drain first.
+    """
+
+    def __init__(self, cluster: Cluster, hosts: Sequence[int], procs: list[subprocess.Popen],
+                 addresses: list[str], tmp: tempfile.TemporaryDirectory) -> None:
+        self.cluster = cluster
+        self.hosts = list(hosts)
+        self.procs = procs
+        self.addresses = addresses
+        self._tmp = tmp
+        self.returncodes: list[int | None] = []
+        self._last_cpu: dict[int, float] = {}  # pid -> last CPU seconds seen
+
+    @property
+    def servers(self) -> str:
+        """The value of CGX_PS_SERVERS."""
+        return ",".join(self.addresses)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def cpu_seconds(self) -> list[float | None]:
+        """CPU seconds each shard has used so far (the last value seen once it exited)."""
+        for p in self.procs:
+            c = proc_cpu_seconds(p.pid) if p.poll() is None else None
+            if c is not None:
+                self._last_cpu[p.pid] = c
+        return [self._last_cpu.get(p.pid) for p in self.procs]
+
+    def log_tail(self, k: int, chars: int = 2000) -> str:
+        try:
+            return (Path(self._tmp.name) / f"shard{k}.log").read_text()[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> list[int | None]:
+        """SIGTERM (the shards drain), then SIGKILL after ``timeout``; returns exit codes."""
+        self.cpu_seconds()
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in live:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_pids([p.pid for p in self.procs if p.poll() is None], grace_s=2.0)
+        for p in self.procs:
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        self.returncodes = [p.returncode for p in self.procs]
+        return self.returncodes
+
+    def close(self) -> None:
+        """Stop (if running) and remove the port files and logs."""
+        if any(self.alive()):
+            self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "ShardSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_shards(cluster: Cluster, hosts: Sequence[int], extra_args: Sequence[str] = (),
+                 env: Mapping[str, object] | None = None, startup_timeout: float = 60.0) -> ShardSet:
+    """Start one ``cgx-ps server`` per entry of ``hosts`` (shard k on host ``hosts[k]``),
+    wait until each serves, and return them.  ``extra_args`` go to every server
+    (default log level WARNING, metrics off, a short drain on SIGTERM)."""
+    hosts = list(hosts)
+    if not hosts:
+        raise ValueError("start_shards needs at least one host")
+    for h in hosts:
+        cluster._check_index(h)
+    tmp = tempfile.TemporaryDirectory(prefix="cgxb-shards-")
+    procs: list[subprocess.Popen] = []
+    shards = ShardSet(cluster, hosts, procs, [], tmp)
+    try:
+        port_files = []
+        for k, h in enumerate(hosts):
+            port_file = Path(tmp.name) / f"shard{k}.json"
+            port_files.append(port_file)
+            argv = [sys.executable, "-m", "cgx_ps.cli", "server", "--host", cluster.address(h), "--port", "0",
+                    "--shard-index", str(k), "--num-shards", str(len(hosts)), "--metrics-port", "-1",
+                    "--port-file", str(port_file), "--log-level", "WARNING", "--drain-timeout", "2",
+                    *extra_args]
+            log = open(Path(tmp.name) / f"shard{k}.log", "w")
+            try:
+                procs.append(cluster.spawn(h, argv, env=_repo_env(env), stdout=log, stderr=subprocess.STDOUT,
+                                           cwd=str(REPO_ROOT)))
+            finally:
+                log.close()  # the child holds its own descriptor
+        deadline = time.monotonic() + startup_timeout
+        for k, (p, port_file) in enumerate(zip(procs, port_files)):
+            while not port_file.exists():
+                if p.poll() is not None:
+                    raise ClusterError(f"shard {k} on host {hosts[k]} exited with code {p.returncode} during "
+                                       f"startup:\n{shards.log_tail(k)}")
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"shard {k} on host {hosts[k]} did not serve within {startup_timeout}s:\n"
+                                       f"{shards.log_tail(k)}")
+                time.sleep(0.05)
+            port = json.loads(port_file.read_text())["port"]
+            shards.addresses.append(f"{cluster.address(hosts[k])}:{port}")
+    except BaseException:
+        shards.close()
+        raise
+    return shards
+
+
+def _cgx_argv(model: str, compression: str, steps: int, warmup: int, batch_size: int, threads: int, seed: int,
+              extra: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, str(CGX_STEP), "--model", model, "--compression", compression, "--steps", str(steps),
+            "--warmup", str(warmup), "--batch-size", str(batch_size), "--threads", str(threads),
+            "--seed", str(seed), "--iface", HOST_IFACE, *extra]
+
+
+def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", steps: int = 20, warmup: int = 3,
+            batch_size: int = 64, threads: int = 1, seed: int = 0, timeout: float = 180.0,
+            worker_hosts: Sequence[int] | None = None, shard_hosts: Sequence[int] | None = None,
+            extra_args: Sequence[str] = (), shard_args: Sequence[str] = ()) -> JobResult:
+    """``cgx_step.py`` on ``worker_hosts`` (default all hosts), one worker (= one node)
+    per host, against fresh shards on ``shard_hosts`` (default: the worker hosts,
+    i.e. one colocated shard per worker host).  The shards are stopped before
+    returning.  ``res.info`` holds the shard hosts and addresses, each shard's CPU
+    seconds during the job (``shard_cpu_s``), the machine's busy CPU seconds and
+    wall time of the job (``machine_busy_s``, ``machine_wall_s``), and shard exit codes."""
+    import uuid
+
+    worker_hosts = list(range(cluster.hosts)) if worker_hosts is None else list(worker_hosts)
+    shard_hosts = list(worker_hosts) if shard_hosts is None else list(shard_hosts)
+    name = f"cgx/{model}/{compression}"
+    with start_shards(cluster, shard_hosts, extra_args=shard_args) as shards:
+        job_id = f"{name}-{uuid.uuid4().hex[:8]}"
+
+        def env(i: int) -> dict[str, str]:
+            rank = worker_hosts.index(i)
+            return _repo_env({"RANK": rank, "WORLD_SIZE": len(worker_hosts), "CGX_PS_NODE_RANK": rank,
+                              "CGX_PS_NUM_NODES": len(worker_hosts), "CGX_PS_SERVERS": shards.servers,
+                              "CGX_PS_JOB_ID": job_id, **_thread_env(threads)})
+
+        argv = _cgx_argv(model, compression, steps, warmup, batch_size, threads, seed, extra_args)
+        cpu0 = shards.cpu_seconds()
+        res = run_job(cluster, argv, env, hosts=worker_hosts, timeout=timeout, name=name)
+        cpu1 = shards.cpu_seconds()
+        alive = shards.alive()
+        codes = shards.stop()
+        res.info.update({
+            "shard_hosts": shard_hosts, "servers": shards.addresses,
+            "shard_cpu_s": [None if a is None or b is None else b - a for a, b in zip(cpu0, cpu1)],
+            "shards_alive_at_end": alive, "shard_returncodes": codes,
+            "shard_log_tails": [shards.log_tail(k) for k in range(len(shard_hosts))] if not res.ok else [],
+        })
+    return res
 
 
 # --------------------------------------------------------------------------
