@@ -38,13 +38,16 @@ __all__ = ["Tuner", "AutoFigures", "predict_exposed"]
 log = logging.getLogger(__name__)
 
 _PROBE_BYTES = 4 << 20  # per shard: long enough to measure a 1 Gbit/s link (~35 ms)
+_PIPELINE_MIN_BYTES = 4 << 20  # below this a step's transfer is latency-bound: its rate says little
 
 
 @dataclass(frozen=True)
 class AutoFigures:
     """What auto mode decides from, per step of this node."""
 
-    throughput_bps: float  # measured upload bytes/s to all shards together
+    throughput_bps: float  # the rate used: min of the probe and what the pipeline achieved
+    probe_bps: float  # measured upload bytes/s to all shards together
+    pipeline_bps: float  # 2 x bytes pushed / (first push to last result) of the last step; 0 if unknown
     fp32_bytes: int  # the gradient uncompressed
     compressed_bytes: int  # the gradient at the configured bits
     codec_s: float  # encode + decode of the compressed blocks on this device
@@ -95,11 +98,15 @@ class Tuner:
         decision: dict = {"from_round": self.opt._cgx_blocks[0].round}
         if auto:
             figures = self._measure()
-            compress = figures.exposed(True) < figures.exposed(False)
+            current = self.opt._cgx_compress
+            # switch only for a clear win (10%): measurements near the boundary must not flip-flop
+            compress = figures.exposed(True) < figures.exposed(False) * (1.1 if current else 0.9)
             decision.update(compress=compress, figures=figures.__dict__)
-            log.info("auto mode: %s (link %.0f MB/s, %.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; "
-                     "exposed %.1f ms compressed vs %.1f ms not)", "compress" if compress else "no compression",
-                     figures.throughput_bps / 1e6, figures.fp32_bytes / 1e6, figures.compressed_bytes / 1e6,
+            log.info("auto mode: %s (rate %.0f MB/s: probe %.0f, pipeline %.0f; %.1f -> %.1f MB/step, codec %.1f ms, "
+                     "overlap %.1f ms; exposed %.1f ms compressed vs %.1f ms not)",
+                     "compress" if compress else "no compression", figures.throughput_bps / 1e6,
+                     figures.probe_bps / 1e6, figures.pipeline_bps / 1e6,
+                     figures.fp32_bytes / 1e6, figures.compressed_bytes / 1e6,
                      figures.codec_s * 1e3, figures.overlap_s * 1e3, figures.exposed(True) * 1e3,
                      figures.exposed(False) * 1e3)
         if adaptive and self.average is not None and self.average.names():
@@ -124,16 +131,24 @@ class Tuner:
 
     def _measure(self) -> AutoFigures:
         opt = self.opt
-        throughput = opt._cgx_engine.probe(_PROBE_BYTES)
+        probe = opt._cgx_engine.probe(_PROBE_BYTES)
+        # The probe sees the link; the last step saw the whole pipeline (CPU per byte in gRPC,
+        # the shard's work, the pull). Trust the pipeline's rate when it moved enough bytes to be
+        # bandwidth-bound rather than latency-bound.
+        pushed, window = opt.stats.bytes_pushed, opt._cgx_comm_window_s
+        pipeline = 2 * pushed / window if pushed >= _PIPELINE_MIN_BYTES and window > 0 else 0.0
+        throughput = min(probe, pipeline) if pipeline else probe
         fp32 = sum(HEADER_SIZE + 4 * b.spec.numel for b in opt._cgx_blocks)
         compressed = sum(HEADER_SIZE + body_size(Codec(b.spec.codec.codec), b.spec.numel, b.spec.codec.bits,
                                                  b.spec.codec.bucket_size) for b in opt._cgx_blocks)
         q_numel = sum(b.spec.numel for b in self.adaptive_blocks)
         sample = torch.randn(min(max(q_numel, 1), 1 << 20))
-        t0 = time.perf_counter()
-        dequantize(quantize(sample, 4, stochastic=True), out=sample)
-        codec_s = (time.perf_counter() - t0) * q_numel / sample.numel()
-        return AutoFigures(throughput, fp32, compressed, codec_s, opt._cgx_backward_s)
+        codec_s = float("inf")
+        for _ in range(2):  # the first call pays for first-touch pages and thread start
+            t0 = time.perf_counter()
+            dequantize(quantize(sample, 4, stochastic=True), out=sample)
+            codec_s = min(codec_s, (time.perf_counter() - t0) * q_numel / sample.numel())
+        return AutoFigures(throughput, probe, pipeline, fp32, compressed, codec_s, opt._cgx_backward_s)
 
     # ---- every rank -------------------------------------------------------------------------------
 

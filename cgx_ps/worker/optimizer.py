@@ -129,6 +129,8 @@ class _DistributedMixin:
         self._cgx_reset_pending()
         self._cgx_compress = True  # auto mode may turn compression off (all ranks at once)
         self._cgx_backward_s = 0.0  # first to last gradient hook of the last step
+        self._cgx_window = [float("inf"), 0.0]  # first push to last result of this step
+        self._cgx_comm_window_s = 0.0  # the same, for the last synchronized step
         self._cgx_hook_times: list[float] = []
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad) for p in params.values()
                            if p.requires_grad]
@@ -212,8 +214,13 @@ class _DistributedMixin:
             if block.buffer.is_cuda:
                 torch.cuda.current_stream(block.buffer.device).synchronize()
 
-        pushed = await engine.exchange(spec.shard, spec.block_id, seq - 1,
-                                       lambda: _encode(block, compressed, seed, error_feedback), decode)
+        def encode() -> bytes:
+            payload = _encode(block, compressed, seed, error_feedback)
+            self._cgx_window[0] = min(self._cgx_window[0], time.perf_counter())  # first byte out
+            return payload
+
+        pushed = await engine.exchange(spec.shard, spec.block_id, seq - 1, encode, decode)
+        self._cgx_window[1] = max(self._cgx_window[1], time.perf_counter())  # last result in
         if reducer is not None:
             reducer.publish(spec.block_id, seq)
         return pushed
@@ -245,6 +252,9 @@ class _DistributedMixin:
         times = self._cgx_hook_times
         self._cgx_backward_s = times[-1] - times[0] if len(times) == 2 else 0.0
         self._cgx_hook_times = []
+        start, end = self._cgx_window
+        self._cgx_comm_window_s = max(0.0, end - start)
+        self._cgx_window = [float("inf"), 0.0]
         for block in self._cgx_blocks:
             for param, p_off, b_off, n in block.segments:
                 if param.grad is None:
