@@ -55,12 +55,13 @@ def run_workers(script: Path, world: int, servers: list[str], args_for, timeout:
 
 
 def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype: torch.dtype,
-                    local: int = 1) -> dict[str, torch.Tensor]:
+                    local: int = 1, error_feedback: bool = False) -> dict[str, torch.Tensor]:
     """Replay the steps with the reference codec: what every replica must hold afterwards.
     With local > 1, ranks n*local..n*local+local-1 form node n and sum before pushing (for
     local = 2 that float32 sum does not depend on the order)."""
     layout = ps_pb2.Layout.FromString(saved["layout"])
     params = {n: t.clone() for n, t in saved["initial"].items()}
+    residuals: dict[tuple[int, int], torch.Tensor] = {}  # (node, block) -> what earlier pushes left out
     for step in range(steps):
         grads = []
         for r in range(world):
@@ -82,9 +83,14 @@ def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype:
                                       [seg.offset:seg.offset + seg.numel].float() for seg in block.segments])
                     buf = part if buf is None else buf + part
                 seed = zlib.crc32(f"{node}/{block.block_id}/{step}".encode())
+                ef = error_feedback and s.codec == ps_pb2.CODEC_MAXMIN
+                if ef:
+                    buf = buf + residuals.get((node, block.block_id), torch.zeros_like(buf))
                 payload = encode(buf, codec_of(s), bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
                                  stochastic=s.stochastic, seed=seed, impl="reference").to_bytes()
                 decoded.append(dequantize(payload, impl="reference"))
+                if ef:
+                    residuals[(node, block.block_id)] = buf - decoded[-1]
             total = decoded[0]
             for d in decoded[1:]:
                 total = total + d
@@ -103,6 +109,7 @@ def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype:
 
 @pytest.mark.parametrize("compression, dtype, accumulate, steps", [
     ("4bit", "float32", 1, 3),
+    ("2bit+ef", "float32", 1, 3),  # worker-side error feedback
     ("2bit", "float32", 2, 2),   # gradient accumulation over two backward passes
     ("fp32", "float32", 1, 2),
     ("4bit", "float16", 1, 2),   # half-precision gradients
@@ -111,9 +118,12 @@ def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype:
 def test_update_matches_reference_and_replicas_identical(cluster, tmp_path, compression, dtype, accumulate, steps):
     world = 2
     outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
+    ef = compression.endswith("+ef")
+    compression = compression.removesuffix("+ef")
     results = run_workers(ROOT / "tests/workers/step_worker.py", world, cluster.addresses,
                           lambda r: ["--compression", compression, "--dtype", dtype, "--steps", str(steps),
-                                     "--accumulate", str(accumulate), "--out", str(outs[r])])
+                                     "--accumulate", str(accumulate), "--out", str(outs[r]),
+                                     *(["--error-feedback"] if ef else [])])
     for r, res in enumerate(results):
         assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
     saved = [torch.load(o, weights_only=False) for o in outs]
@@ -122,7 +132,7 @@ def test_update_matches_reference_and_replicas_identical(cluster, tmp_path, comp
     for name in saved[0]["final"]:
         assert torch.equal(saved[0]["initial"][name], saved[1]["initial"][name])  # broadcast worked
         assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name  # bit-identical
-    expected = expected_params(saved[0], world, steps, accumulate, getattr(torch, dtype))
+    expected = expected_params(saved[0], world, steps, accumulate, getattr(torch, dtype), error_feedback=ef)
     for name, value in expected.items():
         assert torch.equal(saved[0]["final"][name], value), name  # exact, against the reference codec
     stats = saved[0]["stats"]

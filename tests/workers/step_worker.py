@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=16384)
     p.add_argument("--out", required=True)
     p.add_argument("--die-at-step", type=int, default=-1, help="exit abruptly before this step")
+    p.add_argument("--error-feedback", action="store_true")
     args = p.parse_args()
     config = cgx.init()
     dtype = getattr(torch, args.dtype)
@@ -43,7 +44,7 @@ def main() -> None:
     model = model_for(dtype, args.hidden)
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
                                    compression=args.compression, backward_passes_per_step=args.accumulate,
-                                   block_bytes=args.block_bytes)
+                                   block_bytes=args.block_bytes, error_feedback=args.error_feedback)
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
     initial = {n: t.clone() for n, t in model.state_dict().items()}
     for step in range(args.steps):
