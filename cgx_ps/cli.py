@@ -47,6 +47,9 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    default=os.environ.get("CGX_PS_ERROR_FEEDBACK", "") not in ("", "0", "false"),
                    help="carry the re-quantization error of each block into the next round "
                         "(env CGX_PS_ERROR_FEEDBACK)")
+    p.add_argument("--kernel-threads", type=int, default=_env_int("CGX_PS_KERNEL_THREADS", 0),
+                   help="threads summing and re-encoding blocks; 0 = one per CPU (set 1 when the shard "
+                        "shares a host with workers) (env CGX_PS_KERNEL_THREADS)")
     p.add_argument("--log-level", default=os.environ.get("CGX_PS_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 

@@ -520,3 +520,69 @@ async def test_server_error_feedback_cancels_requantization_error(error_feedback
     finally:
         await close([a, b])
         await server.stop(drain=False)
+
+
+async def test_reconnect_mid_round_gets_the_result_on_the_new_stream(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a, b = await connect(shard, layout, 2)
+    try:
+        p = encode(torch.ones(4096), Codec.FP32).to_bytes()
+        await a.push(0, 0, p)
+        while not shard.service.rounds_in_flight() or shard.service.pending_pushes:
+            await asyncio.sleep(0.01)
+        await a.reopen()  # the stream broke after the push
+        fut = a.expect(0, 0)
+        await a.push(0, 0, p)  # re-pushed: a duplicate, but the result must come here
+        result = await b.exchange(0, 0, p)
+        assert await asyncio.wait_for(fut, 5) == result
+    finally:
+        await close([a, b])
+
+
+async def test_retried_register_does_not_reset_a_running_session(shard: ShardServer) -> None:
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, layout)
+    await a.connect()  # node-0 registered and streaming: the session is running
+    session = shard.service.session
+    from cgx_ps.layout import layout_hash
+    request = ps_pb2.RegisterRequest(node_id="node-1", num_nodes=2, layout=layout, layout_hash=layout_hash(layout))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        await stub.Register(request)
+        await stub.Register(request)  # a retry (say the first reply was lost): idempotent
+    b = ShardClient(f"127.0.0.1:{shard.port}", "node-1", 2, layout)
+    await b.connect()
+    try:
+        assert shard.service.session is session
+        p = encode(torch.ones(4096), Codec.FP32).to_bytes()
+        results = await asyncio.gather(a.exchange(0, 0, p), b.exchange(0, 0, p))
+        assert torch.equal(dequantize(results[0]), torch.full((4096,), 2.0))
+    finally:
+        await close([a, b])
+
+
+async def test_budget_cancelled_waiter_lets_smaller_ones_through() -> None:
+    from cgx_ps.server.budget import ByteBudget
+
+    budget = ByteBudget(10)
+    await budget.acquire(8)
+    big = asyncio.create_task(budget.acquire(5))
+    small = asyncio.create_task(budget.acquire(1))
+    await asyncio.sleep(0.01)
+    assert not small.done()  # FIFO: behind the big one
+    big.cancel()
+    await asyncio.wait_for(small, 1)
+    assert budget.used == 9
+
+
+async def test_drain_after_a_failed_round_does_not_wait_for_it() -> None:
+    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, round_timeout_s=0.3, drain_timeout_s=10))
+    await server.start()
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a, b = await connect(server, layout, 2)
+    with pytest.raises(RoundFailedError):
+        await asyncio.wait_for(a.exchange(0, 0, encode(torch.ones(4096), Codec.FP32).to_bytes()), 5)
+    t0 = asyncio.get_running_loop().time()
+    await server.stop(drain=True)
+    assert asyncio.get_running_loop().time() - t0 < 5
+    await close([a, b])

@@ -139,11 +139,16 @@ class Aggregator:
     def next_round(self, block_id: int) -> int:
         return self._block(block_id).round
 
-    def started(self) -> bool:
-        """Has any node pushed anything in this session?"""
-        return any(b.round or b.pushed for b in self.blocks.values())
+    def pushed_nodes(self) -> set[str]:
+        """Nodes that have pushed anything in this session."""
+        nodes = set()
+        for b in self.blocks.values():
+            nodes |= b.pushed | b.last_nodes
+        return nodes
 
     def rounds_in_flight(self) -> int:
+        if self.failed is not None:
+            return 0  # a failed round will never finish: nothing to wait for
         return sum(1 for b in self.blocks.values() if b.pushed)
 
     def _block(self, block_id: int) -> _Block:
@@ -177,7 +182,6 @@ class Aggregator:
                 block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
             block.pushed.add(node_id)
             block.round_encoding = encoding
-            self.known_nodes.add(node_id)
             if self.metrics:
                 self.metrics.bytes_in.inc(len(payload))
                 self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
@@ -272,9 +276,8 @@ class Aggregator:
     def _timeout(self, block: _Block, round_: int) -> None:
         if block.round != round_ or self.failed is not None:
             return
-        registered = self.known_nodes | block.pushed
-        missing = sorted(registered - block.pushed)
-        never = self.num_nodes - len(registered)
+        missing = sorted(self.known_nodes - block.pushed)
+        never = self.num_nodes - len(self.known_nodes)
         who = ", ".join(missing) if missing else "none of the registered nodes"
         extra = f" and {never} node(s) that never pushed to this shard" if never > 0 else ""
         self._fail(RoundFailure(

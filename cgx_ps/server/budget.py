@@ -33,6 +33,7 @@ class ByteBudget:
                 self.release(n)  # granted just as we were cancelled
             else:
                 self._waiters.remove((n, fut))
+                self.release(0)  # smaller requests queued behind this one may fit now
             raise
 
     def release(self, n: int) -> None:

@@ -91,7 +91,8 @@ class LocalCluster:
 
 def run_cluster(args: argparse.Namespace) -> int:
     extra = ["--round-timeout", str(args.round_timeout), "--max-inflight-mb", str(args.max_inflight_mb),
-             "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level]
+             "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level,
+             "--kernel-threads", str(args.kernel_threads)]
     if args.error_feedback:
         extra.append("--error-feedback")
     cluster = LocalCluster(args.shards, args.host, args.base_port, args.metrics_base_port, extra)

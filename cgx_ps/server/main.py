@@ -86,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shard_index=args.shard_index, num_shards=args.num_shards,
         round_timeout_s=args.round_timeout, drain_timeout_s=args.drain_timeout,
         max_inflight_bytes=int(args.max_inflight_mb * (1 << 20)), error_feedback=args.error_feedback,
+        kernel_threads=args.kernel_threads,
     )
 
 

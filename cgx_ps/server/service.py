@@ -52,11 +52,12 @@ class _Session:
     streams: dict[tuple[str, int], _NodeStream] = field(default_factory=dict)
     # streams that pushed each (block, round), so the result goes back exactly there
     pushers: dict[tuple[int, int], list[_NodeStream]] = field(default_factory=dict)
-    streamed: bool = False  # a node opened its Exchange stream: the job is running
+    active: set[tuple[str, int]] = field(default_factory=set)  # members that opened a stream
     last_activity: float = field(default_factory=time.monotonic)
 
-    def started(self) -> bool:
-        return self.streamed or self.aggregator.started()
+    def started(self, node: str, member: int) -> bool:
+        """Has this member of a node begun training (so a new Register means it restarted)?"""
+        return (node, member) in self.active or node in self.aggregator.pushed_nodes()
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
@@ -96,12 +97,15 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                 f"layout is sharded for {request.layout.num_shards} shards, this shard "
                                 f"was started with --num-shards {self.config.num_shards}")
         session = self.session
-        if self._starts_new_session(session, request, context_message := []):
+        busy: list[bool] = []
+        if self._starts_new_session(session, request, context_message := [], busy):
             if session is not None:
                 self._end_session(session, grpc.StatusCode.ABORTED, context_message[0])
             session = self._new_session(request, digest)
         elif context_message:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, context_message[0])
+            # busy with another job: UNAVAILABLE, so the client keeps retrying until it is free
+            code = grpc.StatusCode.UNAVAILABLE if busy else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, context_message[0])
         session.last_activity = time.monotonic()
         session.nodes.setdefault(node, set()).add(request.member)
         session.aggregator.known_nodes.add(node)
@@ -115,7 +119,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         )
 
     def _starts_new_session(self, session: _Session | None, request: ps_pb2.RegisterRequest,
-                            message: list[str]) -> bool:
+                            message: list[str], busy: list[bool]) -> bool:
         """Decide whether a Register joins the current session, starts a new one (True; message
         says why the old one ends) or is refused (False with a message)."""
         node, job = request.node_id, request.job_id
@@ -129,10 +133,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 return True
             message.append(f"shard is busy with job {session.job_id!r} ({len(session.streams)} nodes "
                            f"connected); job {job!r} must wait or use other shards")
+            busy.append(True)
             return False
         diff = first_difference(session.layout, request.layout)
         if request.member in session.nodes.get(node, ()):
-            if session.started() or diff is not None:
+            if session.started(node, request.member) or diff is not None:
                 # the process restarted, so the job did: start over at round 0
                 message.append(f"session reset: node {node} member {request.member} registered again")
                 return True
@@ -215,10 +220,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                 f"session failed: {session.aggregator.failed.message}")
         stream = _NodeStream(node, member)
         old = session.streams.get((node, member))
-        if old is not None:  # a reconnect replaces the old stream
+        if old is not None:  # a reconnect replaces the old stream, also for results still due
             old.queue.put_nowait(_STOP)
+            for waiting in session.pushers.values():
+                waiting[:] = [stream if s is old else s for s in waiting]
         session.streams[(node, member)] = stream
-        session.streamed = True
+        session.active.add((node, member))
         session.last_activity = time.monotonic()
         self.metrics.connected_nodes.inc()
         reader = asyncio.create_task(self._read_pushes(context, session, stream))
@@ -260,16 +267,19 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             stream.error = exc
             self.metrics.push(stream.node_id, "rejected")
             log.warning("node %s: %s", stream.node_id, exc.message)
-        except asyncio.CancelledError:
-            raise
+        except grpc.aio.AioRpcError:
+            pass  # the client went away; nothing to tell it
+        except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
+            log.exception("node %s: unexpected error reading pushes", stream.node_id)
+            stream.error = PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
         finally:
             for assembly in partial.values():
-                self.budget.release(assembly.reserved)
+                self.budget.release(assembly.total)
                 self.pending_pushes -= 1
             self._update_inflight()
-        # EOF or error: end the stream (pending results for this node are not awaited on EOF:
-        # a client half-closes only when it has everything it waits for).
-        stream.queue.put_nowait(_STOP)
+            # EOF, error or cancellation: end the stream (on EOF pending results are not awaited:
+            # a client half-closes only when it has everything it waits for)
+            stream.queue.put_nowait(_STOP)
 
     async def _assemble(self, session: _Session, partial: dict[int, _Assembly],
                         chunk: ps_pb2.PushChunk) -> bytes | None:
@@ -290,7 +300,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # Reserve the whole block up front: a block holds all of its budget or none, so
             # streams that each hold part of the budget can never wait on each other forever.
             await self.budget.acquire(expected)
-            assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected, reserved=expected)
+            assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected)
             self.pending_pushes += 1
             self._update_inflight()
         if chunk.round != assembly.round or chunk.total_bytes != assembly.total or chunk.offset != assembly.filled:
@@ -311,15 +321,25 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     async def _push(self, session: _Session, stream: _NodeStream, chunk: ps_pb2.PushChunk,
                     payload: bytes) -> None:
-        pushers = session.pushers.setdefault((chunk.block_id, chunk.round), [])
+        key = (chunk.block_id, chunk.round)
+        pushers = session.pushers.setdefault(key, [])
         pushers.append(stream)  # before push(): the last push completes the round inside it
-        try:
-            outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
-            if not outcome.accepted and stream in pushers:
-                pushers.remove(stream)
-        except PushRejected as exc:
+
+        def forget() -> None:
             if stream in pushers:
                 pushers.remove(stream)
+            if not pushers and session.pushers.get(key) is pushers:
+                del session.pushers[key]
+
+        try:
+            outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
+            if not outcome.accepted:
+                forget()
+        except Exception as exc:  # noqa: BLE001 - any failure ends this node's stream, clearly
+            forget()
+            if not isinstance(exc, PushRejected):
+                log.exception("node %s: unexpected error in push", stream.node_id)
+                exc = PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
             stream.error = stream.error or exc
             self.metrics.push(stream.node_id, "rejected")
             log.warning("node %s: %s", stream.node_id, exc.message)
@@ -340,28 +360,39 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     async def PutBlob(self, request_iterator, context: grpc.aio.ServicerContext) -> ps_pb2.PutBlobResponse:
         parts: list[bytes] = []
-        key, total, filled = None, 0, 0
-        async for chunk in request_iterator:
-            if key is None:
-                key, total = chunk.key, chunk.total_bytes
-                if total > self.blobs.capacity:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"blob {key!r} of {total} bytes exceeds the shard's blob capacity")
-            if (chunk.key, chunk.total_bytes, chunk.offset) != (key, total, filled) or \
-                    filled + len(chunk.data) > total:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"blob {key!r}: chunk at offset {chunk.offset} does not continue at {filled}")
-            parts.append(chunk.data)
-            filled += len(chunk.data)
-        if key is None or filled != total:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"blob {key!r}: stream ended at {filled} of {total} bytes")
+        key, total, filled, reserved = None, 0, 0, 0
         try:
-            self.blobs.put(key, b"".join(parts))
-        except BlobError as exc:
-            code = grpc.StatusCode.ALREADY_EXISTS if exc.kind == "exists" else grpc.StatusCode.RESOURCE_EXHAUSTED
-            await context.abort(code, str(exc))
+            async for chunk in request_iterator:
+                if key is None:
+                    key, total = chunk.key, chunk.total_bytes
+                    if total > self.blobs.capacity - self.blobs.used:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"blob {key!r} of {total} bytes exceeds the shard's blob capacity")
+                    # buffered bytes count against the same cap as pushes: many concurrent puts
+                    # cannot take more memory than the shard allows
+                    await self.budget.acquire(total)
+                    reserved = total
+                await self._blob_chunk(context, chunk, parts, key, total, filled)
+                filled += len(chunk.data)
+            if key is None or filled != total:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"blob {key!r}: stream ended at {filled} of {total} bytes")
+            try:
+                self.blobs.put(key, b"".join(parts))
+            except BlobError as exc:
+                code = grpc.StatusCode.ALREADY_EXISTS if exc.kind == "exists" else grpc.StatusCode.RESOURCE_EXHAUSTED
+                await context.abort(code, str(exc))
+        finally:
+            self.budget.release(reserved)
         return ps_pb2.PutBlobResponse()
+
+    async def _blob_chunk(self, context, chunk: ps_pb2.BlobChunk, parts: list[bytes], key: str, total: int,
+                          filled: int) -> None:
+        if (chunk.key, chunk.total_bytes, chunk.offset) != (key, total, filled) or \
+                filled + len(chunk.data) > total:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"blob {key!r}: chunk at offset {chunk.offset} does not continue at {filled}")
+        parts.append(chunk.data)
 
     async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext):
         try:
@@ -412,9 +443,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 @dataclass(eq=False)
 class _Assembly:
     round: int
-    total: int
+    total: int  # also the bytes reserved in the budget for it
     filled: int = 0
-    reserved: int = 0
     parts: list[bytes] = field(default_factory=list)
 
     def add(self, data: bytes) -> None:

@@ -139,8 +139,8 @@ class Tuner:
         pipeline = 2 * pushed / window if pushed >= _PIPELINE_MIN_BYTES and window > 0 else 0.0
         throughput = min(probe, pipeline) if pipeline else probe
         fp32 = sum(HEADER_SIZE + 4 * b.spec.numel for b in opt._cgx_blocks)
-        compressed = sum(HEADER_SIZE + body_size(Codec(b.spec.codec.codec), b.spec.numel, b.spec.codec.bits,
-                                                 b.spec.codec.bucket_size) for b in opt._cgx_blocks)
+        compressed = sum(HEADER_SIZE + body_size(Codec(b.settings.codec), b.spec.numel, b.settings.bits,
+                                                 b.settings.bucket_size) for b in opt._cgx_blocks)
         q_numel = sum(b.spec.numel for b in self.adaptive_blocks)
         sample = torch.randn(min(max(q_numel, 1), 1 << 20))
         codec_s = float("inf")

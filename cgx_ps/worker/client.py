@@ -111,6 +111,11 @@ class ShardClient:
             await self._channel.close()
         self._fail_all(CgxPsError(f"connection to shard {self.address} closed"))
 
+    @property
+    def error(self) -> CgxPsError | None:
+        """The error that ended this connection's stream (a failed round, a closed shard), if any."""
+        return self._error
+
     # ---- control: adaptive settings, link probe -------------------------------------------------
 
     async def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:

@@ -154,21 +154,26 @@ class NodeReducer:
         """Owner: the decoded result is in our buffer."""
         self.own.done[block_id] = seq
 
-    async def fetch(self, block_id: int, seq: int) -> None:
-        """Non-owner: wait for the owner's result and copy it into our buffer."""
+    async def fetch(self, block_id: int, seq: int, failed=lambda: None) -> None:
+        """Non-owner: wait for the owner's result and copy it into our buffer. ``failed()``
+        returns an error to raise instead of waiting on (the round failed on the shards)."""
         owner = self.owner(block_id)
         seg = self.segments[owner]
-        await self.wait(lambda: seg.done[block_id] >= seq, f"block {block_id}: result from its owner", only=owner)
+        await self.wait(lambda: seg.done[block_id] >= seq, f"block {block_id}: result from its owner", only=owner,
+                        failed=failed)
         a, b = self.offsets[block_id], self.offsets[block_id + 1]
         self.buffer(block_id).copy_(seg.data[a:b])
         self.own.consumed[block_id] = seq
 
-    async def wait(self, condition, what: str, only: int | None = None) -> None:
+    async def wait(self, condition, what: str, only: int | None = None, failed=lambda: None) -> None:
         """Poll shared flags without holding a thread: waits on peers must never block the
         codec threads, or two ranks each waiting for the other's encode would deadlock."""
         deadline = time.monotonic() + self.timeout_s
         delay = 50e-6
         while not condition():
+            error = failed()
+            if error is not None:
+                raise error
             self._check(what, deadline, only)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1e-3)

@@ -194,7 +194,9 @@ class _DistributedMixin:
         block.round += 1
 
     async def _cgx_fetch(self, block: _Block, seq: int) -> int:
-        await self._cgx_reducer.fetch(block.spec.block_id, seq)
+        # our own stream to the block's shard hears a failed round too: stop waiting then
+        client = self._cgx_engine.clients[block.spec.shard]
+        await self._cgx_reducer.fetch(block.spec.block_id, seq, failed=lambda: client.error)
         return 0
 
     async def _cgx_exchange(self, block: _Block, seq: int, ready, compressed: bool) -> int:
