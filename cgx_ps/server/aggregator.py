@@ -262,8 +262,7 @@ class Aggregator:
         acc, seed = block.acc, result_seed(block.spec.block_id, round_)
         stochastic = block.settings_for(round_).stochastic
         if not (self.error_feedback and codec == Codec.MAXMIN):
-            return encode(acc, codec, bits=bits, bucket_size=bucket or 1024, stochastic=stochastic,
-                          seed=seed).to_bytes()
+            return encode(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed).to_bytes()
         if block.residual is None:
             block.residual = torch.zeros_like(acc)
         acc.add_(block.residual)

@@ -195,11 +195,9 @@ class NodeReducer:
             raise IntraNodeError(f"timed out after {self.timeout_s:g}s waiting for {what} (a local rank stalled?)")
 
     def close(self) -> None:
+        """Remove our segment's name if it is still there (normally gone right after attach).
+        The mappings themselves live as long as the block buffers that view them."""
         self._own_path.unlink(missing_ok=True)
-        for seg in self.segments:
-            if seg is not None:
-                seg.data = None  # drop the tensor view before closing the mapping
-        self.segments = []
 
 
 def _alive(pid: int) -> bool:
