@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["CHUNK_BYTES", "GRPC_OPTIONS"]
+from typing import Iterator
+
+__all__ = ["CHUNK_BYTES", "GRPC_OPTIONS", "chunks"]
 
 # Blocks travel as raw-bytes chunks of this size: Python gRPC moves 1-2 MiB messages about 5x
 # faster than one large message, and stays under the default 4 MiB receive limit.
@@ -18,3 +20,11 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+def chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) pieces of at most CHUNK_BYTES; always at least one (empty data: one
+    empty chunk, so a receiver still learns total_bytes)."""
+    view = memoryview(data)
+    for off in range(0, max(len(data), 1), CHUNK_BYTES):
+        yield off, bytes(view[off: off + CHUNK_BYTES])

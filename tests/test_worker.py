@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgx_ps.kernels import Codec, dequantize, encode
+from cgx_ps.kernels import dequantize, encode
 from cgx_ps.layout import codec_of
 from cgx_ps.server import LocalCluster
 from cgx_ps.server.aggregator import result_seed

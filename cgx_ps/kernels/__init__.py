@@ -9,7 +9,7 @@ numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks on
 imports nothing else of cgx_ps, so it can be reused on its own.
 """
 
-from .api import EncodedBlock, Impl, decode_header, dequantize, encode, quantize
+from .api import EncodedBlock, Impl, decode_header, dequantize, encode, encode_with_feedback, quantize
 from .errors import CodecError
 from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
 
@@ -25,5 +25,6 @@ __all__ = [
     "decode_header",
     "dequantize",
     "encode",
+    "encode_with_feedback",
     "quantize",
 ]

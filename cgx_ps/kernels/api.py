@@ -19,7 +19,8 @@ from . import cpu, reference, wire
 from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header
 
-__all__ = ["EncodedBlock", "encode", "quantize", "dequantize", "decode_header", "Impl"]
+__all__ = ["EncodedBlock", "encode", "encode_with_feedback", "quantize", "dequantize", "decode_header",
+           "Impl"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host runs torch training today
     raise ImportError("cgx_ps.kernels reads and writes little-endian buffers in place")
@@ -196,6 +197,17 @@ def _encode_float_cpu(x: torch.Tensor, body: np.ndarray, codec: Codec) -> None:
         if bad >= 0:
             raise CodecError(f"element {bad} ({float(x[bad])}) overflows {codec.name.lower()}")
     body[:] = raw
+
+
+def encode_with_feedback(tensor: torch.Tensor, residual: torch.Tensor, codec: Codec | int, *, bits: int,
+                         bucket_size: int, stochastic: bool, seed: int) -> EncodedBlock:
+    """Error feedback: encode ``tensor + residual`` and leave in ``residual`` what the encoding
+    left out, to be added next time. ``tensor`` is updated in place (it holds the sum)."""
+    tensor.add_(residual)
+    encoded = encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed)
+    dequantize(encoded, out=residual)
+    residual.neg_().add_(tensor)
+    return encoded
 
 
 def decode_header(payload: BytesLike) -> Header:

@@ -20,7 +20,8 @@ from typing import Callable
 import grpc
 import torch
 
-from ..kernels import HEADER_SIZE, Codec, CodecError, body_size, decode_header, dequantize, encode
+from ..kernels import (HEADER_SIZE, Codec, CodecError, body_size, decode_header, dequantize, encode,
+                       encode_with_feedback)
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
@@ -265,10 +266,8 @@ class Aggregator:
             return encode(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed).to_bytes()
         if block.residual is None:
             block.residual = torch.zeros_like(acc)
-        acc.add_(block.residual)
-        encoded = encode(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed)
-        torch.sub(acc, dequantize(encoded), out=block.residual)  # what this round's result left out
-        return encoded.to_bytes()
+        return encode_with_feedback(acc, block.residual, codec, bits=bits, bucket_size=bucket,
+                                    stochastic=stochastic, seed=seed).to_bytes()
 
     # ---- failure --------------------------------------------------------------------------------
 

@@ -19,11 +19,12 @@ import grpc
 
 from .. import __version__
 from ..layout import LayoutError, first_difference, layout_hash, validate_layout
+from ..transport import chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .aggregator import Aggregator, PushRejected, RoundFailure
 from .blobs import BlobError, BlobStore
 from .budget import ByteBudget
-from .config import CHUNK_BYTES, ServerConfig
+from .config import ServerConfig
 from .metrics import ShardMetrics
 
 __all__ = ["ParameterServerService"]
@@ -399,10 +400,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             data = await self.blobs.get(request.key, request.timeout_s or 60.0)
         except BlobError as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        view = memoryview(data)
-        for off in range(0, max(len(data), 1), CHUNK_BYTES):
-            yield ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off,
-                                   data=bytes(view[off: off + CHUNK_BYTES]))
+        for off, piece in chunks(data):
+            yield ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off, data=piece)
 
     # ---- adaptive compression and link probe -----------------------------------------------------
 
@@ -458,11 +457,6 @@ class _Assembly:
 
 def _pull_messages(block_id: int, round_: int, data: bytes) -> list[ps_pb2.ExchangeResponse]:
     """Chunk one result into messages built once and written to every node's stream."""
-    view = memoryview(data)
-    total = len(data)
-    return [
-        ps_pb2.ExchangeResponse(pull=ps_pb2.PullChunk(
-            round=round_, block_id=block_id, total_bytes=total, offset=off,
-            data=bytes(view[off: off + CHUNK_BYTES])))
-        for off in range(0, total, CHUNK_BYTES)
-    ]
+    return [ps_pb2.ExchangeResponse(pull=ps_pb2.PullChunk(round=round_, block_id=block_id, total_bytes=len(data),
+                                                          offset=off, data=piece))
+            for off, piece in chunks(data)]

@@ -20,7 +20,7 @@ import grpc
 
 from .. import __version__
 from ..layout import layout_hash
-from ..transport import CHUNK_BYTES, GRPC_OPTIONS
+from ..transport import CHUNK_BYTES, GRPC_OPTIONS, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 
@@ -156,13 +156,12 @@ class ShardClient:
     async def push(self, block_id: int, round_: int, payload: bytes) -> None:
         if self._error is not None:
             raise self._error
-        view = memoryview(payload)
         total = len(payload)
         async with self._write_lock:  # one writer at a time; keeps a block's chunks contiguous
             try:
-                for off in range(0, total, CHUNK_BYTES):
+                for off, piece in chunks(payload):
                     chunk = ps_pb2.PushChunk(round=round_, block_id=block_id, total_bytes=total, offset=off,
-                                             data=bytes(view[off: off + CHUNK_BYTES]))
+                                             data=piece)
                     await self._call.write(ps_pb2.ExchangeRequest(push=chunk))
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 raise self._error or ShardUnavailableError(

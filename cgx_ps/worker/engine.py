@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from ..transport import CHUNK_BYTES, GRPC_OPTIONS
+from ..transport import CHUNK_BYTES, GRPC_OPTIONS, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .client import ShardClient
 from .config import WorkerConfig
@@ -126,10 +126,9 @@ class CommEngine:
 
     def put_blob(self, key: str, data: bytes) -> None:
         async def put() -> None:
-            view = memoryview(data)
-            chunks = [ps_pb2.BlobChunk(key=key, total_bytes=len(data), offset=o, data=bytes(view[o:o + CHUNK_BYTES]))
-                      for o in range(0, max(len(data), 1), CHUNK_BYTES)]
-            await self._blob_stub().PutBlob(iter(chunks), timeout=120)
+            pieces = [ps_pb2.BlobChunk(key=key, total_bytes=len(data), offset=o, data=piece)
+                      for o, piece in chunks(data)]
+            await self._blob_stub().PutBlob(iter(pieces), timeout=120)
 
         self._rpc(put(), f"broadcast put {key!r}")
 

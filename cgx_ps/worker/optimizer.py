@@ -25,12 +25,12 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
-from ..kernels import Codec, dequantize, encode
+from ..kernels import Codec, dequantize, encode, encode_with_feedback
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import CgxPsError, ConfigError
@@ -131,7 +131,8 @@ class _DistributedMixin:
         self._cgx_backward_s = 0.0  # first to last gradient hook of the last step
         self._cgx_window = [float("inf"), 0.0]  # first push to last result of this step
         self._cgx_comm_window_s = 0.0  # the same, for the last synchronized step
-        self._cgx_hook_times: list[float] = []
+        self._cgx_first_hook: float | None = None  # this step's first gradient hook
+        self._cgx_last_hook = 0.0
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad) for p in params.values()
                            if p.requires_grad]
         self._cgx_tuner = Tuner(self, compression) if compression.adaptive or compression.auto else None
@@ -145,16 +146,10 @@ class _DistributedMixin:
         self._cgx_passes = {}
 
     def _cgx_on_grad(self, param: torch.nn.Parameter) -> None:
-        if self._cgx_skip_hooks:
-            return
         with self._cgx_lock:
-            now = time.perf_counter()
-            if not self._cgx_hook_times:
-                self._cgx_hook_times.append(now)
-            elif len(self._cgx_hook_times) == 1:
-                self._cgx_hook_times.append(now)
-            else:
-                self._cgx_hook_times[1] = now
+            self._cgx_last_hook = time.perf_counter()
+            if self._cgx_first_hook is None:
+                self._cgx_first_hook = self._cgx_last_hook
             passes = self._cgx_passes.get(id(param), 0) + 1
             self._cgx_passes[id(param)] = passes
             if passes != self._cgx_backward_passes:
@@ -166,8 +161,6 @@ class _DistributedMixin:
                     ready.append(block)
         for block in ready:
             self._cgx_submit(block)
-
-    _cgx_skip_hooks = False
 
     def _cgx_submit(self, block: _Block) -> None:
         """Copy the block's gradients into its buffer and hand it to the communication thread."""
@@ -251,9 +244,9 @@ class _DistributedMixin:
             self._cgx_reset_pending()
             raise
         stats.exposed_comm_s = time.perf_counter() - t0
-        times = self._cgx_hook_times
-        self._cgx_backward_s = times[-1] - times[0] if len(times) == 2 else 0.0
-        self._cgx_hook_times = []
+        first = self._cgx_first_hook
+        self._cgx_backward_s = self._cgx_last_hook - first if first is not None else 0.0
+        self._cgx_first_hook = None
         start, end = self._cgx_window
         self._cgx_comm_window_s = max(0.0, end - start)
         self._cgx_window = [float("inf"), 0.0]
@@ -304,11 +297,8 @@ def _encode(block: _Block, compressed: bool, seed: int, error_feedback: bool) ->
                       stochastic=s.stochastic, seed=seed).to_bytes()
     if block.residual is None:
         block.residual = torch.zeros_like(block.buffer)
-    block.buffer.add_(block.residual)
-    encoded = encode(block.buffer, codec, bits=s.bits, bucket_size=s.bucket_size, stochastic=s.stochastic, seed=seed)
-    dequantize(encoded, out=block.residual)
-    block.residual.neg_().add_(block.buffer)  # residual = what this push left out
-    return encoded.to_bytes()
+    return encode_with_feedback(block.buffer, block.residual, codec, bits=s.bits, bucket_size=s.bucket_size,
+                                stochastic=s.stochastic, seed=seed).to_bytes()
 
 
 def _num_shards() -> int:
