@@ -1,12 +1,14 @@
 """Intra-node reduction: shared-memory reduce-scatter + all-gather vs a gloo allreduce, and bytes
 leaving a node for 1 and 2 local ranks.
 
-    .venv/bin/python benchmarks/intranode.py [--mb 68] [--iters 10]
+    .venv/bin/python benchmarks/intranode.py [--mb 68] [--iters 10] [--device cuda]
 
 Part 1 times the node reduction alone (no network, no codec): every local rank writes its
 gradient into shared memory, each block's owner sums it, the others copy the owner's result.
 The peer is ``torch.distributed.all_reduce`` over gloo among the same two local processes on the
-same float32 tensor. Part 2 trains mlp17m for a few steps as one node with 1 and with 2 local
+same float32 tensor. With ``--device cuda`` both processes put their gradient on GPU 0: cgx-ps
+reduces through CUDA IPC, and the peers are gloo (which stages through host memory) and NCCL
+on the same tensors. Part 2 trains mlp17m for a few steps as one node with 1 and with 2 local
 ranks against a local shard and reports the bytes the node pushed per step.
 """
 
@@ -35,13 +37,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def reducer_worker(local_rank: int, numel: int, iters: int, job: str) -> list[float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reducer_worker(local_rank: int, numel: int, iters: int, job: str, device: torch.device) -> list[float]:
     from cgx_ps.worker.intranode import NodeReducer
     from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
     layout = build_layout([TensorInfo("g", (numel,))], 1, Compression(bits=None))
-    reducer = NodeReducer(layout, local_rank, 2, 0, job, timeout_s=60)
-    grad = torch.randn(numel)
+    reducer = NodeReducer(layout, local_rank, 2, 0, job, timeout_s=60, device=device)
+    grad = torch.randn(numel, device=device)
     times = []
 
     async def one(seq: int) -> None:
@@ -58,43 +65,50 @@ def reducer_worker(local_rank: int, numel: int, iters: int, job: str) -> list[fl
                     reducer.publish(b, seq)
                 tasks.append(own())
             else:
-                tasks.append(reducer.fetch(b, seq))
+                tasks.append(reducer.fetch(b, seq, run_in_thread=lambda fn: asyncio.to_thread(fn)))
         await asyncio.gather(*tasks)
 
     for i in range(iters + 2):
+        _sync(device)
         t0 = time.perf_counter()
         asyncio.run(one(i + 1))
+        _sync(device)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     reducer.close()
     return times
 
 
-def gloo_worker(rank: int, numel: int, iters: int) -> list[float]:
+def collective_worker(backend: str, rank: int, numel: int, iters: int, device: torch.device) -> list[float]:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    grad = torch.randn(numel)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    grad = torch.randn(numel, device=device)
     buf = torch.empty_like(grad)
     times = []
     for i in range(iters + 2):
-        buf.copy_(grad)  # the same copy-in the shared-memory path does
+        buf.copy_(grad)  # the same copy-in the cgx-ps path does
         dist.barrier()
+        _sync(device)
         t0 = time.perf_counter()
         dist.all_reduce(buf)
+        _sync(device)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     dist.destroy_process_group()
     return times
 
 
-def _spawn_pair(mode: str, numel: int, iters: int) -> float:
+def _spawn_pair(mode: str, numel: int, iters: int, device: str) -> float | None:
     port, job = str(_free_port()), uuid.uuid4().hex[:8]
     procs = [subprocess.Popen([sys.executable, __file__, "--child", mode, "--rank", str(r), "--numel", str(numel),
-                               "--iters", str(iters), "--job", job],
+                               "--iters", str(iters), "--job", job, "--device", device],
                               env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"),
                               stdout=subprocess.PIPE, text=True) for r in range(2)]
-    times = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        return None  # e.g. NCCL refuses two ranks on one GPU
+    times = [json.loads(out.strip().splitlines()[-1]) for out in outs]
     return statistics.median(max(a, b) for a, b in zip(*times))
 
 
@@ -119,28 +133,41 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=68.4, help="fp32 MB per rank (mlp17m: 68.4)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--child", choices=["shm", "gloo"])
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (both local ranks on GPU 0)")
+    p.add_argument("--child", choices=["cgx", "gloo", "nccl"])
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--numel", type=int, default=0)
     p.add_argument("--job", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.child == "shm":
-        print(json.dumps(reducer_worker(args.rank, args.numel, args.iters, args.job)))
+    device = torch.device(args.device)
+    if device.type == "cuda":  # one GPU per local rank where there are enough, else both on GPU 0
+        device = torch.device("cuda", args.rank % torch.cuda.device_count())
+    if args.child == "cgx":
+        print(json.dumps(reducer_worker(args.rank, args.numel, args.iters, args.job, device)))
         return
-    if args.child == "gloo":
-        print(json.dumps(gloo_worker(args.rank, args.numel, args.iters)))
+    if args.child:
+        print(json.dumps(collective_worker(args.child, args.rank, args.numel, args.iters, device)))
         return
     numel = int(args.mb * 1e6 / 4)
-    shm = _spawn_pair("shm", numel, args.iters)
-    gloo = _spawn_pair("gloo", numel, args.iters)
+    ours = _spawn_pair("cgx", numel, args.iters, args.device)
+    gloo = _spawn_pair("gloo", numel, args.iters, args.device)
+    if ours is None or gloo is None:
+        sys.exit("a benchmark process failed (its error is above)")
+    nccl = _spawn_pair("nccl", numel, args.iters, args.device) if device.type == "cuda" else None
     one, two = bytes_per_node(1, args.steps), bytes_per_node(2, args.steps)
-    print(f"2 local ranks, {args.mb:g} MB fp32 each, median of {args.iters}")
+    how = "CUDA IPC" if device.type == "cuda" else "shared-memory"
+    print(f"2 local ranks on {args.device}, {args.mb:g} MB fp32 each, median of {args.iters}")
     print("| measure | value |")
     print("|---|---|")
-    print(f"| shared-memory reduce-scatter + all-gather (cgx-ps) | {shm * 1e3:.1f} ms |")
+    print(f"| {how} reduce-scatter + all-gather (cgx-ps) | {ours * 1e3:.1f} ms |")
     print(f"| gloo all_reduce among the same 2 processes (peer) | {gloo * 1e3:.1f} ms |")
-    print(f"| cgx-ps / gloo | {shm / gloo:.2f} |")
+    print(f"| cgx-ps / gloo | {ours / gloo:.2f} |")
+    if device.type == "cuda" and nccl is None:
+        print("| nccl all_reduce among the same 2 processes (peer) | failed (NCCL refuses two ranks on one GPU) |")
+    elif nccl is not None:
+        print(f"| nccl all_reduce among the same 2 processes (peer) | {nccl * 1e3:.1f} ms |")
+        print(f"| cgx-ps / nccl | {ours / nccl:.2f} |")
     print(f"| bytes pushed per node per step, mlp17m 4-bit, 1 local rank | {one / 1e6:.2f} MB |")
     print(f"| bytes pushed per node per step, mlp17m 4-bit, 2 local ranks | {two / 1e6:.2f} MB |")
 

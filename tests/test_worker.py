@@ -282,11 +282,42 @@ def test_two_nodes_of_two_ranks_reduce_locally_and_push_once(tmp_path):
     assert _shm_files() == before  # nothing left in /dev/shm
 
 
-def test_dead_local_rank_fails_its_node_clearly(tmp_path):
+def _gpu_codec_ready() -> bool:
+    import importlib.util
+    return torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+
+
+@pytest.mark.skipif(not _gpu_codec_ready(), reason="needs a CUDA GPU and CuPy")
+def test_two_nodes_of_two_gpu_ranks_reduce_over_cuda_ipc(tmp_path):
+    """Four processes on one GPU: each node's two ranks reduce through CUDA IPC, compress on the
+    GPU, and end bit-identical to the CPU replay of the same steps."""
     before = _shm_files()
+    steps = 3
+    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as c:
+        outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
+        results = run_nodes(c, 2, 2, lambda r: ["--steps", str(steps), "--out", str(outs[r]), "--device", "cuda"])
+        for r, res in enumerate(results):
+            assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
+    saved = [torch.load(o, weights_only=False) for o in outs]
+    assert [s["intranode"] for s in saved] == ["cuda"] * 4
+    expected = expected_params(saved[0], 4, steps, 1, torch.float32, local=2)
+    for r in range(4):
+        for name, value in expected.items():
+            assert torch.equal(saved[r]["final"][name], value), (r, name)
+    assert _shm_files() == before
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not _gpu_codec_ready(), reason="needs a CUDA GPU and CuPy"))])
+def test_dead_local_rank_fails_its_node_clearly(tmp_path, device):
+    before = _shm_files()
+    everything_before = set(os.listdir("/dev/shm")) if device == "cuda" else set()
     with LocalCluster(1, extra_args=["--round-timeout", "10", "--log-level", "WARNING"]) as c:
         results = run_nodes(c, 1, 2, lambda r: ["--steps", "2", "--out", str(tmp_path / f"{r}.pt"),
+                                                "--device", device,
                                                 *(["--die-at-step", "1"] if r == 1 else [])], timeout=120)
+    if device == "cuda":  # CUDA IPC leaves no files of its own either (no torch ref-counter files)
+        assert set(os.listdir("/dev/shm")) <= everything_before
     assert results[1].returncode == 3
     assert results[0].returncode != 0
     assert "IntraNodeError: local rank 1 (pid" in results[0].stderr and "exited while waiting" in results[0].stderr, \

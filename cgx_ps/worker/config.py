@@ -8,6 +8,10 @@
     CGX_PS_SERVERS                                     "host:port,host:port" or a template with
                                                        {i}, expanded for i < CGX_PS_NUM_SHARDS
     CGX_PS_JOB_ID                                      the same for every worker of one job
+    CGX_PS_INTRANODE                                   how local ranks reduce: auto (CUDA IPC for
+                                                       models on a GPU, else shared memory), shm
+                                                       (host shared memory even for GPU models),
+                                                       or cuda
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from typing import Mapping
 
 from .errors import ConfigError
 
-__all__ = ["WorkerConfig"]
+__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS"]
+
+INTRANODE_TRANSPORTS = ("auto", "shm", "cuda")
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class WorkerConfig:
     connect_timeout_s: float = 60.0
     # the training job, shared by all its workers (lets a shard tell a new job from a restart)
     job_id: str = ""
+    # intra-node reduction transport: "auto", "shm" or "cuda"
+    intranode: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -47,6 +55,8 @@ class WorkerConfig:
             (0 <= self.node_rank < self.num_nodes, f"node rank {self.node_rank} is not below {self.num_nodes} nodes"),
             (self.world_size == self.num_nodes * self.local_world_size,
              f"WORLD_SIZE={self.world_size} != {self.num_nodes} nodes x LOCAL_WORLD_SIZE={self.local_world_size}"),
+            (self.intranode in INTRANODE_TRANSPORTS,
+             f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
         ]
         for ok, message in checks:
@@ -87,7 +97,8 @@ class WorkerConfig:
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=_servers(env.get("CGX_PS_SERVERS", ""), env.get("CGX_PS_NUM_SHARDS", "")),
                      connect_timeout_s=float(env.get("CGX_PS_CONNECT_TIMEOUT", 60.0)),
-                     job_id=env.get("CGX_PS_JOB_ID", ""))
+                     job_id=env.get("CGX_PS_JOB_ID", ""),
+                     intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto")
         return replace(config, **overrides) if overrides else config
 
 

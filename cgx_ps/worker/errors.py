@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
-           "ConfigError"]
+           "ConfigError", "IntraNodeError"]
 
 
 class CgxPsError(RuntimeError):
@@ -32,3 +32,7 @@ class RoundFailedError(CgxPsError):
     def __init__(self, address: str, message: str, missing_nodes: tuple[str, ...] = ()) -> None:
         super().__init__(f"round failed on shard {address}: {message}")
         self.address, self.missing_nodes = address, missing_nodes
+
+
+class IntraNodeError(CgxPsError):
+    """A local rank of this node died, stalled or disagreed (intra-node reduction)."""

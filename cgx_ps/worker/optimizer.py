@@ -95,10 +95,18 @@ class _DistributedMixin:
         self._cgx_engine, self._cgx_config = engine_for_layout(self._cgx_layout)
         config = self._cgx_config
         self._cgx_reducer = None
-        if config.local_world_size > 1:  # ranks of this node reduce through shared memory first
+        if config.local_world_size > 1:  # ranks of this node reduce among themselves first
+            devices = {p.device for p in params.values()}
+            # one GPU: CUDA IPC (unless CGX_PS_INTRANODE=shm); several devices: host shared memory
+            device, transport = next(iter(devices)), config.intranode
+            if len(devices) > 1:
+                if transport == "cuda":
+                    raise ConfigError(f"CGX_PS_INTRANODE=cuda needs the model on one GPU, it spans {sorted(map(str, devices))}")
+                device, transport = torch.device("cpu"), "shm"
             self._cgx_reducer = NodeReducer(self._cgx_layout, config.local_rank, config.local_world_size,
                                             config.node_rank, config.job_id or os.environ.get("TORCHELASTIC_RUN_ID", ""),
-                                            timeout_s=self._cgx_engine.round_timeout_s)
+                                            timeout_s=self._cgx_engine.round_timeout_s, device=device,
+                                            transport=transport)
         self._cgx_backward_passes = backward_passes_per_step
         self._cgx_error_feedback = error_feedback
         self._cgx_warmup = warmup_steps
@@ -113,8 +121,7 @@ class _DistributedMixin:
         tensors = self._cgx_layout.tensors
         for spec in self._cgx_layout.blocks:
             device = params[tensors[spec.segments[0].tensor_index].name].device
-            if self._cgx_reducer is not None:
-                # CUDA tensors stage through host shared memory here (CUDA IPC is not built yet)
+            if self._cgx_reducer is not None:  # in the node's shared memory or our IPC-exported GPU buffer
                 buffer = self._cgx_reducer.buffer(spec.block_id)
             else:
                 buffer = torch.zeros(spec.numel, dtype=torch.float32, device=device)
@@ -189,7 +196,8 @@ class _DistributedMixin:
     async def _cgx_fetch(self, block: _Block, seq: int) -> int:
         # our own stream to the block's shard hears a failed round too: stop waiting then
         client = self._cgx_engine.clients[block.spec.shard]
-        await self._cgx_reducer.fetch(block.spec.block_id, seq, failed=lambda: client.error)
+        await self._cgx_reducer.fetch(block.spec.block_id, seq, failed=lambda: client.error,
+                                      run_in_thread=self._cgx_engine.in_thread)
         return 0
 
     async def _cgx_exchange(self, block: _Block, seq: int, ready, compressed: bool) -> int:

@@ -66,12 +66,15 @@ def connected_engine() -> CommEngine:
 
 
 def shutdown() -> None:
-    """Close the shard connections (also runs at interpreter exit)."""
+    """Close the shard connections and the intra-node mappings (also runs at interpreter exit)."""
     global _engine
     with _lock:
         engine, _engine = _engine, None
     if engine is not None:
         engine.close()
+    from .intranode import close_all
+
+    close_all()
 
 
 atexit.register(shutdown)

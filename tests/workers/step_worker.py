@@ -37,11 +37,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--die-at-step", type=int, default=-1, help="exit abruptly before this step")
     p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (every local rank on cuda:0)")
     args = p.parse_args()
     config = cgx.init()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(100 + config.rank)  # different per rank: broadcast_parameters must fix it
-    model = model_for(dtype, args.hidden)
+    model = model_for(dtype, args.hidden).to(args.device)
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
                                    compression=args.compression, backward_passes_per_step=args.accumulate,
                                    block_bytes=args.block_bytes, error_feedback=args.error_feedback)
@@ -53,12 +54,15 @@ def main() -> None:
         opt.zero_grad()
         for part in range(args.accumulate):
             # loss = sum(param * g): d loss / d param = g, a gradient we know exactly
-            loss = sum((param * rank_gradient(name, param, config.rank, step, part)).sum()
+            loss = sum((param * rank_gradient(name, param, config.rank, step, part).to(param.device)).sum()
                        for name, param in model.named_parameters())
             loss.backward()
         opt.step()
-    torch.save({"initial": initial, "final": model.state_dict(), "layout": opt.layout.SerializeToString(),
+    cpu = {n: t.cpu() for n, t in model.state_dict().items()}
+    initial = {n: t.cpu() for n, t in initial.items()}
+    torch.save({"initial": initial, "final": cpu, "layout": opt.layout.SerializeToString(),
                 "rank": config.rank, "stats": vars(opt.stats),
+                "intranode": opt._cgx_reducer.transport if opt._cgx_reducer else None,
                 "tuning": opt._cgx_tuner.history if opt._cgx_tuner else []}, args.out)
     cgx.shutdown()
 

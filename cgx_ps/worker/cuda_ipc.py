@@ -1,0 +1,161 @@
+"""CUDA IPC data plane for the intra-node reduction: the local ranks' block buffers stay on
+their GPUs and are read by the other local ranks' processes directly.
+
+Each local rank allocates one flat float32 buffer on its GPU holding all of its blocks, plus one
+interprocess CUDA event per block. It exports them as a small JSON record that goes into its
+shared-memory control segment (see ``intranode.py``), and maps every peer's record:
+
+* Memory: ``cudaIpcGetMemHandle`` names the whole *base allocation* a pointer lies in, and
+  PyTorch's caching allocator sub-allocates tensors out of larger ``cudaMalloc`` segments, so
+  the record carries the handle **and the buffer's byte offset from the allocation base**
+  (``cuMemGetAddressRange``). The importer opens the handle (``cudaIpcOpenMemHandle`` with
+  lazy peer access) and views ``[offset, offset + size)`` of it. No files are involved: a
+  crashed rank leaves nothing behind (torch.multiprocessing's CUDA sharing would leave its
+  reference-counter files in /dev/shm).
+* Ordering: a rank records its event for block ``b`` on its stream after it wrote the block
+  (its gradient, or as owner the decoded result) and only then raises the matching flag in
+  shared memory; a reader makes its own stream wait on that event before touching the bytes,
+  so the wait happens on the GPU, not on the host.
+* Devices are matched by UUID, not index: ``CUDA_VISIBLE_DEVICES`` may number the same GPU
+  differently in two processes. Every local rank must see the GPUs of the others (as torchrun
+  leaves it); a peer on a GPU this process cannot see is a clear error.
+
+Needs CuPy (the ``cuda12``/``cuda13`` extras, as the GPU codec does) for the IPC calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .errors import IntraNodeError
+
+__all__ = ["CudaIpcBuffer", "PeerBuffer", "device_by_uuid", "allocation_base"]
+
+_NO_IPC_HINT = "set CGX_PS_INTRANODE=shm to reduce through host shared memory instead"
+
+
+def _cupy_runtime():
+    try:
+        from cupy.cuda import runtime
+    except Exception as e:  # absent, or cannot load its CUDA libraries
+        raise IntraNodeError(f"CUDA IPC needs CuPy (pip install 'cgx-ps[cuda12]'), which failed to import: {e}; "
+                             f"or {_NO_IPC_HINT}") from e
+    return runtime
+
+
+def device_by_uuid(uuid: str) -> int:
+    """Local index of the visible GPU with this UUID."""
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise IntraNodeError(f"GPU {uuid} of another local rank is not visible to this process: CUDA IPC needs "
+                         f"every local rank to see every local GPU (do not narrow CUDA_VISIBLE_DEVICES per "
+                         f"rank), or {_NO_IPC_HINT}")
+
+
+def allocation_base(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation ``ptr`` lies in (``cuMemGetAddressRange``)."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise IntraNodeError(f"cuMemGetAddressRange failed with CUresult {rc} for pointer {ptr:#x}")
+    return base.value, size.value
+
+
+@dataclass
+class PeerBuffer:
+    """Another local rank's buffer and events, mapped into this process."""
+
+    data: torch.Tensor
+    events: list[torch.cuda.Event]
+    base: int  # the opened IPC mapping, to close
+
+    def wait(self, block_id: int, device: torch.device) -> None:
+        """Make ``device``'s current stream (and the peer buffer's device's, which a cross-GPU copy
+        may run on) wait until the peer's last write of the block is done."""
+        event = self.events[block_id]
+        torch.cuda.current_stream(device).wait_event(event)
+        if self.data.device != device:
+            torch.cuda.current_stream(self.data.device).wait_event(event)
+
+    def close(self) -> None:
+        if self.base:
+            torch.cuda.synchronize(self.data.device)  # nothing of ours may still read it
+            self.data = torch.empty(0)
+            _cupy_runtime().ipcCloseMemHandle(self.base)
+            self.base = 0
+
+
+class CudaIpcBuffer:
+    """This rank's buffer of all blocks on ``device`` and one interprocess event per block."""
+
+    def __init__(self, numel: int, nblocks: int, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise IntraNodeError(f"CUDA IPC needs a CUDA device, got {device}")
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        with torch.cuda.device(self.device):
+            self.data = torch.zeros(max(numel, 1), dtype=torch.float32, device=self.device)
+            # interprocess events cannot time; a first record creates each on our device
+            self.events = [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                           for _ in range(nblocks)]
+            for event in self.events:
+                event.record()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def written(self, block_id: int) -> None:
+        """Our stream's writes to the block so far are what peers may read next."""
+        self.events[block_id].record(torch.cuda.current_stream(self.device))
+
+    def export(self) -> bytes:
+        """The record peers need to map our buffer and events (handle + offset from the base)."""
+        runtime = _cupy_runtime()
+        ptr = self.data.data_ptr()
+        with torch.cuda.device(self.device):
+            base, size = allocation_base(ptr)
+            try:
+                handle = runtime.ipcGetMemHandle(ptr)
+            except Exception as e:  # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no IPC)
+                raise IntraNodeError(f"cannot export the GPU buffer over CUDA IPC ({e}): expandable segments "
+                                     f"cannot be shared; unset PYTORCH_CUDA_ALLOC_CONF's expandable_segments "
+                                     f"or {_NO_IPC_HINT}") from e
+        record = {
+            "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid),
+            "handle": bytes(handle).hex(), "offset_bytes": ptr - base, "allocation_bytes": size,
+            "numel": self.data.numel(),
+            "events": [bytes(e.ipc_handle()).hex() for e in self.events],
+        }
+        return json.dumps(record).encode()
+
+    @staticmethod
+    def open(record: bytes, nblocks: int) -> PeerBuffer:
+        """Map a peer's exported buffer and events into this process."""
+        try:
+            r = json.loads(record)
+            index = device_by_uuid(r["device_uuid"])
+            if len(r["events"]) != nblocks:
+                raise IntraNodeError(f"peer exported {len(r['events'])} block events, expected {nblocks}: "
+                                     f"do the local ranks build the same model?")
+            if r["offset_bytes"] + 4 * r["numel"] > r["allocation_bytes"]:
+                raise IntraNodeError(f"peer's buffer ({r['numel']} floats at offset {r['offset_bytes']}) does not "
+                                     f"fit its allocation of {r['allocation_bytes']} bytes")
+            runtime = _cupy_runtime()
+            import cupy
+
+            with torch.cuda.device(index), cupy.cuda.Device(index):
+                base = runtime.ipcOpenMemHandle(bytes.fromhex(r["handle"]))  # lazy peer access
+                memory = cupy.cuda.UnownedMemory(base, r["allocation_bytes"], owner=None, device_id=index)
+                view = cupy.ndarray((r["numel"],), dtype=cupy.float32,
+                                    memptr=cupy.cuda.MemoryPointer(memory, r["offset_bytes"]))
+                data = torch.as_tensor(view, device=torch.device("cuda", index))
+                events = [torch.cuda.Event.from_ipc_handle(index, bytes.fromhex(h)) for h in r["events"]]
+        except IntraNodeError:
+            raise
+        except Exception as e:  # JSON, CUDA or CuPy errors: name what failed
+            raise IntraNodeError(f"cannot map another local rank's GPU buffer over CUDA IPC: {e!r}; "
+                                 f"or {_NO_IPC_HINT}") from e
+        return PeerBuffer(data, events, base)

@@ -1,0 +1,158 @@
+"""Intra-node reduction (cgx_ps/worker/intranode.py, cuda_ipc.py) on its own: real processes,
+real shared memory, exact sums; on a GPU, two processes on one device reduce through CUDA IPC
+and must match the shared-memory result bit for bit. The end-to-end tests with shards (two
+nodes of two ranks, a dead local rank) are in test_worker.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgx_ps.worker import ConfigError, IntraNodeError, WorkerConfig
+from cgx_ps.worker.intranode import SHM_DIR, NodeReducer, _Segment, choose_transport
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests/workers"))
+import reduce_worker  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
+                         reason="needs a CUDA GPU and CuPy (CUDA IPC goes through cupy.cuda.runtime)")
+
+
+def _shm_files() -> set[str]:
+    return {p.name for p in SHM_DIR.glob("cgxps-*")}
+
+
+def run_node(tmp_path: Path, size: int, device: str = "cpu", transport: str = "auto", steps: int = 3) -> list[dict]:
+    job = f"t-{uuid.uuid4().hex[:8]}"
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/reduce_worker.py"), "--local-rank", str(r),
+                               "--size", str(size), "--job", job, "--device", device, "--transport", transport,
+                               "--steps", str(steps), "--out", str(tmp_path / f"{job}-{r}.pt")],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE, text=True)
+             for r in range(size)]
+    for r, p in enumerate(procs):
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, f"local rank {r}:\n{err[-3000:]}"
+    return [torch.load(tmp_path / f"{job}-{r}.pt") for r in range(size)]
+
+
+def expected(size: int, steps: int, owners: list[int]) -> list[torch.Tensor]:
+    """The owner adds the others' gradients to its own in rank order, then halves."""
+    lay = reduce_worker.layout()
+    bounds = [0]
+    for b in lay.blocks:
+        bounds.append(bounds[-1] + b.numel)
+    out = []
+    for step in range(steps):
+        grads = [reduce_worker.gradient(r, step, bounds[-1]) for r in range(size)]
+        total = torch.empty(bounds[-1])
+        for b, owner in enumerate(owners):
+            s = slice(bounds[b], bounds[b + 1])
+            acc = grads[owner][s].clone()
+            for r in range(size):
+                if r != owner:
+                    acc.add_(grads[r][s])
+            total[s] = acc * 0.5
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_memory_reduce_scatter_all_gather_is_exact(tmp_path, size):
+    before = _shm_files()
+    saved = run_node(tmp_path, size)
+    owners = saved[0]["owners"]
+    assert len(set(owners)) == size  # every local rank owns (sums, would compress) some blocks
+    want = expected(size, 3, owners)
+    for r, s in enumerate(saved):
+        assert s["transport"] == "shm"
+        for step, (got, exp) in enumerate(zip(s["results"], want)):
+            assert torch.equal(got, exp), (r, step)
+    assert _shm_files() == before
+
+
+def test_cuda_transport_needs_the_model_on_a_gpu():
+    with pytest.raises(ConfigError, match="CGX_PS_INTRANODE=cuda needs the model on a GPU"):
+        choose_transport("cuda", torch.device("cpu"))
+    assert choose_transport("auto", torch.device("cpu")) == "shm"
+    assert choose_transport("auto", torch.device("cuda", 0)) == "cuda"
+    assert choose_transport("shm", torch.device("cuda", 0)) == "shm"  # staging through host memory
+
+
+def test_bad_transport_in_the_environment_is_named():
+    with pytest.raises(ConfigError, match="CGX_PS_INTRANODE='nccl' is not one of auto, shm, cuda"):
+        WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1", "CGX_PS_INTRANODE": "nccl"})
+    assert WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1", "CGX_PS_INTRANODE": "SHM"}).intranode == "shm"
+
+
+def _fake_peer(job: str, rank: int, **kw) -> Path:
+    """A peer's segment as another local rank would have published it (our pid: alive)."""
+    path = SHM_DIR / f"cgxps-{job}-n0-r{rank}"
+    _Segment(path, create=True, **kw)
+    return path
+
+
+def test_a_peer_on_another_transport_is_named():
+    lay = reduce_worker.layout()
+    job = f"t-{uuid.uuid4().hex[:8]}"
+    path = _fake_peer(job, 1, nblocks=len(lay.blocks), transport="cuda", export=b"{}")
+    try:
+        with pytest.raises(IntraNodeError, match="local rank 1 reduces over cuda but this rank over shm"):
+            NodeReducer(lay, 0, 2, 0, job, timeout_s=5)
+    finally:
+        path.unlink(missing_ok=True)
+    assert not any(job in name for name in _shm_files())
+
+
+def test_a_peer_with_another_model_is_named():
+    lay = reduce_worker.layout()
+    job = f"t-{uuid.uuid4().hex[:8]}"
+    numel = sum(b.numel for b in lay.blocks)
+    path = _fake_peer(job, 1, nblocks=len(lay.blocks) + 1, transport="shm", host_numel=numel + 5)
+    try:
+        with pytest.raises(IntraNodeError, match="do the local ranks build the same model"):
+            NodeReducer(lay, 0, 2, 0, job, timeout_s=5)
+    finally:
+        path.unlink(missing_ok=True)
+    assert not any(job in name for name in _shm_files())
+
+
+def test_a_missing_peer_times_out_with_its_rank():
+    lay = reduce_worker.layout()
+    job = f"t-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(IntraNodeError, match=r"local rank 1 did not start within 0.5s"):
+        NodeReducer(lay, 0, 2, 0, job, timeout_s=0.5)
+    assert not any(job in name for name in _shm_files())  # our own segment is gone too
+
+
+# ---- CUDA IPC (skipped without a GPU) ----------------------------------------------------------------
+
+
+@gpu
+def test_cuda_ipc_two_processes_on_one_gpu_match_shared_memory(tmp_path):
+    before = set(os.listdir(SHM_DIR))  # CUDA IPC itself must leave no files anywhere in /dev/shm
+    on_gpu = run_node(tmp_path, 2, device="cuda:0")
+    on_host = run_node(tmp_path, 2)
+    assert [s["transport"] for s in on_gpu] == ["cuda", "cuda"]
+    want = expected(2, 3, on_gpu[0]["owners"])
+    for r in range(2):
+        for step in range(3):
+            assert torch.equal(on_gpu[r]["results"][step], on_host[r]["results"][step]), (r, step)
+            assert torch.equal(on_gpu[r]["results"][step], want[step]), (r, step)
+    assert set(os.listdir(SHM_DIR)) <= before
+
+
+@gpu
+def test_cuda_model_staged_through_host_memory_when_asked(tmp_path):
+    saved = run_node(tmp_path, 2, device="cuda:0", transport="shm")
+    assert [s["transport"] for s in saved] == ["shm", "shm"]
+    want = expected(2, 3, saved[0]["owners"])
+    for r in range(2):
+        assert all(torch.equal(g, e) for g, e in zip(saved[r]["results"], want))
