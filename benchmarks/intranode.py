@@ -8,8 +8,8 @@ gradient into shared memory, each block's owner sums it, the others copy the own
 The peer is ``torch.distributed.all_reduce`` over gloo among the same two local processes on the
 same float32 tensor. With ``--device cuda`` both processes put their gradient on GPU 0: cgx-ps
 reduces through CUDA IPC, and the peers are gloo (which stages through host memory) and NCCL
-on the same tensors. Part 2 trains mlp17m for a few steps as one node with 1 and with 2 local
-ranks against a local shard and reports the bytes the node pushed per step.
+on the same tensors. Part 2 trains mlp17m for a few steps as one node with 1, 2, ... local
+ranks (``--local-sizes``) against a local shard and reports the bytes the node pushed per step.
 """
 
 from __future__ import annotations
@@ -133,6 +133,8 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=68.4, help="fp32 MB per rank (mlp17m: 68.4)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--local-sizes", type=int, nargs="+", default=[1, 2],
+                   help="local world sizes for the bytes-per-node part")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (both local ranks on GPU 0)")
     p.add_argument("--child", choices=["cgx", "gloo", "nccl"])
     p.add_argument("--rank", type=int, default=0)
@@ -155,7 +157,7 @@ def main() -> None:
     if ours is None or gloo is None:
         sys.exit("a benchmark process failed (its error is above)")
     nccl = _spawn_pair("nccl", numel, args.iters, args.device) if device.type == "cuda" else None
-    one, two = bytes_per_node(1, args.steps), bytes_per_node(2, args.steps)
+    pushed = {n: bytes_per_node(n, args.steps) for n in args.local_sizes}
     how = "CUDA IPC" if device.type == "cuda" else "shared-memory"
     print(f"2 local ranks on {args.device}, {args.mb:g} MB fp32 each, median of {args.iters}")
     print("| measure | value |")
@@ -168,8 +170,8 @@ def main() -> None:
     elif nccl is not None:
         print(f"| nccl all_reduce among the same 2 processes (peer) | {nccl * 1e3:.1f} ms |")
         print(f"| cgx-ps / nccl | {ours / nccl:.2f} |")
-    print(f"| bytes pushed per node per step, mlp17m 4-bit, 1 local rank | {one / 1e6:.2f} MB |")
-    print(f"| bytes pushed per node per step, mlp17m 4-bit, 2 local ranks | {two / 1e6:.2f} MB |")
+    for n, b in pushed.items():
+        print(f"| bytes pushed per node per step, mlp17m 4-bit, {n} local rank{'s' if n > 1 else ''} | {b / 1e6:.2f} MB |")
 
 
 if __name__ == "__main__":

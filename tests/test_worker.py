@@ -307,6 +307,45 @@ def test_two_nodes_of_two_gpu_ranks_reduce_over_cuda_ipc(tmp_path):
     assert _shm_files() == before
 
 
+def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
+    """A local rank that hangs (SIGSTOP: alive, holding its segment) must not hang the node: the
+    other rank fails within the round timeout, naming what it waited for."""
+    import signal
+    import time
+
+    before = _shm_files()
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    with LocalCluster(1, extra_args=["--round-timeout", "5", "--log-level", "WARNING"]) as c:
+        procs = []
+        for lr in range(2):
+            env = dict(os.environ, LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE="2", RANK=str(lr), WORLD_SIZE="2",
+                       CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1", CGX_PS_SERVERS=c.addresses[0],
+                       CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
+            args = ["--steps", "3", "--out", str(tmp_path / f"{lr}.pt"), *(["--stall-at-step", "1"] if lr else [])]
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        stalled, survivor = procs[1], procs[0]
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # wait until rank 1 has stopped itself
+                with open(f"/proc/{stalled.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                time.sleep(0.05)
+            else:
+                pytest.fail("rank 1 never reached its stall point")
+            t0 = time.monotonic()
+            _, err = survivor.communicate(timeout=60)
+            elapsed = time.monotonic() - t0
+        finally:
+            stalled.send_signal(signal.SIGKILL)
+            stalled.communicate(timeout=30)
+    assert survivor.returncode != 0
+    assert "IntraNodeError: timed out after 5s waiting for block" in err and "a local rank stalled?" in err, err[-1500:]
+    assert elapsed < 5 + 20, elapsed  # the round timeout plus start-up slack, not forever
+    assert _shm_files() == before
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not _gpu_codec_ready(), reason="needs a CUDA GPU and CuPy"))])
 def test_dead_local_rank_fails_its_node_clearly(tmp_path, device):

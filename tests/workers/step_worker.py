@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import zlib
 
 import torch
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--block-bytes", type=int, default=16384)
     p.add_argument("--out", required=True)
     p.add_argument("--die-at-step", type=int, default=-1, help="exit abruptly before this step")
+    p.add_argument("--stall-at-step", type=int, default=-1, help="stop (SIGSTOP) ourselves before this step")
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (every local rank on cuda:0)")
     args = p.parse_args()
@@ -51,6 +53,8 @@ def main() -> None:
     for step in range(args.steps):
         if step == args.die_at_step:
             os._exit(3)  # a crash: no cleanup, no goodbye
+        if step == args.stall_at_step:
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive but hung: the test kills us later
         opt.zero_grad()
         for part in range(args.accumulate):
             # loss = sum(param * g): d loss / d param = g, a gradient we know exactly
