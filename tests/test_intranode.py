@@ -136,17 +136,22 @@ def test_a_missing_peer_times_out_with_its_rank():
 
 
 @gpu
-def test_cuda_ipc_two_processes_on_one_gpu_match_shared_memory(tmp_path):
-    before = set(os.listdir(SHM_DIR))  # CUDA IPC itself must leave no files anywhere in /dev/shm
-    on_gpu = run_node(tmp_path, 2, device="cuda:0")
+@pytest.mark.parametrize("device", ["cuda:0", pytest.param("cuda:{rank}", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs"))])
+def test_cuda_ipc_matches_shared_memory(tmp_path, device):
+    """Two processes (on one GPU, or one GPU each) reduce through CUDA IPC, bit-identical to
+    the shared-memory path; their buffers sit inside larger allocations (offset > 0)."""
+    before = _shm_files()
+    on_gpu = run_node(tmp_path, 2, device=device)
     on_host = run_node(tmp_path, 2)
     assert [s["transport"] for s in on_gpu] == ["cuda", "cuda"]
+    assert all(s["offset_bytes"] > 0 for s in on_gpu), [s["offset_bytes"] for s in on_gpu]
     want = expected(2, 3, on_gpu[0]["owners"])
     for r in range(2):
         for step in range(3):
             assert torch.equal(on_gpu[r]["results"][step], on_host[r]["results"][step]), (r, step)
             assert torch.equal(on_gpu[r]["results"][step], want[step]), (r, step)
-    assert set(os.listdir(SHM_DIR)) <= before
+    assert _shm_files() == before
 
 
 @gpu
@@ -156,3 +161,15 @@ def test_cuda_model_staged_through_host_memory_when_asked(tmp_path):
     want = expected(2, 3, saved[0]["owners"])
     for r in range(2):
         assert all(torch.equal(g, e) for g, e in zip(saved[r]["results"], want))
+
+
+def test_flags_store_and_load_through_the_fence():
+    import numpy as np
+
+    from cgx_ps.worker.shm_flags import load_acquire, store_release
+
+    flags = np.zeros(4, dtype=np.int64)
+    store_release(flags, 2, 7)
+    assert flags.tolist() == [0, 0, 7, 0] and load_acquire(flags, 2) == 7 and load_acquire(flags, 0) == 0
+    store_release(flags, 2, 2**40)  # step counters do not wrap at 32 bits
+    assert load_acquire(flags, 2) == 2**40

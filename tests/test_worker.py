@@ -350,13 +350,10 @@ def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
     not _gpu_codec_ready(), reason="needs a CUDA GPU and CuPy"))])
 def test_dead_local_rank_fails_its_node_clearly(tmp_path, device):
     before = _shm_files()
-    everything_before = set(os.listdir("/dev/shm")) if device == "cuda" else set()
     with LocalCluster(1, extra_args=["--round-timeout", "10", "--log-level", "WARNING"]) as c:
         results = run_nodes(c, 1, 2, lambda r: ["--steps", "2", "--out", str(tmp_path / f"{r}.pt"),
                                                 "--device", device,
                                                 *(["--die-at-step", "1"] if r == 1 else [])], timeout=120)
-    if device == "cuda":  # CUDA IPC leaves no files of its own either (no torch ref-counter files)
-        assert set(os.listdir("/dev/shm")) <= everything_before
     assert results[1].returncode == 3
     assert results[0].returncode != 0
     assert "IntraNodeError: local rank 1 (pid" in results[0].stderr and "exited while waiting" in results[0].stderr, \

@@ -5,20 +5,22 @@ Each local rank allocates one flat float32 buffer on its GPU holding all of its 
 interprocess CUDA event per block. It exports them as a small JSON record that goes into its
 shared-memory control segment (see ``intranode.py``), and maps every peer's record:
 
-* Memory: ``cudaIpcGetMemHandle`` names the whole *base allocation* a pointer lies in, and
-  PyTorch's caching allocator sub-allocates tensors out of larger ``cudaMalloc`` segments, so
-  the record carries the handle **and the buffer's byte offset from the allocation base**
-  (``cuMemGetAddressRange``). The importer opens the handle (``cudaIpcOpenMemHandle`` with
-  lazy peer access) and views ``[offset, offset + size)`` of it. No files are involved: a
-  crashed rank leaves nothing behind (torch.multiprocessing's CUDA sharing would leave its
-  reference-counter files in /dev/shm).
+* Memory: ``cudaIpcGetMemHandle`` takes the *base pointer* of a ``cudaMalloc`` allocation, and
+  PyTorch's caching allocator sub-allocates tensors out of larger segments, so the record carries
+  the handle of the base allocation **and the buffer's byte offset from it**
+  (``cuMemGetAddressRange``). The importer opens the handle in its *own* device's context
+  (``cudaIpcOpenMemHandle`` with lazy peer access, which works for a peer on another GPU, even
+  one this process cannot see) and views ``[offset, offset + size)`` of it: its kernels read
+  the peer's memory directly, over NVLink/PCIe when the peer is on another GPU. No context is
+  created on any other GPU.
 * Ordering: a rank records its event for block ``b`` on its stream after it wrote the block
   (its gradient, or as owner the decoded result) and only then raises the matching flag in
   shared memory; a reader makes its own stream wait on that event before touching the bytes,
   so the wait happens on the GPU, not on the host.
-* Devices are matched by UUID, not index: ``CUDA_VISIBLE_DEVICES`` may number the same GPU
-  differently in two processes. Every local rank must see the GPUs of the others (as torchrun
-  leaves it); a peer on a GPU this process cannot see is a clear error.
+* Files: none of ours beyond the control segments. (The CUDA driver's IPC events rely on a
+  shared ``/dev/shm`` between the processes: the ranks of a node must share an IPC namespace,
+  e.g. one Kubernetes pod, as ``deploy/`` arranges.) torch.multiprocessing's CUDA sharing would
+  add reference-counter files there that a crash leaves behind.
 
 Needs CuPy (the ``cuda12``/``cuda13`` extras, as the GPU codec does) for the IPC calls.
 """
@@ -33,7 +35,7 @@ import torch
 
 from .errors import IntraNodeError
 
-__all__ = ["CudaIpcBuffer", "PeerBuffer", "device_by_uuid", "allocation_base"]
+__all__ = ["CudaIpcBuffer", "PeerBuffer", "allocation_base"]
 
 _NO_IPC_HINT = "set CGX_PS_INTRANODE=shm to reduce through host shared memory instead"
 
@@ -45,16 +47,6 @@ def _cupy_runtime():
         raise IntraNodeError(f"CUDA IPC needs CuPy (pip install 'cgx-ps[cuda12]'), which failed to import: {e}; "
                              f"or {_NO_IPC_HINT}") from e
     return runtime
-
-
-def device_by_uuid(uuid: str) -> int:
-    """Local index of the visible GPU with this UUID."""
-    for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
-            return index
-    raise IntraNodeError(f"GPU {uuid} of another local rank is not visible to this process: CUDA IPC needs "
-                         f"every local rank to see every local GPU (do not narrow CUDA_VISIBLE_DEVICES per "
-                         f"rank), or {_NO_IPC_HINT}")
 
 
 def allocation_base(ptr: int) -> tuple[int, int]:
@@ -69,26 +61,28 @@ def allocation_base(ptr: int) -> tuple[int, int]:
 
 @dataclass
 class PeerBuffer:
-    """Another local rank's buffer and events, mapped into this process."""
+    """Another local rank's buffer and events, mapped into this process on our own device."""
 
     data: torch.Tensor
     events: list[torch.cuda.Event]
     base: int  # the opened IPC mapping, to close
+    device: torch.device  # ours: the mapping and the events were opened in its context
 
-    def wait(self, block_id: int, device: torch.device) -> None:
-        """Make ``device``'s current stream (and the peer buffer's device's, which a cross-GPU copy
-        may run on) wait until the peer's last write of the block is done."""
-        event = self.events[block_id]
-        torch.cuda.current_stream(device).wait_event(event)
-        if self.data.device != device:
-            torch.cuda.current_stream(self.data.device).wait_event(event)
+    def wait(self, block_id: int) -> None:
+        """Make our stream wait until the peer's last write of the block is done."""
+        torch.cuda.current_stream(self.device).wait_event(self.events[block_id])
 
     def close(self) -> None:
-        if self.base:
-            torch.cuda.synchronize(self.data.device)  # nothing of ours may still read it
-            self.data = torch.empty(0)
-            _cupy_runtime().ipcCloseMemHandle(self.base)
-            self.base = 0
+        """Unmap, in the context the mapping was opened in (after our last read of it)."""
+        if not self.base:
+            return
+        import cupy
+
+        with torch.cuda.device(self.device), cupy.cuda.Device(self.device.index):
+            torch.cuda.current_stream(self.device).synchronize()
+            self.data, self.events = torch.empty(0), []
+            base, self.base = self.base, 0
+            _cupy_runtime().ipcCloseMemHandle(base)
 
 
 class CudaIpcBuffer:
@@ -115,14 +109,15 @@ class CudaIpcBuffer:
         """The record peers need to map our buffer and events (handle + offset from the base)."""
         runtime = _cupy_runtime()
         ptr = self.data.data_ptr()
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device):  # the same thread that allocated: its context is current
             base, size = allocation_base(ptr)
             try:
-                handle = runtime.ipcGetMemHandle(ptr)
-            except Exception as e:  # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no IPC)
-                raise IntraNodeError(f"cannot export the GPU buffer over CUDA IPC ({e}): expandable segments "
-                                     f"cannot be shared; unset PYTORCH_CUDA_ALLOC_CONF's expandable_segments "
-                                     f"or {_NO_IPC_HINT}") from e
+                handle = runtime.ipcGetMemHandle(base)  # handles name base allocations only
+            except Exception as e:
+                raise IntraNodeError(f"cannot export the GPU buffer over CUDA IPC ({e}): PyTorch allocator modes "
+                                     f"such as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or "
+                                     f"backend:cudaMallocAsync allocate memory that cannot be shared this way; "
+                                     f"unset them or {_NO_IPC_HINT}") from e
         record = {
             "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid),
             "handle": bytes(handle).hex(), "offset_bytes": ptr - base, "allocation_bytes": size,
@@ -132,11 +127,12 @@ class CudaIpcBuffer:
         return json.dumps(record).encode()
 
     @staticmethod
-    def open(record: bytes, nblocks: int) -> PeerBuffer:
-        """Map a peer's exported buffer and events into this process."""
+    def open(record: bytes, nblocks: int, device: torch.device) -> PeerBuffer:
+        """Map a peer's exported buffer and events into this process, in ``device``'s context
+        (ours: the kernels that read the peer's memory run there)."""
+        r: dict = {}
         try:
             r = json.loads(record)
-            index = device_by_uuid(r["device_uuid"])
             if len(r["events"]) != nblocks:
                 raise IntraNodeError(f"peer exported {len(r['events'])} block events, expected {nblocks}: "
                                      f"do the local ranks build the same model?")
@@ -146,16 +142,21 @@ class CudaIpcBuffer:
             runtime = _cupy_runtime()
             import cupy
 
+            index = device.index
             with torch.cuda.device(index), cupy.cuda.Device(index):
                 base = runtime.ipcOpenMemHandle(bytes.fromhex(r["handle"]))  # lazy peer access
-                memory = cupy.cuda.UnownedMemory(base, r["allocation_bytes"], owner=None, device_id=index)
-                view = cupy.ndarray((r["numel"],), dtype=cupy.float32,
-                                    memptr=cupy.cuda.MemoryPointer(memory, r["offset_bytes"]))
-                data = torch.as_tensor(view, device=torch.device("cuda", index))
-                events = [torch.cuda.Event.from_ipc_handle(index, bytes.fromhex(h)) for h in r["events"]]
+                try:
+                    memory = cupy.cuda.UnownedMemory(base, r["allocation_bytes"], owner=None, device_id=index)
+                    view = cupy.ndarray((r["numel"],), dtype=cupy.float32,
+                                        memptr=cupy.cuda.MemoryPointer(memory, r["offset_bytes"]))
+                    data = torch.as_tensor(view, device=device)  # zero-copy (CUDA array interface)
+                    events = [torch.cuda.Event.from_ipc_handle(index, bytes.fromhex(h)) for h in r["events"]]
+                except BaseException:
+                    runtime.ipcCloseMemHandle(base)
+                    raise
         except IntraNodeError:
             raise
         except Exception as e:  # JSON, CUDA or CuPy errors: name what failed
-            raise IntraNodeError(f"cannot map another local rank's GPU buffer over CUDA IPC: {e!r}; "
-                                 f"or {_NO_IPC_HINT}") from e
-        return PeerBuffer(data, events, base)
+            raise IntraNodeError(f"cannot map another local rank's GPU buffer (on GPU {r.get('device_uuid', '?')}) over "
+                                 f"CUDA IPC: {e!r}; or {_NO_IPC_HINT}") from e
+        return PeerBuffer(data, events, base, device)

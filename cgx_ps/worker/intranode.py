@@ -22,14 +22,15 @@ Segments are unlinked as soon as every rank has mapped them, so nothing is left 
 even if a process is killed later. A local rank that dies or stalls makes the others fail
 within the timeout with an error that names it.
 
-Flags are written after the data they announce; x86-64's store order (TSO) makes that enough
-for another process to see the data once it sees the flag.
+Flags are stored with release and loaded with acquire semantics (``shm_flags.py``), so a
+process that sees a flag also sees the data it announces, on aarch64 as on x86-64.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import mmap
 import os
 import time
@@ -43,9 +44,11 @@ import torch
 from ..layout import block_payload_size
 from ..v1 import ps_pb2
 from .errors import ConfigError, IntraNodeError
+from .shm_flags import load_acquire, store_release
 
 __all__ = ["NodeReducer", "IntraNodeError", "assign_owners", "choose_transport", "close_all", "SHM_DIR"]
 
+log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 _MAGIC = 0x43475850534E4F44  # "CGXPSNOD"
 # header words: magic, pid, attached, transport, blocks, export bytes, host floats, detached
@@ -217,7 +220,7 @@ class NodeReducer:
             return seg.data
         from .cuda_ipc import CudaIpcBuffer
 
-        return CudaIpcBuffer.open(seg.export, nblocks)
+        return CudaIpcBuffer.open(seg.export, nblocks, self._gpu.device)
 
     @property
     def own(self) -> _Segment:
@@ -240,28 +243,26 @@ class NodeReducer:
     def before_write(self, block_id: int, seq: int) -> None:
         """Owner only: peers must have copied the previous result out of our buffer."""
         if self.owner(block_id) == self.local_rank:
-            self._wait(lambda: all(s.consumed[block_id] >= seq - 1 for r, s in enumerate(self.segments)
+            self._wait(lambda: all(load_acquire(s.consumed, block_id) >= seq - 1 for r, s in enumerate(self.segments)
                                    if r != self.local_rank), f"block {block_id}: previous result not taken")
 
     def mark_ready(self, block_id: int, seq: int) -> None:
         """Our gradient of the block is written (on the current stream, for a GPU buffer)."""
         if self._gpu is not None:
             self._gpu.written(block_id)  # the event peers wait on is recorded before the flag
-        self.own.ready[block_id] = seq
+        store_release(self.own.ready, block_id, seq)
 
     async def reduce(self, block_id: int, seq: int, run_in_thread: RunInThread) -> None:
         """Owner: wait for every local rank's gradient of the block and sum them into ours."""
-        await self.wait(lambda: all(s.ready[block_id] >= seq for s in self.segments), f"block {block_id}: gradient")
+        await self.wait(lambda: all(load_acquire(s.ready, block_id) >= seq for s in self.segments), f"block {block_id}: gradient")
         mine = self.buffer(block_id)
         peers = [r for r in range(self.size) if r != self.local_rank]
 
         def add() -> None:
             for r in peers:  # a fixed order (ours, then the others by rank): the same bits on any device
-                theirs = self._peer_block(r, block_id)
                 if self._gpu is not None:
-                    self._peers[r].wait(block_id, mine.device)
-                    theirs = theirs.to(mine.device, non_blocking=True)
-                mine.add_(theirs)
+                    self._peers[r].wait(block_id)  # on our stream; the peer's memory is mapped on our GPU
+                mine.add_(self._peer_block(r, block_id))
             if self._gpu is not None:
                 torch.cuda.current_stream(mine.device).synchronize()
 
@@ -271,7 +272,7 @@ class NodeReducer:
         """Owner: the decoded result is in our buffer."""
         if self._gpu is not None:
             self._gpu.written(block_id)
-        self.own.done[block_id] = seq
+        store_release(self.own.done, block_id, seq)
 
     async def fetch(self, block_id: int, seq: int, failed=lambda: None,
                     run_in_thread: RunInThread | None = None) -> None:
@@ -279,13 +280,13 @@ class NodeReducer:
         returns an error to raise instead of waiting on (the round failed on the shards)."""
         owner = self.owner(block_id)
         seg = self.segments[owner]
-        await self.wait(lambda: seg.done[block_id] >= seq, f"block {block_id}: result from its owner", only=owner,
+        await self.wait(lambda: load_acquire(seg.done, block_id) >= seq, f"block {block_id}: result from its owner", only=owner,
                         failed=failed)
         mine, theirs = self.buffer(block_id), self._peer_block(owner, block_id)
 
         def copy() -> None:
             if self._gpu is not None:
-                self._peers[owner].wait(block_id, mine.device)
+                self._peers[owner].wait(block_id)
             mine.copy_(theirs, non_blocking=True)
             if self._gpu is not None:  # the owner may overwrite its buffer once we say consumed
                 torch.cuda.current_stream(mine.device).synchronize()
@@ -294,7 +295,7 @@ class NodeReducer:
             await run_in_thread(copy)
         else:
             copy()
-        self.own.consumed[block_id] = seq
+        store_release(self.own.consumed, block_id, seq)
 
     async def wait(self, condition, what: str, only: int | None = None, failed=lambda: None) -> None:
         """Poll shared flags without holding a thread: waits on peers must never block the
@@ -334,10 +335,15 @@ class NodeReducer:
         _open_reducers.discard(self)
         if self._gpu is None or not self._peers:
             return
-        for peer in self._peers.values():
-            peer.close()
-        self._peers.clear()
-        self.own.header[7] = 1
+        try:
+            for r, peer in self._peers.items():
+                try:
+                    peer.close()
+                except Exception as e:  # still tell the peers we are done with their memory
+                    log.warning("unmapping local rank %d's GPU buffer failed: %s", r, e)
+        finally:
+            self._peers.clear()
+            self.own.header[7] = 1
         deadline = time.monotonic() + min(self.timeout_s, 10.0)
         while time.monotonic() < deadline and not all(
                 s.header[7] or not _alive(s.pid) for r, s in enumerate(self.segments) if r != self.local_rank):

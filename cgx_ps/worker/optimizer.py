@@ -182,7 +182,7 @@ class _DistributedMixin:
         ready = None
         if block.buffer.is_cuda:  # the comm thread must not read the buffer before the copies ran
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(block.buffer.device))
         if reducer is not None:
             reducer.mark_ready(block.spec.block_id, seq)
             if reducer.owner(block.spec.block_id) != self._cgx_config.local_rank:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import torch
 
@@ -32,13 +33,14 @@ def main() -> None:
     p.add_argument("--local-rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--job", required=True)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda:0, or cuda:{rank} (one GPU per local rank)")
     p.add_argument("--transport", default="auto")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     lay = layout()
-    device = torch.device(args.device)
+    device = torch.device(args.device.replace("{rank}", str(args.local_rank)))
+    pad = torch.empty(12345, device=device)  # the buffer must not start its allocation: offset > 0 on GPUs
     reducer = NodeReducer(lay, args.local_rank, args.size, 0, args.job, timeout_s=30, device=device,
                           transport=args.transport)
     numel = reducer.offsets[-1]
@@ -68,7 +70,9 @@ def main() -> None:
 
     for step in range(args.steps):
         asyncio.run(one(step))
-    torch.save({"results": results, "owners": reducer.owners, "transport": reducer.transport}, args.out)
+    export = json.loads(reducer.own.export) if reducer.own.export else {}
+    torch.save({"results": results, "owners": reducer.owners, "transport": reducer.transport,
+                "offset_bytes": export.get("offset_bytes"), "pad": pad.numel()}, args.out)
     reducer.close()
 
 
