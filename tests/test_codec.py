@@ -59,6 +59,51 @@ def test_cpu_kernel_byte_identical_to_reference(bits: int, stochastic: bool, buc
         assert torch.equal(dequantize(payload, impl="cpu"), dequantize(payload, impl="reference"))
 
 
+# These widths (un)pack whole 8-level groups in a loop per width, then a bucket's partial last
+# group; the sizes leave such partial groups and make many buckets (the threaded split).
+ODD_BITS = [1, 3, 5, 6, 7]
+ODD_LENGTHS = [1, 7, 9, 1023, 100_003]
+ODD_BUCKETS = [8, 16, 104, 1024]  # the format requires multiples of 8 (test_bad_bucket_size)
+
+
+@pytest.mark.parametrize("bits", ODD_BITS)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bucket_size", ODD_BUCKETS)
+def test_odd_widths_byte_identical_and_decode_like_reference(bits: int, stochastic: bool,
+                                                             bucket_size: int) -> None:
+    for n in ODD_LENGTHS:
+        x = _data(n, seed=n + bits)
+        ref = quantize(x, bits, bucket_size, stochastic=stochastic, seed=7, impl="reference").to_bytes()
+        fast = quantize(x, bits, bucket_size, stochastic=stochastic, seed=7, impl="cpu").to_bytes()
+        assert fast == ref, n
+        expected = dequantize(ref, impl="reference")
+        assert torch.equal(dequantize(ref, impl="cpu"), expected), n
+        base = _data(n, seed=n + 100)
+        out = base.clone()
+        assert dequantize(ref, out=out, accumulate=True, impl="cpu") is out
+        assert torch.equal(out, base + expected), n
+
+
+@pytest.mark.parametrize("bits", ODD_BITS)
+def test_odd_widths_every_level_in_every_slot(bits: int) -> None:
+    # Integer data spanning 0..2**bits - 1 in each bucket: unit = 1 and min = 0, so the levels are
+    # the values themselves and decoding is exact. Drawn at random, every level lands in every
+    # position of an 8-level group (and so at every bit offset of its bytes).
+    top = (1 << bits) - 1
+    g = torch.Generator().manual_seed(bits)
+    n = 64 * 8 * (top + 1) + 5
+    x = torch.randint(0, top + 1, (n,), generator=g).float()
+    x[::64] = 0.0
+    x[1::64] = float(top)
+    for stochastic in (False, True):
+        ref = quantize(x, bits, 64, stochastic=stochastic, seed=1, impl="reference").to_bytes()
+        assert quantize(x, bits, 64, stochastic=stochastic, seed=1, impl="cpu").to_bytes() == ref
+        assert torch.equal(dequantize(ref, impl="cpu"), x)
+    levels = x[: n - 5].view(-1, 8).long()
+    slots = torch.stack([torch.bincount(levels[:, k], minlength=top + 1) for k in range(8)])
+    assert bool((slots > 0).all())  # the test really covers every (level, slot) pair
+
+
 def test_multithreaded_split_matches_reference() -> None:
     old = cpu.num_threads()
     cpu.set_num_threads(3)  # several bucket ranges, uneven split
