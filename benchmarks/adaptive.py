@@ -5,7 +5,7 @@
 Two worker hosts with one colocated shard each (benchmarks/netcluster.py), mlp17m, batch 64,
 one thread per worker. For each link rate: uniform 4-bit, adaptive (bits re-chosen every
 --interval steps at the error budget of uniform 4-bit) and auto (compress or not, decided from a
-link probe and the codec's measured cost). Reports pushed bytes per step (after the first
+link probe and the codec's measured cost, then from measured step times). Reports pushed bytes per step (after the first
 decision), final eval loss, median step time, and the decisions.
 """
 
@@ -55,10 +55,12 @@ def main() -> None:
                 print(f"{r['rate']} {r['compression']}: from round {d['from_round']}: bits {d['bits']}")
             if "compress" in d:
                 f = d["figures"]
+                measured = ", ".join(f"{k} {v * 1e3:.0f} ms/step" for k, v in d.get("measured", {}).items())
                 print(f"{r['rate']} {r['compression']}: from round {d['from_round']}: "
-                      f"{'compress' if d['compress'] else 'no compression'} (link {f['throughput_bps'] / 1e6:.0f} MB/s, "
+                      f"{'compress' if d['compress'] else 'no compression'}: {d.get('reason', '')} "
+                      f"[{measured or 'no steps measured yet'}; model: link {f['throughput_bps'] / 1e6:.0f} MB/s, "
                       f"fp32 {f['fp32_bytes'] / 1e6:.1f} MB vs {f['compressed_bytes'] / 1e6:.1f} MB, codec "
-                      f"{f['codec_s'] * 1e3:.1f} ms, overlap {f['overlap_s'] * 1e3:.1f} ms)")
+                      f"{f['codec_s'] * 1e3:.1f} ms, overlap {f['overlap_s'] * 1e3:.1f} ms]")
 
 
 if __name__ == "__main__":

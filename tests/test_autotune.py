@@ -64,9 +64,10 @@ def test_adaptive_bits_change_on_the_same_round_everywhere(tmp_path):
     assert f'cgx_ps_block_bits{{block="0",shard="' in metrics or 'cgx_ps_block_bits{block="' in metrics
 
 
-def _run_auto(model: str, servers: list[str], spawn=None) -> dict:
+def _run_auto(model: str, servers: list[str], spawn=None, steps: int = 3, interval: int = 2) -> dict:
     job = uuid.uuid4().hex[:8]
-    argv = [sys.executable, str(ROOT / "tests/workers/auto_worker.py"), "--model", model]
+    argv = [sys.executable, str(ROOT / "tests/workers/auto_worker.py"), "--model", model, "--steps", str(steps),
+            "--interval", str(interval)]
     env = _env(0, 1, servers, job)
     proc = spawn(argv, env) if spawn else subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                                             stderr=subprocess.PIPE, text=True)
@@ -76,13 +77,24 @@ def _run_auto(model: str, servers: list[str], spawn=None) -> dict:
 
 
 def test_auto_mode_skips_compression_when_communication_hides_behind_compute():
+    """The model says no compression; auto then measures compressed steps for one interval and
+    goes back, since they are not faster on loopback."""
     with LocalCluster(1, extra_args=["--log-level", "WARNING"]) as c:
-        result = _run_auto("conv", c.addresses)
-    first = result["decisions"][0]
+        result = _run_auto("conv", c.addresses, steps=12, interval=3)
+    decisions = result["decisions"]
+    first = decisions[0]
     f = first["figures"]
-    assert first["compress"] is False, f
+    assert first["compress"] is False and first["reason"] == "model", f
     assert f["throughput_bps"] > 50e6 and f["overlap_s"] > 0  # loopback, real backward
-    assert result["compressed"] is False
+    explored = [d for d in decisions if d["reason"].startswith("measuring the other mode")]
+    assert explored and explored[0]["compress"] is True, decisions
+    later = decisions[decisions.index(explored[0]) + 1:]
+    assert later and later[0]["reason"] == "measured", decisions
+    assert set(later[0]["measured"]) == {"compressed", "uncompressed"}
+    assert all(t > 0 for t in later[0]["measured"].values())
+    m = later[0]["measured"]  # decided while compressing: keep compressing only if it was faster
+    assert later[0]["compress"] is (m["compressed"] < m["uncompressed"]), decisions
+    assert result["compressed"] is decisions[-1]["compress"]
 
 
 @pytest.mark.root
@@ -96,7 +108,7 @@ def test_auto_mode_compresses_on_a_throttled_link():
         shard = cluster.spawn(1, [sys.executable, "-m", "cgx_ps.cli", "server", "--host", cluster.address(1),
                                   "--port", "7070", "--metrics-port", "-1", "--log-level", "WARNING"])
         try:
-            result = _run_auto("mlp", [f"{cluster.address(1)}:7070"],
+            result = _run_auto("mlp", [f"{cluster.address(1)}:7070"], steps=6,
                                spawn=lambda argv, env: cluster.spawn(0, argv, env, stdout=subprocess.PIPE,
                                                                      stderr=subprocess.PIPE, text=True))
         finally:
@@ -106,4 +118,7 @@ def test_auto_mode_compresses_on_a_throttled_link():
     f = first["figures"]
     assert first["compress"] is True, f
     assert f["throughput_bps"] < 15e6  # the 100 Mbit/s link was measured, not loopback
+    # uncompressed steps are predicted far slower: auto does not spend an interval measuring them
+    assert not any(d["reason"].startswith("measuring") for d in result["decisions"]), result["decisions"]
+    assert all(d["compress"] for d in result["decisions"])
     assert result["compressed"] is True

@@ -14,14 +14,20 @@ tensor and each candidate bit width the error of quantizing the running average 
 and its size, and solve the multiple-choice knapsack (``adaptive.choose_bits``): fewest bytes at
 no more error than uniform 4 bits.
 
-Auto (``compression="auto"``): after the first step and every ``interval`` steps, measure the
+Auto (``compression="auto"``): the first choice comes from a model (after step 0, measure the
 upload throughput to the shards and the codec's cost on this device, predict the communication
-each choice leaves exposed after overlapping with backward, and compress only if that is less.
+each choice leaves exposed after overlapping with backward). The model cannot see everything
+that competes for the machine (the transport's CPU cost per byte, a colocated shard), so after
+that the step time decides: every ``interval`` steps rank 0 records the median step time of the
+current mode, tries the other mode for one interval when the model says it could plausibly be
+faster (and again every ``REEXPLORE`` decisions, as conditions change), and compresses only if
+compressed steps measured at least 5% faster than uncompressed ones.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -39,6 +45,9 @@ log = logging.getLogger(__name__)
 
 _PROBE_BYTES = 4 << 20  # per shard: long enough to measure a 1 Gbit/s link (~35 ms)
 _PIPELINE_MIN_BYTES = 4 << 20  # below this a step's transfer is latency-bound: its rate says little
+REEXPLORE = 8  # decisions between re-measuring the mode not in use
+_COMPRESS_MARGIN = 0.95  # compressed steps must be measured this much faster (exact gradients win ties)
+_PLAUSIBLE = 1.25  # explore the other mode only if the model predicts at most this x the current step time
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,26 @@ class Tuner:
         self.names = {b.spec.block_id: layout.tensors[b.spec.segments[0].tensor_index].name
                       for b in self.adaptive_blocks}
         self.history: list[dict] = []
+        # auto mode, rank 0: step times of the current mode since the last decision, and the
+        # latest median per mode as (seconds, decision index)
+        self._decisions = 0
+        self._step_samples: list[float] = []
+        self._last_step_end: float | None = None
+        self._skip_sample = True  # the first step after a switch pays one-off costs: not a sample
+        self.measured: dict[bool, tuple[float, int]] = {}
 
     def after_step(self, step: int) -> None:
         """Called by step() after the optimizer stepped; step counts from 0."""
+        now = time.perf_counter()
+        if self._last_step_end is not None and not self._skip_sample:
+            self._step_samples.append(now - self._last_step_end)
+        self._skip_sample = False
+        try:
+            self._after_step(step)
+        finally:
+            self._last_step_end = time.perf_counter()  # the decision's own cost is not a step's
+
+    def _after_step(self, step: int) -> None:
         if self.average is not None:
             for name in set(self.names.values()):
                 param = self.opt._cgx_params[name]
@@ -98,14 +124,14 @@ class Tuner:
         decision: dict = {"from_round": self.opt._cgx_blocks[0].round}
         if auto:
             figures = self._measure()
-            current = self.opt._cgx_compress
-            # switch only for a clear win (10%): measurements near the boundary must not flip-flop
-            compress = figures.exposed(True) < figures.exposed(False) * (1.1 if current else 0.9)
-            decision.update(compress=compress, figures=figures.__dict__)
-            log.info("auto mode: %s (rate %.0f MB/s: probe %.0f, pipeline %.0f; %.1f -> %.1f MB/step, codec %.1f ms, "
-                     "overlap %.1f ms; exposed %.1f ms compressed vs %.1f ms not)",
-                     "compress" if compress else "no compression", figures.throughput_bps / 1e6,
-                     figures.probe_bps / 1e6, figures.pipeline_bps / 1e6,
+            compress, reason = self._choose(figures)
+            decision.update(compress=compress, reason=reason, figures=figures.__dict__,
+                            measured={("compressed" if k else "uncompressed"): v[0] for k, v in self.measured.items()})
+            log.info("auto mode: %s (%s; measured step %s; model: rate %.0f MB/s: probe %.0f, pipeline %.0f; "
+                     "%.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; exposed %.1f ms compressed vs %.1f ms not)",
+                     "compress" if compress else "no compression", reason,
+                     {k: f"{v * 1e3:.1f} ms" for k, v in decision["measured"].items()},
+                     figures.throughput_bps / 1e6, figures.probe_bps / 1e6, figures.pipeline_bps / 1e6,
                      figures.fp32_bytes / 1e6, figures.compressed_bytes / 1e6,
                      figures.codec_s * 1e3, figures.overlap_s * 1e3, figures.exposed(True) * 1e3,
                      figures.exposed(False) * 1e3)
@@ -128,6 +154,30 @@ class Tuner:
             decision["bits"] = bits
             log.info("adaptive bits from round %d: %s", decision["from_round"], bits)
         return decision
+
+    def _choose(self, figures: AutoFigures) -> tuple[bool, str]:
+        """Compress or not, and why: the model first, then measured step times (module doc)."""
+        k, self._decisions = self._decisions, self._decisions + 1
+        current = self.opt._cgx_compress
+        samples, self._step_samples = self._step_samples, []
+        if k == 0:
+            return figures.exposed(True) < figures.exposed(False), "model"
+        if not samples:
+            return current, "no step measured since the last decision"
+        self.measured[current] = (statistics.median(samples), k)
+        other = not current
+        if other not in self.measured or k - self.measured[other][1] >= REEXPLORE:
+            now = self.measured[current][0]
+            predicted = now - figures.exposed(current) + figures.exposed(other)
+            if predicted <= _PLAUSIBLE * now:
+                return other, f"measuring the other mode (model predicts {predicted * 1e3:.0f} ms/step)"
+            if other not in self.measured:
+                return current, f"model rules the other mode out ({predicted * 1e3:.0f} ms/step predicted)"
+        if True in self.measured and False in self.measured:
+            # start compressing only for a clear win; once compressing, stop when it no longer wins
+            margin = 1.0 if current else _COMPRESS_MARGIN
+            return self.measured[True][0] < margin * self.measured[False][0], "measured"
+        return current, "measured"
 
     def _measure(self) -> AutoFigures:
         opt = self.opt
@@ -155,6 +205,8 @@ class Tuner:
     def _apply(self, decision: dict) -> None:
         self.history.append(decision)
         if "compress" in decision:
+            if decision["compress"] != self.opt._cgx_compress:
+                self._skip_sample = True
             self.opt._cgx_compress = decision["compress"]
         for block in self.adaptive_blocks:
             bits = decision.get("bits", {}).get(self.names[block.spec.block_id])

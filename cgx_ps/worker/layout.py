@@ -44,7 +44,7 @@ class Compression:
     # two compressed tensors so each tensor's bits can change on its own
     adaptive: bool = False
     interval: int = 100
-    # auto mode: compress only when measured link and codec speed say it pays
+    # auto mode: compress only when it measurably pays (a model first, then measured step times)
     auto: bool = False
 
     def __post_init__(self) -> None:

@@ -329,7 +329,8 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
 
     compression: "4bit" (default), "Nbit" for N in 1..8, "fp16", "bf16", "fp32", "adaptive"
         (bits per tensor re-chosen every 100 steps: fewer bytes at the error of uniform 4 bits),
-        "auto" (compress only when the measured link and codec speed say it pays), or a
+        "auto" (compress only when it measurably pays: a link-and-codec model makes the first
+        choice, then measured step times of both modes decide), or a
         ``Compression`` with name-pattern exclusions and per-tensor overrides. 1-D tensors and
         tensors under 1024 elements always travel uncompressed.
     backward_passes_per_step: gradients accumulate over this many backward passes per step.

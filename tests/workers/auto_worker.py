@@ -1,5 +1,5 @@
 """A worker for auto-mode tests: a few steps of a compute-heavy or a communication-heavy model
-with compression="auto:2"; prints the decisions as one JSON line."""
+with compression="auto:<interval>"; prints the decisions as one JSON line."""
 
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=["conv", "mlp"], required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--interval", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(1)
     cgx.init()
     model, x, y = build(args.model)
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
-                                   compression="auto:2")
+                                   compression=f"auto:{args.interval}")
     for _ in range(args.steps):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
