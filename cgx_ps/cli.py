@@ -2,7 +2,7 @@
 
     cgx-ps server  --port 7070 --shard-index 0 --num-shards 2     one shard (one process)
     cgx-ps cluster --shards 2                                      N local shards, Ctrl-C stops all
-    cgx-ps demo    --workers 2 --shards 2                          shards + workers train a model
+    cgx-ps demo    --workers 2 --shards 2 [--local-ranks 1]        shards + workers train a model
     cgx-ps codec-demo                                              codec sizes, error and speed
 
 Every option that a deployment sets has an environment variable (CGX_PS_*), so Kubernetes
@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="local cluster: shards plus workers training a real model")
     demo.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
     demo.add_argument("--shards", type=int, default=2, help="shard processes (default %(default)s)")
+    demo.add_argument("--local-ranks", type=int, default=1,
+                      help="workers per node: they reduce through shared memory first, and each node pushes "
+                           "every block once (must divide --workers; default %(default)s)")
     demo.add_argument("--epochs", type=int, default=8)
     demo.add_argument("--batch-size", type=int, default=32, help="per worker")
     demo.add_argument("--compression", default="4bit",

@@ -30,11 +30,11 @@ def find_example() -> Path:
     return script
 
 
-def _worker_env(rank: int, workers: int, servers: list[str], job_id: str) -> dict[str, str]:
+def _worker_env(rank: int, workers: int, local: int, servers: list[str], job_id: str) -> dict[str, str]:
     env = dict(os.environ, CGX_PS_JOB_ID=job_id)
-    env.update(RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(workers), CGX_PS_SERVERS=",".join(servers),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local),
+               CGX_PS_NODE_RANK=str(rank // local), CGX_PS_NUM_NODES=str(workers // local),
+               CGX_PS_SERVERS=",".join(servers), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
 
@@ -44,16 +44,20 @@ def run_demo(args: argparse.Namespace) -> int:
         from tqdm import tqdm
     except ImportError as exc:
         raise SystemExit(f"cgx-ps demo needs the demo extras: pip install 'cgx-ps[demo]' ({exc})") from None
+    local = getattr(args, "local_ranks", 1)
+    if local < 1 or args.workers % local:
+        raise SystemExit(f"cgx-ps demo: --local-ranks {local} must divide --workers {args.workers}")
     script = find_example()
     logs = tempfile.mkdtemp(prefix="cgx-ps-demo-")
-    print(f"cgx-ps demo: {args.shards} shards, {args.workers} workers, compression {args.compression}, "
+    nodes = f" as {args.workers // local} nodes of {local}" if local > 1 else ""
+    print(f"cgx-ps demo: {args.shards} shards, {args.workers} workers{nodes}, compression {args.compression}, "
           f"{args.epochs} epochs (logs in {logs})", flush=True)
     t_start = time.perf_counter()
     with LocalCluster(args.shards, extra_args=["--log-level", "WARNING"], log_dir=logs) as cluster:
         cmd = [sys.executable, str(script), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                "--compression", args.compression, "--seed", str(args.seed), "--json"]
         job_id = f"demo-{uuid.uuid4().hex[:8]}"
-        procs = [subprocess.Popen(cmd, env=_worker_env(r, args.workers, cluster.addresses, job_id), text=True,
+        procs = [subprocess.Popen(cmd, env=_worker_env(r, args.workers, local, cluster.addresses, job_id), text=True,
                                   stdout=subprocess.PIPE, stderr=open(Path(logs) / f"worker{r}.log", "w"))
                  for r in range(args.workers)]
         summaries = _follow(procs, tqdm, args.no_progress)
@@ -64,7 +68,7 @@ def run_demo(args: argparse.Namespace) -> int:
         for r in failed:
             print("".join(open(Path(logs) / f"worker{r}.log").readlines()[-15:]), file=sys.stderr)
         return 1
-    _print_summary(summaries, time.perf_counter() - t_start)
+    _print_summary(summaries, time.perf_counter() - t_start, local)
     return 0
 
 
@@ -105,16 +109,19 @@ def _parse(line: str) -> dict | None:
     return event if isinstance(event, dict) and "event" in event else None
 
 
-def _print_summary(summaries: list[dict], wall_s: float) -> None:
+def _print_summary(summaries: list[dict], wall_s: float, local: int = 1) -> None:
     summaries.sort(key=lambda s: s["rank"])
     first = summaries[0]
     identical = len({s["param_sha256"] for s in summaries}) == 1
-    ratio = first["fp32_bytes"] / max(first["bytes_pushed"], 1)
+    # a node's bytes: every block leaves it once, pushed by whichever local rank owns it
+    node = summaries[:local]
+    pushed, fp32 = sum(s["bytes_pushed"] for s in node), sum(s["fp32_bytes"] for s in node)
+    ratio = fp32 / max(pushed, 1)
     print("\nsummary")
     print(f"  test accuracy        {first['accuracy'] * 100:.1f}%  (test loss {first['test_loss']:.3f})")
     print(f"  steps                {first['steps']} per worker, median step {first['median_step_s'] * 1e3:.1f} ms")
-    print(f"  bytes pushed / node  {first['bytes_pushed'] / 1e6:.2f} MB vs {first['fp32_bytes'] / 1e6:.2f} MB "
-          f"fp32 ({ratio:.1f}x less)")
+    print(f"  bytes pushed / node  {pushed / 1e6:.2f} MB vs {fp32 / 1e6:.2f} MB fp32 ({ratio:.1f}x less)"
+          + (f", split over its {local} local ranks" if local > 1 else ""))
     print(f"  replicas identical   {'yes' if identical else 'NO'} ({len(summaries)} workers, "
           f"params sha256 {first['param_sha256'][:12]}…)")
     print(f"  wall time            {wall_s:.1f} s")
