@@ -173,3 +173,15 @@ def test_flags_store_and_load_through_the_fence():
     assert flags.tolist() == [0, 0, 7, 0] and load_acquire(flags, 2) == 7 and load_acquire(flags, 0) == 0
     store_release(flags, 2, 2**40)  # step counters do not wrap at 32 bits
     assert load_acquire(flags, 2) == 2**40
+
+
+@pytest.mark.parametrize("record, message", [
+    (b"not json", "cannot map another local rank's GPU buffer"),
+    (b'{"events": ["00"], "offset_bytes": 0, "numel": 1, "allocation_bytes": 4}', "exported 1 block events, expected 2"),
+    (b'{"events": ["00", "00"], "offset_bytes": 8, "numel": 4, "allocation_bytes": 16}', "does not fit its allocation"),
+])
+def test_a_bad_cuda_ipc_record_is_named_before_any_cuda_call(record, message):
+    from cgx_ps.worker.cuda_ipc import CudaIpcBuffer
+
+    with pytest.raises(IntraNodeError, match=message):
+        CudaIpcBuffer.open(record, 2, torch.device("cuda", 0))
