@@ -104,6 +104,8 @@ def validate_layout(layout: ps_pb2.Layout) -> None:
         if total != block.numel:
             raise LayoutError(f"block {i}: segments hold {total} elements, numel says {block.numel}")
     for tensor, n in zip(layout.tensors, covered):
+        if any(d < 0 for d in tensor.shape):
+            raise LayoutError(f"tensor {tensor.name!r}: negative dimension in shape {list(tensor.shape)}")
         expected = 1
         for d in tensor.shape:
             expected *= d

@@ -80,7 +80,7 @@ def test_auto_mode_skips_compression_when_communication_hides_behind_compute():
     """The model says no compression; auto then measures compressed steps for one interval and
     goes back, since they are not faster on loopback."""
     with LocalCluster(1, extra_args=["--log-level", "WARNING"]) as c:
-        result = _run_auto("conv", c.addresses, steps=12, interval=3)
+        result = _run_auto("conv", c.addresses, steps=13, interval=3)
     decisions = result["decisions"]
     first = decisions[0]
     f = first["figures"]

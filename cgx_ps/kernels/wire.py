@@ -123,6 +123,10 @@ def parse_header(payload: bytes | bytearray | memoryview) -> Header:
         raise CodecError("reserved header bytes are not zero (corrupted header?)")
     if codec == Codec.MAXMIN:
         validate_settings(codec, bits, bucket_size)
+    elif bits != 8 * _ELEMENT_BYTES[codec] or bucket_size != 0:
+        # fixed by the codec: a stray value here must not pass as "another encoding"
+        raise CodecError(f"{codec.name} header must say bits={8 * _ELEMENT_BYTES[codec]} bucket_size=0, "
+                         f"got bits={bits} bucket_size={bucket_size}")
     header = Header(codec, bits, flags, numel, bucket_size, crc)
     expected = HEADER_SIZE + header.body_size
     if size != expected:

@@ -23,6 +23,7 @@ class BlobStore:
         self.used = 0
         self._blobs: dict[str, bytes] = {}
         self._ready: dict[str, asyncio.Event] = {}
+        self._waiting: dict[str, int] = {}  # GetBlob calls waiting per key
 
     def put(self, key: str, data: bytes) -> None:
         old = self._blobs.get(key)
@@ -39,14 +40,22 @@ class BlobStore:
 
     async def get(self, key: str, timeout_s: float) -> bytes:
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while key not in self._blobs:  # loop: a session reset may clear the blob we woke for
-            left = deadline - asyncio.get_running_loop().time()
-            try:
-                await asyncio.wait_for(self._event(key).wait(), max(left, 0))
-            except asyncio.TimeoutError:
-                raise BlobError("timeout", f"blob {key!r} was not put within {timeout_s:g}s "
-                                           f"(did the root rank call the same broadcast?)") from None
-        return self._blobs[key]
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            while key not in self._blobs:  # loop: a session reset may clear the blob we woke for
+                left = deadline - asyncio.get_running_loop().time()
+                try:
+                    await asyncio.wait_for(self._event(key).wait(), max(left, 0))
+                except asyncio.TimeoutError:
+                    raise BlobError("timeout", f"blob {key!r} was not put within {timeout_s:g}s "
+                                               f"(did the root rank call the same broadcast?)") from None
+            return self._blobs[key]
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
+                if key not in self._blobs:  # nobody waits for it and it never came: forget its event
+                    self._ready.pop(key, None)
 
     def clear(self) -> None:
         self._blobs.clear()

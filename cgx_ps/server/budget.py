@@ -32,14 +32,17 @@ class ByteBudget:
             if fut.done() and not fut.cancelled():
                 self.release(n)  # granted just as we were cancelled
             else:
-                self._waiters.remove((n, fut))
+                try:
+                    self._waiters.remove((n, fut))
+                except ValueError:
+                    pass  # release() already dropped it
                 self.release(0)  # smaller requests queued behind this one may fit now
             raise
 
     def release(self, n: int) -> None:
         self.used -= min(n, self.capacity)
-        while self._waiters and self.used + self._waiters[0][0] <= self.capacity:
+        while self._waiters and (self._waiters[0][1].done() or self.used + self._waiters[0][0] <= self.capacity):
             size, fut = self._waiters.popleft()
-            if not fut.done():
+            if not fut.done():  # a cancelled waiter is dropped without taking anything
                 self.used += size
                 fut.set_result(None)

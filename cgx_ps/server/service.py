@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from .. import __version__
+from ..kernels.wire import HEADER_SIZE
 from ..layout import LayoutError, first_difference, layout_hash, validate_layout
 from ..transport import chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
@@ -34,12 +35,27 @@ log = logging.getLogger(__name__)
 _STOP = object()  # queue sentinel: end the node's stream
 
 
+class _WriterStalled(Exception):
+    """The client stopped reading: end its stream with the error set on it."""
+MAX_ID_CHARS = 256  # node and job ids: they appear in messages, metrics and gRPC status details
+
+
 @dataclass(eq=False)
 class _NodeStream:
     node_id: str
     member: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     error: PushRejected | None = None
+    queued_bytes: int = 0  # result bytes waiting for this client to read them
+    push_tasks: set[asyncio.Task] = field(default_factory=set)  # its pushes still being summed
+    stopping: bool = False
+
+    def stop(self, error: PushRejected | None = None) -> None:
+        """End the stream (the writer sends what is queued first), with ``error`` if none yet."""
+        self.error = self.error or error
+        if not self.stopping:
+            self.stopping = True
+            self.queue.put_nowait(_STOP)
 
 
 @dataclass(eq=False)
@@ -55,6 +71,9 @@ class _Session:
     pushers: dict[tuple[int, int], list[_NodeStream]] = field(default_factory=dict)
     active: set[tuple[str, int]] = field(default_factory=set)  # members that opened a stream
     last_activity: float = field(default_factory=time.monotonic)
+    # result bytes one stream may have waiting: a client reads a block's result before pushing
+    # the block's next round, so two rounds of every block (a resend on top) is already generous
+    result_cap: int = 0
 
     def started(self, node: str, member: int) -> bool:
         """Has this member of a node begun training (so a new Register means it restarted)?"""
@@ -71,6 +90,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.draining = False
         self.pending_pushes = 0  # blocks being received or summed, not yet in a round's count
         self.blobs = BlobStore(config.max_inflight_bytes)
+        # uploads of blobs reserve from their own budget: a stalled or huge PutBlob (it needs no
+        # session) can delay other broadcasts, never gradient traffic
+        self.blob_budget = ByteBudget(config.max_inflight_bytes)
         self._push_tasks: set[asyncio.Task] = set()
 
     # ---- Register -------------------------------------------------------------------------------
@@ -82,6 +104,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         node = request.node_id
         if not node:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
+        if len(node) > MAX_ID_CHARS or len(request.job_id) > MAX_ID_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"node_id ({len(node)} chars) and job_id ({len(request.job_id)} chars) must "
+                                f"be at most {MAX_ID_CHARS} characters")
         if request.num_nodes < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_nodes must be >= 1")
         try:
@@ -169,7 +195,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         )
         layout = ps_pb2.Layout()
         layout.CopyFrom(request.layout)
-        session = _Session(layout, digest, request.num_nodes, aggregator, job_id=request.job_id)
+        session = _Session(layout, digest, request.num_nodes, aggregator, job_id=request.job_id,
+                           result_cap=2 * sum(HEADER_SIZE + 4 * b.numel for b in owned) + (1 << 20))
         holder.append(session)
         self.session = session
         log.info("new session: %d tensors, %d blocks (%d here), %d nodes, layout %s",
@@ -181,8 +208,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if session is self.session:
             self.blobs.clear()
         for stream in session.streams.values():
-            stream.error = stream.error or PushRejected(code, reason)
-            stream.queue.put_nowait(_STOP)
+            stream.stop(PushRejected(code, reason))
 
     # ---- results and failures -------------------------------------------------------------------
 
@@ -191,15 +217,26 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         messages = _pull_messages(block_id, round_, data)
         streams = session.pushers.pop((block_id, round_), [])
         for stream in streams:
-            stream.queue.put_nowait(messages)
+            self._send(session, stream, messages, len(data))
         self.metrics.bytes_out.inc(len(data) * len(streams))
+
+    def _send(self, session: _Session, stream: _NodeStream, messages: list, nbytes: int) -> None:
+        """Queue messages for a stream's writer, unless its client has stopped reading: one client
+        that never reads must not grow the shard's memory without bound."""
+        if stream.queued_bytes + nbytes > session.result_cap:
+            stream.stop(PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"node {stream.node_id} member {stream.member} is not reading its results "
+                                     f"({stream.queued_bytes} bytes waiting)"))
+            return
+        stream.queued_bytes += nbytes
+        stream.queue.put_nowait((messages, nbytes))
 
     def _on_failure(self, session: _Session, failure: RoundFailure) -> None:
         error = ps_pb2.ExchangeResponse(error=ps_pb2.RoundError(
             round=failure.round, block_id=failure.block_id, message=failure.message,
             missing_nodes=list(failure.missing_nodes)))
         for stream in session.streams.values():
-            stream.queue.put_nowait([error])
+            stream.queue.put_nowait(([error], 0))
         self._end_session(session, grpc.StatusCode.ABORTED, failure.message)
 
     # ---- Exchange -------------------------------------------------------------------------------
@@ -222,7 +259,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         stream = _NodeStream(node, member)
         old = session.streams.get((node, member))
         if old is not None:  # a reconnect replaces the old stream, also for results still due
-            old.queue.put_nowait(_STOP)
+            old.stop(PushRejected(grpc.StatusCode.ABORTED,
+                                  f"replaced by a newer stream of node {node} member {member} (a reconnect)"))
             for waiting in session.pushers.values():
                 waiting[:] = [stream if s is old else s for s in waiting]
         session.streams[(node, member)] = stream
@@ -235,8 +273,20 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 item = await stream.queue.get()
                 if item is _STOP:
                     break
-                for message in item:
-                    await context.write(message)
+                messages, nbytes = item
+                for message in messages:
+                    try:  # gRPC flow control holds a write until the client reads
+                        await asyncio.wait_for(context.write(message), self.config.round_timeout_s)
+                    except asyncio.TimeoutError:
+                        stream.error = PushRejected(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"node {node} member {member} has not read its results for "
+                            f"{self.config.round_timeout_s:g}s ({stream.queued_bytes} bytes waiting)")
+                        log.warning("%s", stream.error.message)
+                        raise _WriterStalled from None
+                stream.queued_bytes -= nbytes
+        except _WriterStalled:
+            pass
         finally:
             reader.cancel()
             self.metrics.connected_nodes.dec()
@@ -249,9 +299,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     async def _read_pushes(self, context: grpc.aio.ServicerContext, session: _Session,
                            stream: _NodeStream) -> None:
         partial: dict[int, _Assembly] = {}
+        cancelled = False
         try:
             while True:
-                request = await context.read()
+                request = await self._next_push(context, stream, partial)
                 if request is grpc.aio.EOF:
                     break
                 if request.WhichOneof("kind") != "push":
@@ -262,8 +313,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     # Summed in its own task so this stream keeps reading. Never cancelled: a
                     # push that has been read is always summed and its budget released.
                     task = asyncio.create_task(self._push(session, stream, chunk, payload))
-                    self._push_tasks.add(task)
-                    task.add_done_callback(self._push_tasks.discard)
+                    for tasks in (self._push_tasks, stream.push_tasks):
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+        except asyncio.CancelledError:
+            cancelled = True  # the writer is gone: nothing more can reach this client
+            raise
         except PushRejected as exc:
             stream.error = exc
             self.metrics.push(stream.node_id, "rejected")
@@ -278,9 +333,27 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 self.budget.release(assembly.total)
                 self.pending_pushes -= 1
             self._update_inflight()
+            if stream.push_tasks and not cancelled:
+                # results of pushes already read (say, the one completing a round while the shard
+                # drains) go out before the stream ends: the client's gradient is in them
+                await asyncio.wait(set(stream.push_tasks))
             # EOF, error or cancellation: end the stream (on EOF pending results are not awaited:
             # a client half-closes only when it has everything it waits for)
             stream.queue.put_nowait(_STOP)
+
+    async def _next_push(self, context: grpc.aio.ServicerContext, stream: _NodeStream,
+                         partial: dict[int, _Assembly]):
+        """The next message; a client that stops halfway through a block's chunks holds part of
+        the shard's memory budget, so it gets the round timeout to continue, not forever."""
+        if not partial:
+            return await context.read()
+        try:
+            return await asyncio.wait_for(context.read(), self.config.round_timeout_s)
+        except asyncio.TimeoutError:
+            (block_id, a), = partial.items()
+            raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"sent {a.filled} of {a.total} bytes of block {block_id} "
+                               f"round {a.round}, then nothing for {self.config.round_timeout_s:g}s") from None
 
     async def _assemble(self, session: _Session, partial: dict[int, _Assembly],
                         chunk: ps_pb2.PushChunk) -> bytes | None:
@@ -291,6 +364,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 session.aggregator.blocks[chunk.block_id].pushed:
             raise PushRejected(grpc.StatusCode.UNAVAILABLE, "shard is shutting down; no new rounds")
         assembly = partial.get(chunk.block_id)
+        if assembly is None and partial:
+            # a block's chunks come contiguously (the client holds its stream for a whole block), so
+            # a stream holds at most one block's reservation while it waits for budget: no deadlock
+            (other, a), = partial.items()
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"block {chunk.block_id}: chunk arrived while block {other} has {a.filled} of "
+                               f"{a.total} bytes; a stream must send one block's chunks contiguously")
         if assembly is None:
             sizes = session.aggregator.allowed_sizes(chunk.block_id, chunk.round)  # rejects unknown ids
             if chunk.total_bytes not in sizes:
@@ -300,7 +380,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             expected = chunk.total_bytes
             # Reserve the whole block up front: a block holds all of its budget or none, so
             # streams that each hold part of the budget can never wait on each other forever.
-            await self.budget.acquire(expected)
+            try:
+                await asyncio.wait_for(self.budget.acquire(expected), 2 * self.config.round_timeout_s)
+            except asyncio.TimeoutError:
+                raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"block {chunk.block_id}: the shard's memory budget ({self.budget.capacity} "
+                                   f"bytes) stayed full for {2 * self.config.round_timeout_s:g}s") from None
             assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected)
             self.pending_pushes += 1
             self._update_inflight()
@@ -324,6 +409,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     payload: bytes) -> None:
         key = (chunk.block_id, chunk.round)
         pushers = session.pushers.setdefault(key, [])
+        twin = next((s for s in pushers if s.node_id == stream.node_id and s.member != stream.member), None)
         pushers.append(stream)  # before push(): the last push completes the round inside it
 
         def forget() -> None:
@@ -333,6 +419,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 del session.pushers[key]
 
         try:
+            if twin is not None:
+                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"block {chunk.block_id} round {chunk.round} was already pushed by member "
+                                   f"{twin.member} of node {stream.node_id}: one local rank pushes each block")
             outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
             if not outcome.accepted:
                 forget()
@@ -341,10 +431,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             if not isinstance(exc, PushRejected):
                 log.exception("node %s: unexpected error in push", stream.node_id)
                 exc = PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
-            stream.error = stream.error or exc
             self.metrics.push(stream.node_id, "rejected")
             log.warning("node %s: %s", stream.node_id, exc.message)
-            stream.queue.put_nowait(_STOP)
+            stream.stop(exc)
             return
         finally:
             self.budget.release(len(payload))
@@ -352,7 +441,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self._update_inflight()
         self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
         if outcome.resend is not None:
-            stream.queue.put_nowait(_pull_messages(chunk.block_id, chunk.round, outcome.resend))
+            self._send(session, stream, _pull_messages(chunk.block_id, chunk.round, outcome.resend),
+                       len(outcome.resend))
 
     def _update_inflight(self) -> None:
         self.metrics.inflight_bytes.set(self.budget.used)
@@ -363,15 +453,22 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         parts: list[bytes] = []
         key, total, filled, reserved = None, 0, 0, 0
         try:
-            async for chunk in request_iterator:
+            while True:
+                try:  # the first chunk may take as long as the client likes; a stall halfway may not
+                    chunk = await (context.read() if key is None else
+                                   asyncio.wait_for(context.read(), self.config.round_timeout_s))
+                except asyncio.TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"blob {key!r}: sent {filled} of {total} bytes, then nothing for "
+                                        f"{self.config.round_timeout_s:g}s")
+                if chunk is grpc.aio.EOF:
+                    break
                 if key is None:
                     key, total = chunk.key, chunk.total_bytes
                     if total > self.blobs.capacity - self.blobs.used:
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                             f"blob {key!r} of {total} bytes exceeds the shard's blob capacity")
-                    # buffered bytes count against the same cap as pushes: many concurrent puts
-                    # cannot take more memory than the shard allows
-                    await self.budget.acquire(total)
+                    await self.blob_budget.acquire(total)  # bounded memory for concurrent puts
                     reserved = total
                 await self._blob_chunk(context, chunk, parts, key, total, filled)
                 filled += len(chunk.data)
@@ -384,15 +481,22 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 code = grpc.StatusCode.ALREADY_EXISTS if exc.kind == "exists" else grpc.StatusCode.RESOURCE_EXHAUSTED
                 await context.abort(code, str(exc))
         finally:
-            self.budget.release(reserved)
+            self.blob_budget.release(reserved)
         return ps_pb2.PutBlobResponse()
 
     async def _blob_chunk(self, context, chunk: ps_pb2.BlobChunk, parts: list[bytes], key: str, total: int,
                           filled: int) -> None:
-        if (chunk.key, chunk.total_bytes, chunk.offset) != (key, total, filled) or \
-                filled + len(chunk.data) > total:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"blob {key!r}: chunk at offset {chunk.offset} does not continue at {filled}")
+        problem = None
+        if chunk.key != key:
+            problem = f"chunk names blob {chunk.key!r}; one PutBlob stream carries one blob"
+        elif chunk.total_bytes != total:
+            problem = f"chunk says total_bytes={chunk.total_bytes}, the first chunk said {total}"
+        elif chunk.offset != filled:
+            problem = f"chunk at offset {chunk.offset}, expected {filled} (chunks must be in order, no gaps)"
+        elif filled + len(chunk.data) > total:
+            problem = f"chunk of {len(chunk.data)} bytes at offset {filled} overruns total_bytes={total}"
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"blob {key!r}: {problem}")
         parts.append(chunk.data)
 
     async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext):

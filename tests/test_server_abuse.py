@@ -1,0 +1,321 @@
+"""A hostile or buggy client against a real shard: it gets a clear error, the other nodes keep
+training (or get a clear error naming the culprit within the round timeout), and the shard's
+memory stays bounded. Each test is a regression test for a found bug."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+
+from cgx_ps.kernels import Codec, CodecError, dequantize, encode
+from cgx_ps.kernels.wire import HEADER_SIZE, parse_header
+from cgx_ps.layout import LayoutError, layout_hash, validate_layout
+from cgx_ps.server import ServerConfig, ShardServer
+from cgx_ps.server.budget import ByteBudget
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+ROUND_TIMEOUT = 1.5
+
+
+def layout_of(*shapes: tuple[int, ...], block_bytes: int = 64 << 10) -> ps_pb2.Layout:
+    tensors = [TensorInfo(f"t{i}", s) for i, s in enumerate(shapes)]
+    return build_layout(tensors, 1, Compression(bits=None), block_bytes=block_bytes)
+
+
+def fp32(n: int, value: float = 1.0) -> bytes:
+    return encode(torch.full((n,), value), Codec.FP32).to_bytes()
+
+
+async def start(**kw) -> ShardServer:
+    config = dict(host="127.0.0.1", port=0, metrics_port=-1, round_timeout_s=ROUND_TIMEOUT,
+                  drain_timeout_s=3.0, kernel_threads=1)
+    config.update(kw)
+    server = ShardServer(ServerConfig(**config))
+    await server.start()
+    return server
+
+
+async def connect(server: ShardServer, layout, nodes: int) -> list[ShardClient]:
+    clients = [ShardClient(f"127.0.0.1:{server.port}", f"node-{i}", nodes, layout, connect_timeout_s=5)
+               for i in range(nodes)]
+    for c in clients:
+        await c.connect()
+    return clients
+
+
+async def raw_stream(server: ShardServer, node: str, layout, member: int = 0, register: bool = False,
+                     num_nodes: int = 2):
+    """An Exchange stream we drive message by message (after an optional Register)."""
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    if register:
+        await stub.Register(ps_pb2.RegisterRequest(node_id=node, num_nodes=num_nodes, layout=layout,
+                                                   layout_hash=layout_hash(layout), member=member))
+    call = stub.Exchange()
+    await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout),
+                                                               member=member)))
+    return channel, call
+
+
+def chunk(block_id: int, round_: int, total: int, offset: int, data: bytes) -> ps_pb2.ExchangeRequest:
+    return ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=round_, block_id=block_id, total_bytes=total,
+                                                        offset=offset, data=data))
+
+
+async def final_status(call, timeout: float = 10) -> tuple[str, str]:
+    async def read_all():
+        try:
+            async for _ in call:
+                pass
+            return "OK", ""
+        except grpc.aio.AioRpcError as e:
+            return e.code().name, e.details()
+    return await asyncio.wait_for(read_all(), timeout)
+
+
+async def close(server, clients, channels=()):
+    for c in clients:
+        await c.close()
+    for ch in channels:
+        await ch.close()
+    await server.stop(drain=False)
+
+
+# ---- headers and layouts --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec, bits", [(Codec.FP32, 5), (Codec.FP32, 0), (Codec.FP16, 7)])
+def test_float_headers_must_carry_their_fixed_bits(codec, bits):
+    payload = bytearray(encode(torch.ones(16), codec).to_bytes())
+    payload[6] = bits  # the CRC covers the body only: this header still "checks out"
+    with pytest.raises(CodecError, match=f"{codec.name} header must say bits="):
+        parse_header(bytes(payload))
+
+
+async def test_a_bad_float_header_is_refused_and_does_not_lock_out_the_good_node():
+    """Before: the bad bits were accepted and then the good node's correct push was refused."""
+    layout = layout_of((64, 64))
+    server = await start()
+    good, bad = await connect(server, layout, 2)
+    payload = bytearray(fp32(4096))
+    payload[6] = 5
+    with pytest.raises(ShardRejectedError, match="FP32 header must say bits=32"):
+        await asyncio.wait_for(bad.exchange(0, 0, bytes(payload)), 10)
+    with pytest.raises(RoundFailedError, match="node-1"):  # the bad node is the one named
+        await asyncio.wait_for(good.exchange(0, 0, fp32(4096)), 10)
+    await close(server, [good, bad])
+
+
+def test_negative_dimensions_are_refused():
+    layout = layout_of((64, 64))
+    layout.tensors[0].shape[:] = [-64, -64]  # the product is still 4096
+    with pytest.raises(LayoutError, match="negative dimension"):
+        validate_layout(layout)
+
+
+async def test_overlong_ids_are_refused_at_register():
+    layout = layout_of((64, 64))
+    server = await start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Register(ps_pb2.RegisterRequest(node_id="n" * 200_000, num_nodes=1, layout=layout,
+                                                       layout_hash=layout_hash(layout)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 256 characters" in err.value.details()
+    await server.stop(drain=False)
+
+
+# ---- the byte budget: stalls, interleaving, cancellation --------------------------------------------
+
+
+async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_it():
+    """Before: half a block held the budget forever; the good node's push waited on it, no
+    round timer started, and everyone hung."""
+    layout = layout_of((384, 1024), block_bytes=4 << 20)  # one 1.5 MiB block
+    total = HEADER_SIZE + 4 * layout.blocks[0].numel
+    server = await start(max_inflight_bytes=2 << 20)
+    good, _ = await connect(server, layout, 2)
+    channel, call = await raw_stream(server, "node-1", layout, member=1, register=True)
+    await call.write(chunk(0, 0, total, 0, b"\0" * (1 << 20)))  # the first MiB, then nothing
+    t0 = time.monotonic()
+    with pytest.raises(RoundFailedError, match="node-1"):
+        await asyncio.wait_for(good.exchange(0, 0, fp32(layout.blocks[0].numel)), 15)
+    assert time.monotonic() - t0 < 3 * ROUND_TIMEOUT + 2
+    code, details = await final_status(call)
+    assert code == "DEADLINE_EXCEEDED" and f"sent {1 << 20} of {total} bytes of block 0" in details, details
+    assert server.service.budget.used == 0
+    await close(server, [good, _], [channel])
+
+
+async def test_a_stalled_blob_upload_never_blocks_gradients():
+    """Before: an unregistered PutBlob declaring the whole budget froze every push."""
+    cap = 2 << 20
+    server = await start(max_inflight_bytes=cap)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    never = asyncio.Event()
+
+    async def stalled():
+        yield ps_pb2.BlobChunk(key="evil", total_bytes=cap, offset=0, data=b"x")
+        await never.wait()
+
+    put = asyncio.ensure_future(ps_pb2_grpc.ParameterServerStub(channel).PutBlob(stalled()))
+    await asyncio.sleep(0.3)
+    layout = layout_of((64, 64))
+    a, b = await connect(server, layout, 2)
+    results = await asyncio.wait_for(asyncio.gather(a.exchange(0, 0, fp32(4096)), b.exchange(0, 0, fp32(4096))), 10)
+    assert all(torch.equal(dequantize(r), torch.full((4096,), 2.0)) for r in results)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # and the stalled put ends with a reason
+        await asyncio.wait_for(put, 10)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent 1 of" in err.value.details()
+    assert server.service.blob_budget.used == 0
+    await close(server, [a, b], [channel])
+
+
+async def test_interleaved_blocks_on_one_stream_are_refused_not_deadlocked():
+    """Before: chunk 0 of block 0, then chunk 0 of block 1, with the budget full: the stream
+    waited for budget while holding block 0's reservation, forever."""
+    layout = layout_of((256, 1024), (256, 1024), block_bytes=1 << 20)
+    assert len(layout.blocks) == 2
+    total = HEADER_SIZE + 4 * layout.blocks[0].numel
+    server = await start(max_inflight_bytes=2 << 20)
+    good, _ = await connect(server, layout, 2)
+    channel, call = await raw_stream(server, "node-1", layout, member=1, register=True)
+    await call.write(chunk(0, 0, total, 0, b"\0" * (total // 2)))
+    await call.write(chunk(1, 0, total, 0, b"\0" * (total // 2)))
+    code, details = await final_status(call)
+    assert code == "INVALID_ARGUMENT" and "must send one block's chunks contiguously" in details, details
+    assert server.service.budget.used == 0 and not server.service.budget._waiters
+    await close(server, [good, _], [channel])
+
+
+async def test_budget_waiter_cancelled_while_released_raises_cancelled():
+    budget = ByteBudget(10)
+    await budget.acquire(8)
+    waiter = asyncio.create_task(budget.acquire(5))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    budget.release(8)  # pops the cancelled waiter in the same loop turn
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert budget.used == 0 and not budget._waiters
+
+
+# ---- streams --------------------------------------------------------------------------------------
+
+
+async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays_bounded():
+    """Before: results queued without limit for a client pushing without reading (~1 MiB a round)."""
+    layout = layout_of((256, 1024), block_bytes=2 << 20)  # one 1 MiB block
+    n = layout.blocks[0].numel
+    payload = fp32(n)
+    server = await start(max_inflight_bytes=4 << 20)
+    good, _ = await connect(server, layout, 2)
+    channel, call = await raw_stream(server, "node-1", layout)  # replaces node-1's stream; never reads
+    cap = server.service.session.result_cap
+    for r in range(12):
+        for off in range(0, len(payload), 1 << 20):
+            await call.write(chunk(0, r, len(payload), off, payload[off:off + (1 << 20)]))
+        result = await asyncio.wait_for(good.exchange(0, r, payload), 10)
+        assert dequantize(result)[0].item() == 2.0  # the good node keeps training
+        stream = server.service.session.streams.get(("node-1", 0))
+        assert stream is None or (stream.queued_bytes <= cap and stream.queue.qsize() <= 3)
+    code, details = await final_status(call, timeout=3 * ROUND_TIMEOUT + 5)
+    assert code == "RESOURCE_EXHAUSTED" and "is not reading its results" in details, details
+    await close(server, [good, _], [channel])
+
+
+async def test_two_members_of_a_node_pushing_the_same_block_is_refused():
+    """Before: the second member's data was dropped as a "retry" and it waited forever."""
+    layout = layout_of((64, 64))
+    server = await start()
+    a, b = await connect(server, layout, 2)
+    twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1)
+    await twin.connect()
+    first = asyncio.ensure_future(a.exchange(0, 0, fp32(4096, 1.0)))
+    await asyncio.sleep(0.3)
+    with pytest.raises(ShardRejectedError, match="already pushed by member 0 of node node-0"):
+        await asyncio.wait_for(twin.exchange(0, 0, fp32(4096, 100.0)), 10)
+    result, other = await asyncio.wait_for(asyncio.gather(first, b.exchange(0, 0, fp32(4096, 1.0))), 10)
+    assert dequantize(result)[0].item() == 2.0 and result == other
+    await close(server, [a, b, twin])
+
+
+async def test_a_replaced_stream_is_told_why():
+    layout = layout_of((64, 64))
+    server = await start()
+    a, b = await connect(server, layout, 2)
+    channel, call = await raw_stream(server, "node-0", layout)  # a second stream for node-0 member 0
+    with pytest.raises(RoundFailedError, match="replaced by a newer stream of node node-0 member 0"):
+        await asyncio.wait_for(a.exchange(0, 0, fp32(4096)), 10)
+    call.cancel()
+    await close(server, [a, b], [channel])
+
+
+async def test_results_already_due_are_delivered_while_the_shard_drains():
+    """Before: node-1's rejected new round ended its stream before the result of the round it
+    had just completed was sent, so only node-0 got it (replicas diverged)."""
+    layout = layout_of((64, 64), (64, 64), block_bytes=16 << 10)
+    assert len(layout.blocks) == 2
+    server = await start(round_timeout_s=30, drain_timeout_s=4)
+    a, b = await connect(server, layout, 2)
+    f0 = a.expect(0, 0)
+    await a.push(0, 0, fp32(4096))
+    await asyncio.sleep(0.2)
+    stopping = asyncio.ensure_future(server.stop(drain=True))
+    await asyncio.sleep(0.2)
+    g0, g1 = b.expect(0, 0), b.expect(1, 0)
+    await b.push(0, 0, fp32(4096))  # completes round 0 of block 0
+    try:
+        await b.push(1, 0, fp32(4096))  # a new round: refused while draining
+    except ShardUnavailableError:
+        pass
+    r0, r1 = await asyncio.wait_for(asyncio.gather(f0, g0), 10)
+    assert r0 == r1 and dequantize(r0)[0].item() == 2.0
+    with pytest.raises((ShardUnavailableError, RoundFailedError), match="no new rounds|shutting down"):
+        await asyncio.wait_for(g1, 10)
+    await stopping
+    for c in (a, b):
+        await c.close()
+
+
+# ---- blobs ------------------------------------------------------------------------------------------
+
+
+async def test_blob_chunk_errors_name_the_field():
+    server = await start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        cases = [
+            ([ps_pb2.BlobChunk(key="o", total_bytes=3, offset=0, data=b"abcd")], "overruns total_bytes=3"),
+            ([ps_pb2.BlobChunk(key="p", total_bytes=4, offset=0, data=b"ab"),
+              ps_pb2.BlobChunk(key="q", total_bytes=4, offset=2, data=b"cd")], "chunk names blob 'q'"),
+            ([ps_pb2.BlobChunk(key="g", total_bytes=4, offset=0, data=b"ab"),
+              ps_pb2.BlobChunk(key="g", total_bytes=4, offset=3, data=b"c")], "at offset 3, expected 2"),
+        ]
+        for chunks, message in cases:
+            async def send(items=chunks):
+                for item in items:
+                    yield item
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.PutBlob(send())
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    await server.stop(drain=False)
+
+
+async def test_getblob_of_missing_keys_leaves_nothing_behind():
+    server = await start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for i in range(50):
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in stub.GetBlob(ps_pb2.GetBlobRequest(key=f"missing-{i}", timeout_s=0.01)):
+                    pass
+    assert not server.service.blobs._ready and not server.service.blobs._waiting
+    await server.stop(drain=False)
