@@ -319,3 +319,22 @@ async def test_getblob_of_missing_keys_leaves_nothing_behind():
                     pass
     assert not server.service.blobs._ready and not server.service.blobs._waiting
     await server.stop(drain=False)
+
+
+async def test_a_member_whose_session_was_replaced_is_told_so():
+    """Job J registered but had not opened its streams when job K took the idle shard: J's Hello
+    used to hear "has not registered (push before Register)"."""
+    layout = layout_of((64, 64))
+    server = await start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for node in ("node-0", "node-1"):
+            await stub.Register(ps_pb2.RegisterRequest(node_id=node, num_nodes=2, layout=layout,
+                                                       layout_hash=layout_hash(layout), job_id="J"))
+        other = layout_of((8, 8))
+        await stub.Register(ps_pb2.RegisterRequest(node_id="k-0", num_nodes=1, layout=other,
+                                                   layout_hash=layout_hash(other), job_id="K"))
+    channel, call = await raw_stream(server, "node-0", layout)
+    code, details = await final_status(call)
+    assert code == "FAILED_PRECONDITION" and "its session ended (job 'K' replaces finished job 'J')" in details
+    await close(server, [], [channel])

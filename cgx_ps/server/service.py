@@ -94,6 +94,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         # session) can delay other broadcasts, never gradient traffic
         self.blob_budget = ByteBudget(config.max_inflight_bytes)
         self._push_tasks: set[asyncio.Task] = set()
+        self._ended: dict[tuple[str, int], str] = {}  # members of the last ended session -> why
 
     # ---- Register -------------------------------------------------------------------------------
 
@@ -205,6 +206,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _end_session(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
         session.aggregator.close()
+        # a member registered there but not yet streaming learns why its session is gone
+        self._ended = {(node, m): reason for node, members in session.nodes.items() for m in members}
         if session is self.session:
             self.blobs.clear()
         for stream in session.streams.values():
@@ -247,7 +250,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
         node, member, session = first.hello.node_id, first.hello.member, self.session
         if session is None or member not in session.nodes.get(node, ()):
+            ended = self._ended.get((node, member))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {node!r} member {member}: its session ended ({ended}); register again"
+                                if ended else
                                 f"node {node!r} has not registered with this shard (push before Register)")
         if first.hello.layout_hash != session.layout_hash:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
