@@ -92,8 +92,8 @@ def test_auto_mode_skips_compression_when_communication_hides_behind_compute():
     assert later and later[0]["reason"] == "measured", decisions
     assert set(later[0]["measured"]) == {"compressed", "uncompressed"}
     assert all(t > 0 for t in later[0]["measured"].values())
-    m = later[0]["measured"]  # decided while compressing: keep compressing only if it was faster
-    assert later[0]["compress"] is (m["compressed"] < m["uncompressed"]), decisions
+    m = later[0]["measured"]  # uncompressed was in use: compression must win by 5% to take over
+    assert later[0]["compress"] is (m["compressed"] < 0.95 * m["uncompressed"]), decisions
     assert result["compressed"] is decisions[-1]["compress"]
 
 
@@ -122,3 +122,37 @@ def test_auto_mode_compresses_on_a_throttled_link():
     assert not any(d["reason"].startswith("measuring") for d in result["decisions"]), result["decisions"]
     assert all(d["compress"] for d in result["decisions"])
     assert result["compressed"] is True
+
+
+class _Figures:
+    def exposed(self, compress: bool) -> float:
+        return 0.0  # the model calls both modes equal: every exploration is plausible
+
+
+def _tuner(compress_at_start: bool):
+    from types import SimpleNamespace
+
+    from cgx_ps.worker.autotune import Tuner
+
+    tuner = Tuner.__new__(Tuner)
+    tuner.opt = SimpleNamespace(_cgx_compress=compress_at_start)
+    tuner._decisions, tuner._step_samples, tuner.measured, tuner._incumbent = 1, [], {}, None
+    return tuner
+
+
+@pytest.mark.parametrize("incumbent, ratio, expected", [
+    (False, 0.97, False),  # compression 3% faster: not enough to start compressing
+    (False, 0.90, True),   # 10% faster: compress
+    (True, 0.97, True),    # already compressing and still faster: keep it
+    (True, 1.02, False),   # compressed steps got slower: stop
+])
+def test_auto_decides_from_measured_steps_with_a_margin_to_start_compressing(incumbent, ratio, expected):
+    tuner = _tuner(incumbent)
+    base = 0.100
+    tuner._step_samples = [base * (ratio if incumbent else 1.0)] * 3
+    compress, reason = tuner._choose(_Figures())  # measures the incumbent, then tries the other mode
+    assert compress is (not incumbent) and reason.startswith("measuring the other mode")
+    tuner.opt._cgx_compress = compress
+    tuner._step_samples = [base * (1.0 if incumbent else ratio)] * 3
+    compress, reason = tuner._choose(_Figures())
+    assert (compress, reason) == (expected, "measured"), tuner.measured

@@ -227,7 +227,8 @@ async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays
         stream = server.service.session.streams.get(("node-1", 0))
         assert stream is None or (stream.queued_bytes <= cap and stream.queue.qsize() <= 3)
     code, details = await final_status(call, timeout=3 * ROUND_TIMEOUT + 5)
-    assert code == "RESOURCE_EXHAUSTED" and "is not reading its results" in details, details
+    assert code == "RESOURCE_EXHAUSTED" and "is not reading its results" in details, details  # the first cause
+    assert ("node-1", 0) not in server.service.session.streams  # its handler ended, its queue freed
     await close(server, [good, _], [channel])
 
 
@@ -244,6 +245,20 @@ async def test_two_members_of_a_node_pushing_the_same_block_is_refused():
         await asyncio.wait_for(twin.exchange(0, 0, fp32(4096, 100.0)), 10)
     result, other = await asyncio.wait_for(asyncio.gather(first, b.exchange(0, 0, fp32(4096, 1.0))), 10)
     assert dequantize(result)[0].item() == 2.0 and result == other
+    await close(server, [a, b, twin])
+
+
+async def test_another_member_pushing_a_finished_round_is_refused_too():
+    """The round already completed (its result sent): a second member's push of the same round
+    used to be taken for a retry, answered with the result and its gradient dropped."""
+    layout = layout_of((64, 64))
+    server = await start()
+    a, b = await connect(server, layout, 2)
+    twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1)
+    await twin.connect()
+    await asyncio.wait_for(asyncio.gather(a.exchange(0, 0, fp32(4096)), b.exchange(0, 0, fp32(4096))), 10)
+    with pytest.raises(ShardRejectedError, match="already pushed by member 0 of node node-0"):
+        await asyncio.wait_for(twin.exchange(0, 0, fp32(4096, 100.0)), 10)
     await close(server, [a, b, twin])
 
 

@@ -74,6 +74,9 @@ class _Session:
     # result bytes one stream may have waiting: a client reads a block's result before pushing
     # the block's next round, so two rounds of every block (a resend on top) is already generous
     result_cap: int = 0
+    ended: str | None = None  # why the session ended (the first reason given)
+    # which member of each node pushed each block, and in which round: one local rank per block
+    pushed_by: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
 
     def started(self, node: str, member: int) -> bool:
         """Has this member of a node begun training (so a new Register means it restarted)?"""
@@ -206,8 +209,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def _end_session(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
         session.aggregator.close()
-        # a member registered there but not yet streaming learns why its session is gone
-        self._ended = {(node, m): reason for node, members in session.nodes.items() for m in members}
+        # a member registered there but not yet streaming learns why its session is gone (the
+        # first reason: "reset after failure" must not hide the failure itself)
+        session.ended = session.ended or reason
+        self._ended = {(node, m): session.ended for node, members in session.nodes.items() for m in members}
         if session is self.session:
             self.blobs.clear()
         for stream in session.streams.values():
@@ -284,15 +289,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     try:  # gRPC flow control holds a write until the client reads
                         await asyncio.wait_for(context.write(message), self.config.round_timeout_s)
                     except asyncio.TimeoutError:
-                        stream.error = PushRejected(
+                        stream.error = stream.error or PushRejected(
                             grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"node {node} member {member} has not read its results for "
                             f"{self.config.round_timeout_s:g}s ({stream.queued_bytes} bytes waiting)")
-                        log.warning("%s", stream.error.message)
+                        log.warning("node %s member %d stopped reading: %s", node, member, stream.error.message)
                         raise _WriterStalled from None
                 stream.queued_bytes -= nbytes
         except _WriterStalled:
-            pass
+            while not stream.queue.empty():  # the client will never read these: free them now
+                stream.queue.get_nowait()
+            stream.queued_bytes = 0
         finally:
             reader.cancel()
             self.metrics.connected_nodes.dec()
@@ -415,8 +422,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     payload: bytes) -> None:
         key = (chunk.block_id, chunk.round)
         pushers = session.pushers.setdefault(key, [])
-        twin = next((s for s in pushers if s.node_id == stream.node_id and s.member != stream.member), None)
         pushers.append(stream)  # before push(): the last push completes the round inside it
+        claim_key, by, claim = (chunk.block_id, stream.node_id), None, None
 
         def forget() -> None:
             if stream in pushers:
@@ -425,15 +432,23 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 del session.pushers[key]
 
         try:
-            if twin is not None:
+            by = session.pushed_by.get(claim_key)
+            if by is not None and by[0] == chunk.round and by[1] != stream.member:
                 raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"block {chunk.block_id} round {chunk.round} was already pushed by member "
-                                   f"{twin.member} of node {stream.node_id}: one local rank pushes each block")
+                                   f"{by[1]} of node {stream.node_id}: one local rank pushes each block")
+            # claimed before the first await, so two members racing cannot both get past the check
+            session.pushed_by[claim_key] = claim = (chunk.round, stream.member)
             outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
             if not outcome.accepted:
                 forget()
         except Exception as exc:  # noqa: BLE001 - any failure ends this node's stream, clearly
             forget()
+            if claim is not None and session.pushed_by.get(claim_key) == claim:
+                if by is None:  # our push did not count: another member may still push the block
+                    del session.pushed_by[claim_key]
+                else:
+                    session.pushed_by[claim_key] = by
             if not isinstance(exc, PushRejected):
                 log.exception("node %s: unexpected error in push", stream.node_id)
                 exc = PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")

@@ -92,11 +92,13 @@ class Tuner:
         self._last_step_end: float | None = None
         self._skip_sample = True  # the first step after a switch pays one-off costs: not a sample
         self.measured: dict[bool, tuple[float, int]] = {}
+        self._incumbent: bool | None = None  # the mode in use before the last exploration
 
     def after_step(self, step: int) -> None:
         """Called by step() after the optimizer stepped; step counts from 0."""
         now = time.perf_counter()
-        if self._last_step_end is not None and not self._skip_sample:
+        sampling = self.compression.auto and self.rank0 and step >= self.opt._cgx_warmup  # warmup: uncompressed
+        if sampling and self._last_step_end is not None and not self._skip_sample:
             self._step_samples.append(now - self._last_step_end)
         self._skip_sample = False
         try:
@@ -166,16 +168,19 @@ class Tuner:
             return current, "no step measured since the last decision"
         self.measured[current] = (statistics.median(samples), k)
         other = not current
+        exploring, self._incumbent = self._incumbent, None  # after an exploration: the mode we left
+        incumbent = current if exploring is None else exploring
         if other not in self.measured or k - self.measured[other][1] >= REEXPLORE:
             now = self.measured[current][0]
             predicted = now - figures.exposed(current) + figures.exposed(other)
             if predicted <= _PLAUSIBLE * now:
+                self._incumbent = current
                 return other, f"measuring the other mode (model predicts {predicted * 1e3:.0f} ms/step)"
             if other not in self.measured:
                 return current, f"model rules the other mode out ({predicted * 1e3:.0f} ms/step predicted)"
         if True in self.measured and False in self.measured:
-            # start compressing only for a clear win; once compressing, stop when it no longer wins
-            margin = 1.0 if current else _COMPRESS_MARGIN
+            # start compressing only for a clear win; while compressing, keep on as long as it wins
+            margin = 1.0 if incumbent else _COMPRESS_MARGIN
             return self.measured[True][0] < margin * self.measured[False][0], "measured"
         return current, "measured"
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import importlib
 import logging
 import mmap
 import os
@@ -79,9 +80,16 @@ def assign_owners(layout: ps_pb2.Layout, local_world_size: int) -> list[int]:
 
 
 def choose_transport(requested: str, device: torch.device) -> str:
-    """``auto`` picks CUDA IPC for a model on a GPU and host shared memory otherwise."""
+    """``auto`` picks CUDA IPC for a model on a GPU (when CuPy is there for the IPC calls) and
+    host shared memory otherwise."""
     if requested == "auto":
-        return "cuda" if device.type == "cuda" else "shm"
+        if device.type != "cuda":
+            return "shm"
+        if _cupy_importable():
+            return "cuda"
+        log.warning("CUDA IPC needs CuPy (pip install 'cgx-ps[cuda12]'); local ranks reduce through host "
+                    "shared memory instead")
+        return "shm"
     if requested == "cuda" and device.type != "cuda":
         raise ConfigError(f"CGX_PS_INTRANODE=cuda needs the model on a GPU, but its parameters are on {device}")
     if requested not in _TRANSPORT_CODE:
@@ -244,7 +252,9 @@ class NodeReducer:
         """Owner only: peers must have copied the previous result out of our buffer."""
         if self.owner(block_id) == self.local_rank:
             self._wait(lambda: all(load_acquire(s.consumed, block_id) >= seq - 1 for r, s in enumerate(self.segments)
-                                   if r != self.local_rank), f"block {block_id}: previous result not taken")
+                                   if r != self.local_rank), f"block {block_id}: previous result not taken",
+                       behind=lambda: [r for r, s in enumerate(self.segments)
+                                       if r != self.local_rank and load_acquire(s.consumed, block_id) < seq - 1])
 
     def mark_ready(self, block_id: int, seq: int) -> None:
         """Our gradient of the block is written (on the current stream, for a GPU buffer)."""
@@ -254,7 +264,9 @@ class NodeReducer:
 
     async def reduce(self, block_id: int, seq: int, run_in_thread: RunInThread) -> None:
         """Owner: wait for every local rank's gradient of the block and sum them into ours."""
-        await self.wait(lambda: all(load_acquire(s.ready, block_id) >= seq for s in self.segments), f"block {block_id}: gradient")
+        await self.wait(lambda: all(load_acquire(s.ready, block_id) >= seq for s in self.segments),
+                        f"block {block_id}: gradient",
+                        behind=lambda: [r for r, s in enumerate(self.segments) if load_acquire(s.ready, block_id) < seq])
         mine = self.buffer(block_id)
         peers = [r for r in range(self.size) if r != self.local_rank]
 
@@ -280,8 +292,8 @@ class NodeReducer:
         returns an error to raise instead of waiting on (the round failed on the shards)."""
         owner = self.owner(block_id)
         seg = self.segments[owner]
-        await self.wait(lambda: load_acquire(seg.done, block_id) >= seq, f"block {block_id}: result from its owner", only=owner,
-                        failed=failed)
+        await self.wait(lambda: load_acquire(seg.done, block_id) >= seq, f"block {block_id}: result from its owner",
+                        only=owner, failed=failed, behind=lambda: [owner])
         mine, theirs = self.buffer(block_id), self._peer_block(owner, block_id)
 
         def copy() -> None:
@@ -297,34 +309,39 @@ class NodeReducer:
             copy()
         store_release(self.own.consumed, block_id, seq)
 
-    async def wait(self, condition, what: str, only: int | None = None, failed=lambda: None) -> None:
+    async def wait(self, condition, what: str, only: int | None = None, failed=lambda: None,
+                   behind=lambda: []) -> None:
         """Poll shared flags without holding a thread: waits on peers must never block the
-        codec threads, or two ranks each waiting for the other's encode would deadlock."""
+        codec threads, or two ranks each waiting for the other's encode would deadlock.
+        ``behind()`` lists the local ranks still holding the wait up (named on a timeout)."""
         deadline = time.monotonic() + self.timeout_s
         delay = 50e-6
         while not condition():
             error = failed()
             if error is not None:
                 raise error
-            self._check(what, deadline, only)
+            self._check(what, deadline, only, behind)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
-    def _wait(self, condition, what: str, only: int | None = None) -> None:
+    def _wait(self, condition, what: str, only: int | None = None, behind=lambda: []) -> None:
         deadline = time.monotonic() + self.timeout_s
         delay = 20e-6
         while not condition():
-            self._check(what, deadline, only)
+            self._check(what, deadline, only, behind)
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
-    def _check(self, what: str, deadline: float, only: int | None) -> None:
+    def _check(self, what: str, deadline: float, only: int | None, behind=lambda: []) -> None:
         for r, seg in enumerate(self.segments):
             if seg is not None and r != self.local_rank and (only is None or r == only) \
                     and not _alive(seg.pid):
                 raise IntraNodeError(f"local rank {r} (pid {seg.pid}) exited while waiting for {what}")
         if time.monotonic() > deadline:
-            raise IntraNodeError(f"timed out after {self.timeout_s:g}s waiting for {what} (a local rank stalled?)")
+            late = behind()
+            who = f"local rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} stalled?" if late \
+                else "a local rank stalled?"
+            raise IntraNodeError(f"timed out after {self.timeout_s:g}s waiting for {what} ({who})")
 
     def close(self) -> None:
         """Remove our segment's name if it is still there (normally gone right after attach).
@@ -348,6 +365,14 @@ class NodeReducer:
         while time.monotonic() < deadline and not all(
                 s.header[7] or not _alive(s.pid) for r, s in enumerate(self.segments) if r != self.local_rank):
             time.sleep(0.005)
+
+
+def _cupy_importable() -> bool:
+    try:
+        importlib.import_module("cupy")
+    except Exception:  # absent, or cannot load its CUDA libraries
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
