@@ -108,29 +108,23 @@ def _fake_peer(job: str, rank: int, **kw) -> Path:
     return path
 
 
-def test_a_peer_on_another_transport_is_named():
-    lay = reduce_worker.layout()
-    job = f"t-{uuid.uuid4().hex[:8]}"
-    path = _fake_peer(job, 1, nblocks=len(lay.blocks), transport="cuda", export=b"{}")
-    try:
-        with pytest.raises(IntraNodeError, match="local rank 1 reduces over cuda but this rank over shm"):
-            NodeReducer(lay, 0, 2, 0, job, timeout_s=5)
-    finally:
-        path.unlink(missing_ok=True)
-    assert not any(job in name for name in _shm_files())
+_NBLOCKS = len(reduce_worker.layout().blocks)
+_NUMEL = sum(b.numel for b in reduce_worker.layout().blocks)
 
 
-def test_a_peer_with_another_model_is_named():
-    lay = reduce_worker.layout()
+@pytest.mark.parametrize("peer, message", [
+    (dict(nblocks=_NBLOCKS, transport="cuda", export=b"{}"), "local rank 1 reduces over cuda but this rank over shm"),
+    (dict(nblocks=_NBLOCKS + 1, transport="shm", host_numel=_NUMEL + 5), "do the local ranks build the same model"),
+])
+def test_a_peer_that_disagrees_is_named(peer, message):
     job = f"t-{uuid.uuid4().hex[:8]}"
-    numel = sum(b.numel for b in lay.blocks)
-    path = _fake_peer(job, 1, nblocks=len(lay.blocks) + 1, transport="shm", host_numel=numel + 5)
+    path = _fake_peer(job, 1, **peer)
     try:
-        with pytest.raises(IntraNodeError, match="do the local ranks build the same model"):
-            NodeReducer(lay, 0, 2, 0, job, timeout_s=5)
+        with pytest.raises(IntraNodeError, match=message):
+            NodeReducer(reduce_worker.layout(), 0, 2, 0, job, timeout_s=5)
     finally:
         path.unlink(missing_ok=True)
-    assert not any(job in name for name in _shm_files())
+    assert not any(job in name for name in _shm_files())  # our own segment is gone too
 
 
 def test_a_missing_peer_times_out_with_its_rank():
