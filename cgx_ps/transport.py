@@ -11,7 +11,10 @@ __all__ = ["CHUNK_BYTES", "GRPC_OPTIONS", "chunks"]
 CHUNK_BYTES = 1 << 20
 
 # Room for a 2 MiB chunk plus framing; keepalives so a dead peer is noticed within a minute even
-# when no round is running.
+# when no round is running (a worker evaluating or checkpointing between steps sends no data).
+# The last two are the server's side of that: gRPC servers by default refuse pings without data
+# more often than every 5 minutes and, after two "strikes", drop the connection with GOAWAY
+# too_many_pings, which cut off workers idle for ~95 s.
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.max_send_message_length", 8 << 20),
@@ -19,6 +22,8 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 

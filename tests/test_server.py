@@ -170,7 +170,8 @@ async def test_unregistered_nodes_are_reported_missing(shard: ShardServer) -> No
     a = ShardClient(f"127.0.0.1:{shard.port}", "solo", 3, layout)
     await a.connect()
     try:
-        with pytest.raises(RoundFailedError, match="2 node\\(s\\) that never pushed"):
+        with pytest.raises(RoundFailedError, match="2 of 3 node\\(s\\) that never registered with this shard "
+                                                   "\\(registered: solo\\)"):
             await asyncio.wait_for(a.exchange(0, 0, encode(torch.ones(4096), Codec.FP32).to_bytes()), 10)
     finally:
         await a.close()

@@ -353,3 +353,27 @@ async def test_a_member_whose_session_was_replaced_is_told_so():
     code, details = await final_status(call)
     assert code == "FAILED_PRECONDITION" and "its session ended (job 'K' replaces finished job 'J')" in details
     await close(server, [], [channel])
+
+
+async def test_keepalive_pings_of_an_idle_worker_do_not_get_it_dropped():
+    """Workers ping every 30 s even with nothing to send (evaluation, checkpointing). gRPC's server
+    default answered a few such pings with GOAWAY too_many_pings, dropping workers idle ~95 s.
+    Here a client pings every second for 6 s of idling, then trains on."""
+    layout = layout_of((64, 64))
+    server = await start()
+    options = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 5000),
+               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=options)
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+    await stub.Register(ps_pb2.RegisterRequest(node_id="node-0", num_nodes=1, layout=layout,
+                                               layout_hash=layout_hash(layout)))
+    call = stub.Exchange()
+    await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id="node-0", layout_hash=layout_hash(layout))))
+    await asyncio.sleep(6)  # idle: only pings go over the connection
+    payload = fp32(4096)
+    await call.write(chunk(0, 0, len(payload), 0, payload))
+    response = await asyncio.wait_for(call.read(), 10)
+    assert response.WhichOneof("kind") == "pull" and response.pull.total_bytes == len(payload)
+    call.cancel()
+    await channel.close()
+    await server.stop(drain=False)

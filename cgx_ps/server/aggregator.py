@@ -277,7 +277,8 @@ class Aggregator:
         missing = sorted(self.known_nodes - block.pushed)
         never = self.num_nodes - len(self.known_nodes)
         who = ", ".join(missing) if missing else "none of the registered nodes"
-        extra = f" and {never} node(s) that never pushed to this shard" if never > 0 else ""
+        extra = (f" and {never} of {self.num_nodes} node(s) that never registered with this shard (registered: "
+                 f"{', '.join(sorted(self.known_nodes)) or 'none'})") if never > 0 else ""
         self._fail(RoundFailure(
             block.spec.block_id, round_,
             f"round {round_} of block {block.spec.block_id} timed out after {self.round_timeout_s:g}s "

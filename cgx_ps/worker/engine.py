@@ -39,13 +39,14 @@ class CommEngine:
         self._thread.start()
         self._blob_channel: grpc.aio.Channel | None = None
         self.round_timeout_s = 60.0
+        self.closed = False
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
     def _call(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.submit(coro).result(timeout)
 
     # ---- setup ----------------------------------------------------------------------------------
 
@@ -61,10 +62,15 @@ class CommEngine:
             await asyncio.gather(*[c.connect() for c in self.clients])
 
         self._call(connect_all())
+        for i, c in enumerate(self.clients):
+            if c.registration.shard_index != i:
+                raise ConfigError(f"CGX_PS_SERVERS[{i}]={c.address} is shard {c.registration.shard_index} of "
+                                  f"{c.registration.num_shards}: list the shards in index order on every worker")
         self.round_timeout_s = max(c.registration.round_timeout_s for c in self.clients)
 
     def close(self) -> None:
-        if not self._thread.is_alive():
+        if self.closed or not self._thread.is_alive():
+            self.closed = True
             return
 
         async def close_all() -> None:
@@ -76,6 +82,7 @@ class CommEngine:
         try:
             self._call(close_all(), timeout=10)
         finally:
+            self.closed = True  # from here on, submit() says so instead of waiting forever
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
             self.executor.shutdown(wait=False)
@@ -84,6 +91,10 @@ class CommEngine:
 
     def submit(self, coro: Awaitable[int]) -> concurrent.futures.Future[int]:
         """Run a coroutine on the communication loop; returns a thread-safe future."""
+        if self.closed or not self._thread.is_alive():
+            coro.close()  # never awaited: say so without a warning
+            raise CgxPsError("cgx_ps.worker.shutdown() has closed the connection to the shards; "
+                             "create a new DistributedOptimizer to train on")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def in_thread(self, fn: Callable, *args):

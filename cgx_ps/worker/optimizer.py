@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..kernels import Codec, dequantize, encode, encode_with_feedback
+from ..kernels import Codec, CodecError, dequantize, encode, encode_with_feedback
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import CgxPsError, ConfigError
@@ -88,8 +88,17 @@ class _DistributedMixin:
         missing = [n for n, p in named_parameters if id(p) not in opt_params]
         if missing:
             raise ConfigError(f"named_parameters holds tensors the optimizer does not: {missing[:3]}")
+        named_ids = {id(p) for _, p in named_parameters}
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        unnamed = sum(1 for p in all_params if p.requires_grad and id(p) not in named_ids)
+        if unnamed:  # they would train on each rank's own gradient: replicas would drift apart
+            raise ConfigError(f"the optimizer holds {unnamed} trainable tensor(s) not in named_parameters: "
+                              f"pass every parameter the optimizer updates (e.g. model.named_parameters())")
+        # frozen when wrapped: not synchronized, so they must stay without gradients (checked per step)
+        self._cgx_frozen = [p for p in all_params if id(p) not in named_ids]
         params = dict(named_parameters)
         self._cgx_params = params
+        self._cgx_name_of = {id(p): n for n, p in named_parameters}
         self._cgx_layout = build_layout([TensorInfo.of(n, p) for n, p in named_parameters],
                                         _num_shards(), compression, block_bytes)
         self._cgx_engine, self._cgx_config = engine_for_layout(self._cgx_layout)
@@ -159,6 +168,10 @@ class _DistributedMixin:
                 self._cgx_first_hook = self._cgx_last_hook
             passes = self._cgx_passes.get(id(param), 0) + 1
             self._cgx_passes[id(param)] = passes
+            if passes > self._cgx_backward_passes:  # its block is already on its way: this pass would be lost
+                raise CgxPsError(f"{self._cgx_name_of.get(id(param), 'a parameter')}: gradient computed "
+                                 f"{passes} times before step(), but backward_passes_per_step="
+                                 f"{self._cgx_backward_passes}; raise it to the number of backward passes per step")
             if passes != self._cgx_backward_passes:
                 return  # accumulating: communicate after the last backward pass of the step
             ready = []
@@ -235,6 +248,12 @@ class _DistributedMixin:
         wait for every block, and write the averaged gradients into ``.grad``."""
         if self._cgx_synchronized:
             return
+        thawed = [p for p in self._cgx_frozen if p.requires_grad and p.grad is not None]
+        if thawed:
+            self._cgx_reset_pending()
+            raise CgxPsError(f"{len(thawed)} tensor(s) were frozen (requires_grad=False) when the "
+                             f"DistributedOptimizer was created but have gradients now; ranks would update them "
+                             f"apart: create the DistributedOptimizer after unfreezing")
         with self._cgx_lock:
             leftover = [b for b in self._cgx_blocks if b.future is None]
             for block in leftover:
@@ -245,10 +264,17 @@ class _DistributedMixin:
         stats = StepStats(step=self._cgx_step, compressed=self._cgx_step >= self._cgx_warmup and self._cgx_compress)
         try:
             for block in self._cgx_blocks:
-                pushed = block.future.result()  # 0: another local rank pushed it for the node
+                try:
+                    pushed = block.future.result()  # 0: another local rank pushed it for the node
+                except CodecError as exc:  # e.g. NaN/Inf in a gradient: say whose
+                    names = sorted({self._cgx_name_of.get(id(p), "?") for p, *_ in block.segments})
+                    raise CgxPsError(f"rank {self._cgx_config.rank}: cannot encode the gradient of "
+                                     f"{', '.join(names)}: {exc}") from exc
                 stats.bytes_pushed += pushed
                 stats.fp32_bytes += 4 * block.spec.numel if pushed else 0
-        except CgxPsError:
+        except BaseException:
+            # Ready for the next step: a caller that skips this one (a loss-scaler after NaNs) or
+            # an interrupted notebook cell must not find this step's stale futures again.
             self._cgx_reset_pending()
             raise
         stats.exposed_comm_s = time.perf_counter() - t0
@@ -260,6 +286,8 @@ class _DistributedMixin:
         self._cgx_window = [float("inf"), 0.0]
         for block in self._cgx_blocks:
             for param, p_off, b_off, n in block.segments:
+                if not param.requires_grad:
+                    continue  # frozen since wrapping: torch's optimizers must skip it (weight decay too)
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 param.grad.view(-1)[p_off:p_off + n].copy_(block.buffer[b_off:b_off + n])

@@ -1,0 +1,66 @@
+"""One rank misusing the worker API in a named way (tests/test_worker_misuse.py); prints one JSON
+line: the error raised (type and message) and what the parameters did."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import cgx_ps.worker as cgx
+
+
+def scenario(name: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    out: dict = {}
+    if name == "unnamed":  # the optimizer also trains a tensor outside named_parameters
+        extra = torch.nn.Parameter(torch.ones(3))
+        cgx.DistributedOptimizer(torch.optim.SGD([*model.parameters(), extra], lr=0.1), model.named_parameters())
+        return out
+    if name == "thawed":  # frozen when wrapped, trained later
+        model[0].bias.requires_grad_(False)
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5),
+                                   model.named_parameters(), compression="fp32")
+    if name == "thawed":
+        model[0].bias.requires_grad_(True)
+    if name == "frozen_after":
+        model[0].bias.requires_grad_(False)
+        out["before"] = model[0].bias.sum().item()
+    for step in range(2):
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        if name == "nan" and step == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        if name == "extra_pass":
+            model(x).pow(2).sum().backward()
+        opt.step()
+    if name == "frozen_after":
+        out["after"] = model[0].bias.sum().item()
+    if name == "after_shutdown":
+        cgx.shutdown()
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario")
+    args = p.parse_args()
+    cgx.init()
+    out: dict = {}
+    try:
+        out = scenario(args.scenario)
+    except Exception as exc:  # noqa: BLE001 - the test checks what was raised
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(out), flush=True)
+    cgx.shutdown()
+
+
+if __name__ == "__main__":
+    main()
