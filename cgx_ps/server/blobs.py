@@ -47,8 +47,8 @@ class BlobStore:
                 try:
                     await asyncio.wait_for(self._event(key).wait(), max(left, 0))
                 except asyncio.TimeoutError:
-                    raise BlobError("timeout", f"blob {key!r} was not put within {timeout_s:g}s "
-                                               f"(did the root rank call the same broadcast?)") from None
+                    raise BlobError("timeout", f"blob {key!r} was not put within {timeout_s:g}s: did the root "
+                                               f"rank fail (see its log) or skip this broadcast?") from None
             return self._blobs[key]
         finally:
             self._waiting[key] -= 1
