@@ -33,12 +33,29 @@ def fp32(n: int, value: float = 1.0) -> bytes:
     return encode(torch.full((n,), value), Codec.FP32).to_bytes()
 
 
+_started: list[ShardServer] = []
+
+
+@pytest.fixture(autouse=True)
+async def _stop_servers():
+    """Stop every shard a test started, also when it failed halfway: a live gRPC server would
+    keep the test process from exiting."""
+    yield
+    while _started:
+        server = _started.pop()
+        try:
+            await asyncio.wait_for(server.stop(drain=False), 10)
+        except Exception:  # noqa: BLE001 - already stopped by the test, or stopping failed
+            pass
+
+
 async def start(**kw) -> ShardServer:
     config = dict(host="127.0.0.1", port=0, metrics_port=-1, round_timeout_s=ROUND_TIMEOUT,
                   drain_timeout_s=3.0, kernel_threads=1)
     config.update(kw)
     server = ShardServer(ServerConfig(**config))
     await server.start()
+    _started.append(server)
     return server
 
 
@@ -144,6 +161,11 @@ async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_i
     good, _ = await connect(server, layout, 2)
     channel, call = await raw_stream(server, "node-1", layout, member=1, register=True)
     await call.write(chunk(0, 0, total, 0, b"\0" * (1 << 20)))  # the first MiB, then nothing
+    for _attempt in range(100):  # the shard holds the half block before the good node pushes
+        if server.service.budget.used >= total:
+            break
+        await asyncio.sleep(0.02)
+    assert server.service.budget.used >= total
     t0 = time.monotonic()
     with pytest.raises(RoundFailedError, match="node-1"):
         await asyncio.wait_for(good.exchange(0, 0, fp32(layout.blocks[0].numel)), 15)

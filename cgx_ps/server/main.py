@@ -38,6 +38,7 @@ class ShardServer:
         self.service = ParameterServerService(config, self.executor, self.metrics)
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self._stopping = False
         self.metrics_port = -1
         self._server: grpc.aio.Server | None = None
         self._metrics_httpd = None
@@ -60,7 +61,10 @@ class ShardServer:
                  self.config.shard_index, self.config.num_shards, self.metrics_port)
 
     async def stop(self, drain: bool = True) -> None:
-        """NOT_SERVING, finish the rounds in flight (up to drain_timeout_s), then stop."""
+        """NOT_SERVING, finish the rounds in flight (up to drain_timeout_s), then stop. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
         await self.health.enter_graceful_shutdown()
         self.service.draining = True
         if drain:

@@ -333,14 +333,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             cancelled = True  # the writer is gone: nothing more can reach this client
             raise
         except PushRejected as exc:
-            stream.error = exc
+            stream.error = stream.error or exc  # the first cause (say, "replaced by a newer stream") stands
             self.metrics.push(stream.node_id, "rejected")
             log.warning("node %s: %s", stream.node_id, exc.message)
         except grpc.aio.AioRpcError:
             pass  # the client went away; nothing to tell it
         except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
             log.exception("node %s: unexpected error reading pushes", stream.node_id)
-            stream.error = PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
+            stream.error = stream.error or PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
         finally:
             for assembly in partial.values():
                 self.budget.release(assembly.total)
@@ -352,7 +352,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 await asyncio.wait(set(stream.push_tasks))
             # EOF, error or cancellation: end the stream (on EOF pending results are not awaited:
             # a client half-closes only when it has everything it waits for)
-            stream.queue.put_nowait(_STOP)
+            stream.stop()
 
     async def _next_push(self, context: grpc.aio.ServicerContext, stream: _NodeStream,
                          partial: dict[int, _Assembly]):
