@@ -539,6 +539,28 @@ async def test_reconnect_mid_round_gets_the_result_on_the_new_stream(shard: Shar
         await close([a, b])
 
 
+async def test_reconnect_after_the_old_stream_ended_still_gets_the_result(shard: ShardServer) -> None:
+    """The shard saw the old stream end before the new one said Hello (no swap took place): the
+    re-pushed duplicate must claim the result for the new stream (this used to time out)."""
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
+    a, b = await connect(shard, layout, 2)
+    try:
+        p = encode(torch.ones(4096), Codec.FP32).to_bytes()
+        await a.push(0, 0, p)
+        while not shard.service.rounds_in_flight() or shard.service.pending_pushes:
+            await asyncio.sleep(0.01)
+        a._call.cancel()  # the connection drops...
+        while ("node-0", 0) in shard.service.session.streams:  # ...and the shard notices first
+            await asyncio.sleep(0.01)
+        await a.reopen()
+        fut = a.expect(0, 0)
+        await a.push(0, 0, p)
+        result = await b.exchange(0, 0, p)
+        assert await asyncio.wait_for(fut, 5) == result
+    finally:
+        await close([a, b])
+
+
 async def test_retried_register_does_not_reset_a_running_session(shard: ShardServer) -> None:
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
     a = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, layout)

@@ -440,8 +440,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # claimed before the first await, so two members racing cannot both get past the check
             session.pushed_by[claim_key] = claim = (chunk.round, stream.member)
             outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
-            if not outcome.accepted:
-                forget()
+            if not outcome.accepted and outcome.resend is None:
+                # a retry of a push already summed, its round still open: the result is due to this
+                # stream alone (the one that pushed first may be gone, replaced by a reconnect)
+                pushers[:] = [s for s in pushers if (s.node_id, s.member) != (stream.node_id, stream.member)]
+                pushers.append(stream)
+            elif not outcome.accepted:
+                forget()  # the round is over: the result goes back with the resend below
         except Exception as exc:  # noqa: BLE001 - any failure ends this node's stream, clearly
             forget()
             if claim is not None and session.pushed_by.get(claim_key) == claim:
