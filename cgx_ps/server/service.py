@@ -97,7 +97,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         # session) can delay other broadcasts, never gradient traffic
         self.blob_budget = ByteBudget(config.max_inflight_bytes)
         self._push_tasks: set[asyncio.Task] = set()
-        self._ended: dict[tuple[str, int], str] = {}  # members of the last ended session -> why
+        self._last_ended: _Session | None = None  # its members learn why on their next Hello
 
     # ---- Register -------------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         # a member registered there but not yet streaming learns why its session is gone (the
         # first reason: "reset after failure" must not hide the failure itself)
         session.ended = session.ended or reason
-        self._ended = {(node, m): session.ended for node, members in session.nodes.items() for m in members}
+        self._last_ended = session
         if session is self.session:
             self.blobs.clear()
         for stream in session.streams.values():
@@ -255,7 +255,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
         node, member, session = first.hello.node_id, first.hello.member, self.session
         if session is None or member not in session.nodes.get(node, ()):
-            ended = self._ended.get((node, member))
+            last = self._last_ended
+            ended = last.ended if last is not None and member in last.nodes.get(node, ()) else None
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"node {node!r} member {member}: its session ended ({ended}); register again"
                                 if ended else

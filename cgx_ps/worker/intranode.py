@@ -196,7 +196,7 @@ class NodeReducer:
         self._peers = {}
         for r, seg in enumerate(self.segments):
             if r != self.local_rank:
-                self._peers[r] = self._open_peer(r, seg, nblocks)  # type: ignore[arg-type]
+                self._peers[r] = self._open_peer(seg, nblocks)  # type: ignore[arg-type]
         _open_reducers.add(self)
 
     def _attach(self, paths: list[Path], nblocks: int, numel: int) -> None:
@@ -223,7 +223,7 @@ class NodeReducer:
             raise IntraNodeError(f"local rank {r} has {seg.nblocks} blocks / {seg.host_numel} floats, this rank "
                                  f"{nblocks} / {numel}: do the local ranks build the same model?")
 
-    def _open_peer(self, r: int, seg: _Segment, nblocks: int):
+    def _open_peer(self, seg: _Segment, nblocks: int):
         if self._gpu is None:
             return seg.data
         from .cuda_ipc import CudaIpcBuffer
