@@ -50,6 +50,24 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-threads", type=int, default=_env_int("CGX_PS_KERNEL_THREADS", 0),
                    help="threads summing and re-encoding blocks; 0 = one per CPU (set 1 when the shard "
                         "shares a host with workers) (env CGX_PS_KERNEL_THREADS)")
+    p.add_argument("--max-model-mb", type=float, default=float(os.environ.get("CGX_PS_MAX_MODEL_MB", 4096)),
+                   help="cap on the fp32 state (accumulators, residuals) a job's layout may need on this shard; "
+                        "a larger layout is refused at Register (env CGX_PS_MAX_MODEL_MB; default %(default)s)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=_env_int("CGX_PS_MAX_CONCURRENT_RPCS", 1024),
+                   help="calls served at once; more are refused with RESOURCE_EXHAUSTED "
+                        "(env CGX_PS_MAX_CONCURRENT_RPCS; default %(default)s)")
+    security = p.add_argument_group("security (docs/security.md)")
+    security.add_argument("--token-file", default=os.environ.get("CGX_PS_TOKEN_FILE", ""),
+                          help="file holding the job token every call must carry as 'authorization: Bearer "
+                               "<token>' (env CGX_PS_TOKEN_FILE)")
+    security.add_argument("--tls-cert", default=os.environ.get("CGX_PS_TLS_CERT", ""),
+                          help="PEM certificate chain: serve TLS (env CGX_PS_TLS_CERT); re-read when the file "
+                               "changes or on SIGHUP")
+    security.add_argument("--tls-key", default=os.environ.get("CGX_PS_TLS_KEY", ""),
+                          help="PEM private key of --tls-cert (env CGX_PS_TLS_KEY)")
+    security.add_argument("--tls-client-ca", default=os.environ.get("CGX_PS_TLS_CLIENT_CA", ""),
+                          help="PEM CA bundle: require client certificates it signed, mutual TLS "
+                               "(env CGX_PS_TLS_CLIENT_CA)")
     p.add_argument("--log-level", default=os.environ.get("CGX_PS_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -71,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_env_int("CGX_PS_METRICS_PORT", DEFAULT_METRICS_PORT),
                         help="Prometheus metrics HTTP port, -1 disables "
                              "(env CGX_PS_METRICS_PORT; default %(default)s)")
+    server.add_argument("--metrics-host", default=os.environ.get("CGX_PS_METRICS_HOST", ""),
+                        help="address the metrics listen on (env CGX_PS_METRICS_HOST; default: --host)")
+    server.add_argument("--health-port", type=int, default=_env_int("CGX_PS_HEALTH_PORT", -1),
+                        help="plaintext port serving only the gRPC health service, for probes that cannot "
+                             "speak TLS; -1 disables (env CGX_PS_HEALTH_PORT; default %(default)s)")
     server.add_argument("--port-file", default=None,
                         help="write the bound gRPC and metrics ports here as JSON once serving")
     _add_server_options(server)

@@ -30,11 +30,12 @@ def find_example() -> Path:
     return script
 
 
-def _worker_env(rank: int, workers: int, local: int, servers: list[str], job_id: str) -> dict[str, str]:
+def _worker_env(rank: int, workers: int, local: int, cluster: LocalCluster, job_id: str) -> dict[str, str]:
     env = dict(os.environ, CGX_PS_JOB_ID=job_id)
+    env.update(cluster.worker_env())  # the shards' addresses and the job token they require
     env.update(RANK=str(rank), WORLD_SIZE=str(workers), LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local),
                CGX_PS_NODE_RANK=str(rank // local), CGX_PS_NUM_NODES=str(workers // local),
-               CGX_PS_SERVERS=",".join(servers), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
 
@@ -57,7 +58,7 @@ def run_demo(args: argparse.Namespace) -> int:
         cmd = [sys.executable, str(script), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                "--compression", args.compression, "--seed", str(args.seed), "--json"]
         job_id = f"demo-{uuid.uuid4().hex[:8]}"
-        procs = [subprocess.Popen(cmd, env=_worker_env(r, args.workers, local, cluster.addresses, job_id), text=True,
+        procs = [subprocess.Popen(cmd, env=_worker_env(r, args.workers, local, cluster, job_id), text=True,
                                   stdout=subprocess.PIPE, stderr=open(Path(logs) / f"worker{r}.log", "w"))
                  for r in range(args.workers)]
         summaries = _follow(procs, tqdm, args.no_progress)

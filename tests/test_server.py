@@ -23,6 +23,7 @@ from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from support import METADATA, SECURITY, TOKEN_FILE
 
 TENSORS = [TensorInfo("a.weight", (300, 70)), TensorInfo("a.bias", (300,)),
            TensorInfo("b.weight", (64, 1000)), TensorInfo("c.weight", (50, 41))]
@@ -35,14 +36,16 @@ def make_layout(tensors=TENSORS, compression=COMPRESSION, block_bytes=64 << 10, 
 
 @pytest.fixture
 async def shard():
-    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, metrics_port=0, round_timeout_s=5.0))
+    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, metrics_port=0, round_timeout_s=5.0,
+                                      token_file=TOKEN_FILE))
     await server.start()
     yield server
     await server.stop(drain=False)
 
 
 async def connect(server: ShardServer, layout: ps_pb2.Layout, nodes: int, prefix="node") -> list[ShardClient]:
-    clients = [ShardClient(f"127.0.0.1:{server.port}", f"{prefix}-{i}", nodes, layout, connect_timeout_s=5)
+    clients = [ShardClient(f"127.0.0.1:{server.port}", f"{prefix}-{i}", nodes, layout, connect_timeout_s=5,
+                           security=SECURITY)
                for i in range(nodes)]
     for c in clients:
         await c.connect()
@@ -167,7 +170,7 @@ async def test_missing_node_fails_the_round_for_everyone(shard: ShardServer) -> 
 async def test_unregistered_nodes_are_reported_missing(shard: ShardServer) -> None:
     shard.config.round_timeout_s = 0.5
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
-    a = ShardClient(f"127.0.0.1:{shard.port}", "solo", 3, layout)
+    a = ShardClient(f"127.0.0.1:{shard.port}", "solo", 3, layout, security=SECURITY)
     await a.connect()
     try:
         with pytest.raises(RoundFailedError, match="2 of 3 node\\(s\\) that never registered with this shard "
@@ -180,11 +183,13 @@ async def test_unregistered_nodes_are_reported_missing(shard: ShardServer) -> No
 # ---- bad input: the bad node's stream ends with a clear status; everyone else is unharmed --------
 
 
-async def raw_stream(server: ShardServer, node: str, layout: ps_pb2.Layout):
+async def raw_stream(server: ShardServer, node: str, layout: ps_pb2.Layout, session_id: str = ""):
+    """An Exchange stream we drive by hand, as the member ``node`` of the session ``session_id``."""
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    call = ps_pb2_grpc.ParameterServerStub(channel).Exchange()
+    call = ps_pb2_grpc.ParameterServerStub(channel).Exchange(metadata=METADATA)
     from cgx_ps.layout import layout_hash
-    await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout))))
+    await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout),
+                                                               session_id=session_id)))
     return channel, call
 
 
@@ -241,7 +246,7 @@ async def test_bad_push_rejected_and_other_nodes_unharmed(shard: ShardServer, ca
         pg = encode_block(block, xg, 1)
         fut = good.expect(0, 0)
         await good.push(0, 0, pg)
-        channel, call = await raw_stream(shard, bad.node_id, layout)
+        channel, call = await raw_stream(shard, bad.node_id, layout, bad.session_id)
         await call.write(ps_pb2.ExchangeRequest(push=chunk))
         await expect_status(call, code, match)
         await channel.close()
@@ -263,7 +268,7 @@ async def test_nan_payload_rejected(shard: ShardServer) -> None:
     payload[32 + 4 * 100: 32 + 4 * 101] = b"\x00\x00\xc0\x7f"  # NaN
     from cgx_ps.kernels import wire
     payload[20:24] = wire.body_crc32(payload).to_bytes(4, "little")
-    channel, call = await raw_stream(shard, "node-0", layout)
+    channel, call = await raw_stream(shard, "node-0", layout, node.session_id)
     await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(
         round=0, block_id=0, total_bytes=len(payload), offset=0, data=bytes(payload))))
     await expect_status(call, grpc.StatusCode.INVALID_ARGUMENT, "NaN/Inf (first at element 100)")
@@ -278,10 +283,10 @@ async def test_push_before_register_refused(shard: ShardServer) -> None:
 
 
 async def test_mismatched_layout_refused_naming_the_tensor(shard: ShardServer) -> None:
-    first = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, make_layout())
+    first = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, make_layout(), security=SECURITY)
     await first.connect()
     other = [*TENSORS[:2], TensorInfo("b.weight", (64, 999)), TENSORS[3]]
-    client = ShardClient(f"127.0.0.1:{shard.port}", "node-1", 2, make_layout(other))
+    client = ShardClient(f"127.0.0.1:{shard.port}", "node-1", 2, make_layout(other), security=SECURITY)
     with pytest.raises(ShardRejectedError, match=r"tensor 'b.weight': shape \[64, 1000\] expected, got \[64, 999\]"):
         await client.connect()
     await client.close()
@@ -295,7 +300,7 @@ async def test_stale_round_refused(shard: ShardServer) -> None:
     for r in range(3):
         await node.exchange(0, r, p)
     await node.close()
-    channel, call = await raw_stream(shard, "node-0", layout)
+    channel, call = await raw_stream(shard, "node-0", layout, node.session_id)
     await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=0, block_id=0, total_bytes=len(p),
                                                                   offset=0, data=p)))
     await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "stale round 0, the shard expects round 3")
@@ -415,7 +420,7 @@ async def test_uncompressed_rounds_for_compressed_blocks(shard: ShardServer) -> 
         # mixing encodings inside one round is refused
         fut = a.expect(0, 2)
         await a.push(0, 2, encode_block(blk, xa, 3))
-        channel, call = await raw_stream(shard, "node-1", layout)
+        channel, call = await raw_stream(shard, "node-1", layout, b.session_id)
         p = encode(xb, Codec.FP32).to_bytes()
         await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=2, block_id=0, total_bytes=len(p),
                                                                       offset=0, data=p)))
@@ -427,32 +432,39 @@ async def test_uncompressed_rounds_for_compressed_blocks(shard: ShardServer) -> 
 
 
 async def test_blob_put_get() -> None:
-    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, max_inflight_bytes=4 << 20))
+    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, max_inflight_bytes=4 << 20, token_file=TOKEN_FILE))
     await server.start()
+    (member,) = await connect(server, make_layout(), 1)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
 
-            async def get(key: str, timeout: float) -> bytes:
-                return b"".join([c.data async for c in stub.GetBlob(ps_pb2.GetBlobRequest(key=key, timeout_s=timeout))])
+            async def get(key: str, timeout: float) -> tuple[bytes, tuple[str, int]]:
+                call = stub.GetBlob(ps_pb2.GetBlobRequest(key=key, timeout_s=timeout, session_id=member.session_id),
+                                    metadata=METADATA)
+                parts = [c async for c in call]
+                return b"".join(c.data for c in parts), (parts[-1].node_id, parts[-1].member)
+
+            def blob(key: str, data: bytes, step: int = 1 << 20) -> list[ps_pb2.BlobChunk]:
+                return [ps_pb2.BlobChunk(key=key, total_bytes=len(data), offset=o, data=data[o:o + step],
+                                         node_id="node-0", member=0, session_id=member.session_id)
+                        for o in range(0, max(len(data), 1), step)]
 
             waiter = asyncio.create_task(get("params/0", 10))  # waits until put
             data = bytes(range(256)) * 10_000  # 2.5 MB: several chunks
-            chunks = [ps_pb2.BlobChunk(key="params/0", total_bytes=len(data), offset=o, data=data[o:o + (1 << 20)])
-                      for o in range(0, len(data), 1 << 20)]
-            await stub.PutBlob(iter(chunks))
-            assert await waiter == data
+            await stub.PutBlob(iter(blob("params/0", data)), metadata=METADATA)
+            assert await waiter == (data, ("node-0", 0))  # the bytes, and who wrote them
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await get("missing", 0.2)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "was not put" in info.value.details()
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.PutBlob(iter([ps_pb2.BlobChunk(key="params/0", total_bytes=3, offset=0, data=b"abc")]))
+                await stub.PutBlob(iter(blob("params/0", b"abc")), metadata=METADATA)
             assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                big = b"x" * (2 << 20)
-                await stub.PutBlob(iter([ps_pb2.BlobChunk(key="big", total_bytes=len(big), offset=0, data=big)]))
+                await stub.PutBlob(iter(blob("big", b"x" * (2 << 20), step=2 << 20)), metadata=METADATA)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
+        await member.close()
         await server.stop(drain=False)
 
 
@@ -463,8 +475,9 @@ async def test_set_codecs_changes_a_block_from_a_round_on(shard: ShardServer) ->
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
             stub = ps_pb2_grpc.ParameterServerStub(channel)
-            await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id="node-0", from_round=1,
-                                                         blocks=[ps_pb2.BlockCodec(block_id=0, codec=two)]))
+            await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id="node-0", from_round=1, session_id=a.session_id,
+                                                         blocks=[ps_pb2.BlockCodec(block_id=0, codec=two)]),
+                                 metadata=METADATA)
             blk = layout.blocks[0]
             x = torch.randn(4096)
             r0 = await asyncio.gather(a.exchange(0, 0, encode_block(blk, x, 1)), b.exchange(0, 0, encode_block(blk, x, 2)))
@@ -478,12 +491,13 @@ async def test_set_codecs_changes_a_block_from_a_round_on(shard: ShardServer) ->
             while not shard.service.rounds_in_flight() or shard.service.pending_pushes:
                 await asyncio.sleep(0.01)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id="node-0", from_round=2,
-                                                             blocks=[ps_pb2.BlockCodec(block_id=0, codec=two)]))
+                await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id="node-0", from_round=2, session_id=a.session_id,
+                                                             blocks=[ps_pb2.BlockCodec(block_id=0, codec=two)]),
+                                     metadata=METADATA)
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "round 2 is already under way" in info.value.details()
             fut.cancel()
-            reply = await stub.Probe(iter([ps_pb2.ProbeChunk(data=b"x" * 1000)] * 3))
+            reply = await stub.Probe(iter([ps_pb2.ProbeChunk(data=b"x" * 1000)] * 3), metadata=METADATA)
             assert reply.bytes == 3000
         body = urllib.request.urlopen(f"http://127.0.0.1:{shard.metrics_port}/metrics", timeout=5).read().decode()
         assert 'cgx_ps_block_bits{block="0",shard="0"} 2.0' in body
@@ -550,16 +564,16 @@ async def test_reconnect_mid_round_gets_the_result_on_the_new_stream(shard: Shar
 
 async def test_retried_register_does_not_reset_a_running_session(shard: ShardServer) -> None:
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
-    a = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, layout)
+    a = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, layout, security=SECURITY)
     await a.connect()  # node-0 registered and streaming: the session is running
     session = shard.service.session
     from cgx_ps.layout import layout_hash
     request = ps_pb2.RegisterRequest(node_id="node-1", num_nodes=2, layout=layout, layout_hash=layout_hash(layout))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
-        await stub.Register(request)
-        await stub.Register(request)  # a retry (say the first reply was lost): idempotent
-    b = ShardClient(f"127.0.0.1:{shard.port}", "node-1", 2, layout)
+        await stub.Register(request, metadata=METADATA)
+        await stub.Register(request, metadata=METADATA)  # a retry (say the first reply was lost): idempotent
+    b = ShardClient(f"127.0.0.1:{shard.port}", "node-1", 2, layout, security=SECURITY)
     await b.connect()
     try:
         assert shard.service.session is session

@@ -20,6 +20,7 @@ from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from support import METADATA, SECURITY, TOKEN_FILE
 
 ROUND_TIMEOUT = 1.5
 
@@ -51,7 +52,7 @@ async def _stop_servers():
 
 async def start(**kw) -> ShardServer:
     config = dict(host="127.0.0.1", port=0, metrics_port=-1, round_timeout_s=ROUND_TIMEOUT,
-                  drain_timeout_s=3.0, kernel_threads=1)
+                  drain_timeout_s=3.0, kernel_threads=1, token_file=TOKEN_FILE)
     config.update(kw)
     server = ShardServer(ServerConfig(**config))
     await server.start()
@@ -60,7 +61,8 @@ async def start(**kw) -> ShardServer:
 
 
 async def connect(server: ShardServer, layout, nodes: int) -> list[ShardClient]:
-    clients = [ShardClient(f"127.0.0.1:{server.port}", f"node-{i}", nodes, layout, connect_timeout_s=5)
+    clients = [ShardClient(f"127.0.0.1:{server.port}", f"node-{i}", nodes, layout, connect_timeout_s=5,
+                           security=SECURITY)
                for i in range(nodes)]
     for c in clients:
         await c.connect()
@@ -68,16 +70,19 @@ async def connect(server: ShardServer, layout, nodes: int) -> list[ShardClient]:
 
 
 async def raw_stream(server: ShardServer, node: str, layout, member: int = 0, register: bool = False,
-                     num_nodes: int = 2):
-    """An Exchange stream we drive message by message (after an optional Register)."""
+                     num_nodes: int = 2, session_id: str = ""):
+    """An Exchange stream we drive message by message (after an optional Register, whose
+    session id the Hello then carries)."""
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     if register:
-        await stub.Register(ps_pb2.RegisterRequest(node_id=node, num_nodes=num_nodes, layout=layout,
-                                                   layout_hash=layout_hash(layout), member=member))
-    call = stub.Exchange()
+        reply = await stub.Register(ps_pb2.RegisterRequest(node_id=node, num_nodes=num_nodes, layout=layout,
+                                                           layout_hash=layout_hash(layout), member=member),
+                                    metadata=METADATA)
+        session_id = reply.session_id
+    call = stub.Exchange(metadata=METADATA)
     await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout),
-                                                               member=member)))
+                                                               member=member, session_id=session_id)))
     return channel, call
 
 
@@ -144,7 +149,7 @@ async def test_overlong_ids_are_refused_at_register():
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Register(ps_pb2.RegisterRequest(node_id="n" * 200_000, num_nodes=1, layout=layout,
-                                                       layout_hash=layout_hash(layout)))
+                                                       layout_hash=layout_hash(layout)), metadata=METADATA)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 256 characters" in err.value.details()
     await server.stop(drain=False)
 
@@ -177,25 +182,29 @@ async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_i
 
 
 async def test_a_stalled_blob_upload_never_blocks_gradients():
-    """Before: an unregistered PutBlob declaring the whole budget froze every push."""
+    """Before: a PutBlob declaring the whole budget froze every push. (Strangers are refused
+    outright now; here a member of the session stalls.)"""
     cap = 2 << 20
     server = await start(max_inflight_bytes=cap)
+    layout = layout_of((64, 64))
+    a, b = await connect(server, layout, 2)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     never = asyncio.Event()
 
     async def stalled():
-        yield ps_pb2.BlobChunk(key="evil", total_bytes=cap, offset=0, data=b"x")
+        yield ps_pb2.BlobChunk(key="evil", total_bytes=cap - 100, offset=0, data=b"x", node_id="node-1",
+                               session_id=b.session_id)
         await never.wait()
 
-    put = asyncio.ensure_future(ps_pb2_grpc.ParameterServerStub(channel).PutBlob(stalled()))
+    put = asyncio.ensure_future(ps_pb2_grpc.ParameterServerStub(channel).PutBlob(stalled(), metadata=METADATA))
     await asyncio.sleep(0.3)
-    layout = layout_of((64, 64))
-    a, b = await connect(server, layout, 2)
+    assert server.service.blob_budget.used == cap - 100
     results = await asyncio.wait_for(asyncio.gather(a.exchange(0, 0, fp32(4096)), b.exchange(0, 0, fp32(4096))), 10)
     assert all(torch.equal(dequantize(r), torch.full((4096,), 2.0)) for r in results)
     with pytest.raises(grpc.aio.AioRpcError) as err:  # and the stalled put ends with a reason
         await asyncio.wait_for(put, 10)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "sent 1 of" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "1 of 2097052 bytes arrived" in \
+        err.value.details(), err.value.details()
     assert server.service.blob_budget.used == 0
     await close(server, [a, b], [channel])
 
@@ -239,7 +248,7 @@ async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays
     payload = fp32(n)
     server = await start(max_inflight_bytes=4 << 20)
     good, _ = await connect(server, layout, 2)
-    channel, call = await raw_stream(server, "node-1", layout)  # replaces node-1's stream; never reads
+    channel, call = await raw_stream(server, "node-1", layout, session_id=_.session_id)  # replaces node-1's stream; never reads
     cap = server.service.session.result_cap
     for r in range(12):
         for off in range(0, len(payload), 1 << 20):
@@ -259,7 +268,7 @@ async def test_two_members_of_a_node_pushing_the_same_block_is_refused():
     layout = layout_of((64, 64))
     server = await start()
     a, b = await connect(server, layout, 2)
-    twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1)
+    twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1, security=SECURITY)
     await twin.connect()
     first = asyncio.ensure_future(a.exchange(0, 0, fp32(4096, 1.0)))
     await asyncio.sleep(0.3)
@@ -276,7 +285,7 @@ async def test_another_member_pushing_a_finished_round_is_refused_too():
     layout = layout_of((64, 64))
     server = await start()
     a, b = await connect(server, layout, 2)
-    twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1)
+    twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1, security=SECURITY)
     await twin.connect()
     await asyncio.wait_for(asyncio.gather(a.exchange(0, 0, fp32(4096)), b.exchange(0, 0, fp32(4096))), 10)
     with pytest.raises(ShardRejectedError, match="already pushed by member 0 of node node-0"):
@@ -288,7 +297,7 @@ async def test_a_replaced_stream_is_told_why():
     layout = layout_of((64, 64))
     server = await start()
     a, b = await connect(server, layout, 2)
-    channel, call = await raw_stream(server, "node-0", layout)  # a second stream for node-0 member 0
+    channel, call = await raw_stream(server, "node-0", layout, session_id=a.session_id)  # a second stream for node-0 member 0
     with pytest.raises(RoundFailedError, match="replaced by a newer stream of node node-0 member 0"):
         await asyncio.wait_for(a.exchange(0, 0, fp32(4096)), 10)
     call.cancel()
@@ -327,13 +336,16 @@ async def test_results_already_due_are_delivered_while_the_shard_drains():
 
 async def test_blob_chunk_errors_name_the_field():
     server = await start()
+    (member,) = await connect(server, layout_of((64, 64)), 1)
+    sid = member.session_id
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         cases = [
-            ([ps_pb2.BlobChunk(key="o", total_bytes=3, offset=0, data=b"abcd")], "overruns total_bytes=3"),
-            ([ps_pb2.BlobChunk(key="p", total_bytes=4, offset=0, data=b"ab"),
+            ([ps_pb2.BlobChunk(key="o", total_bytes=3, offset=0, data=b"abcd", node_id="node-0", session_id=sid)],
+             "overruns total_bytes=3"),
+            ([ps_pb2.BlobChunk(key="p", total_bytes=4, offset=0, data=b"ab", node_id="node-0", session_id=sid),
               ps_pb2.BlobChunk(key="q", total_bytes=4, offset=2, data=b"cd")], "chunk names blob 'q'"),
-            ([ps_pb2.BlobChunk(key="g", total_bytes=4, offset=0, data=b"ab"),
+            ([ps_pb2.BlobChunk(key="g", total_bytes=4, offset=0, data=b"ab", node_id="node-0", session_id=sid),
               ps_pb2.BlobChunk(key="g", total_bytes=4, offset=3, data=b"c")], "at offset 3, expected 2"),
         ]
         for chunks, message in cases:
@@ -341,21 +353,24 @@ async def test_blob_chunk_errors_name_the_field():
                 for item in items:
                     yield item
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.PutBlob(send())
+                await stub.PutBlob(send(), metadata=METADATA)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
-    await server.stop(drain=False)
+    await close(server, [member], [])
 
 
 async def test_getblob_of_missing_keys_leaves_nothing_behind():
     server = await start()
+    (member,) = await connect(server, layout_of((64, 64)), 1)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         for i in range(50):
-            with pytest.raises(grpc.aio.AioRpcError):
-                async for _ in stub.GetBlob(ps_pb2.GetBlobRequest(key=f"missing-{i}", timeout_s=0.01)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.GetBlob(ps_pb2.GetBlobRequest(key=f"missing-{i}", timeout_s=0.01,
+                                                                  session_id=member.session_id), metadata=METADATA):
                     pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not server.service.blobs._ready and not server.service.blobs._waiting
-    await server.stop(drain=False)
+    await close(server, [member], [])
 
 
 async def test_a_member_whose_session_was_replaced_is_told_so():
@@ -366,12 +381,13 @@ async def test_a_member_whose_session_was_replaced_is_told_so():
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         for node in ("node-0", "node-1"):
-            await stub.Register(ps_pb2.RegisterRequest(node_id=node, num_nodes=2, layout=layout,
-                                                       layout_hash=layout_hash(layout), job_id="J"))
+            reply = await stub.Register(ps_pb2.RegisterRequest(node_id=node, num_nodes=2, layout=layout,
+                                                               layout_hash=layout_hash(layout), job_id="J"),
+                                        metadata=METADATA)
         other = layout_of((8, 8))
         await stub.Register(ps_pb2.RegisterRequest(node_id="k-0", num_nodes=1, layout=other,
-                                                   layout_hash=layout_hash(other), job_id="K"))
-    channel, call = await raw_stream(server, "node-0", layout)
+                                                   layout_hash=layout_hash(other), job_id="K"), metadata=METADATA)
+    channel, call = await raw_stream(server, "node-0", layout, session_id=reply.session_id)
     code, details = await final_status(call)
     assert code == "FAILED_PRECONDITION" and "its session ended (job 'K' replaces finished job 'J')" in details
     await close(server, [], [channel])
@@ -387,10 +403,11 @@ async def test_keepalive_pings_of_an_idle_worker_do_not_get_it_dropped():
                ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=options)
     stub = ps_pb2_grpc.ParameterServerStub(channel)
-    await stub.Register(ps_pb2.RegisterRequest(node_id="node-0", num_nodes=1, layout=layout,
-                                               layout_hash=layout_hash(layout)))
-    call = stub.Exchange()
-    await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id="node-0", layout_hash=layout_hash(layout))))
+    reply = await stub.Register(ps_pb2.RegisterRequest(node_id="node-0", num_nodes=1, layout=layout,
+                                                       layout_hash=layout_hash(layout)), metadata=METADATA)
+    call = stub.Exchange(metadata=METADATA)
+    await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id="node-0", layout_hash=layout_hash(layout),
+                                                               session_id=reply.session_id)))
     await asyncio.sleep(6)  # idle: only pings go over the connection
     payload = fp32(4096)
     await call.write(chunk(0, 0, len(payload), 0, payload))

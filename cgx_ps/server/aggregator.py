@@ -80,6 +80,19 @@ class _Block:
         return current
 
 
+# Bounded memory: a client announcing a change for every future round must not grow the schedule.
+MAX_PENDING_CODEC_CHANGES = 8
+
+
+def _prune_schedule(schedule: list[tuple[int, ps_pb2.CodecSettings]], current_round: int,
+                    from_round: int) -> list[tuple[int, ps_pb2.CodecSettings]]:
+    """The entries still needed before ``from_round``: of those that started by the previous
+    round (a retried push of it is still checked against its settings) only the latest."""
+    kept = [(r, c) for r, c in schedule if r < from_round]
+    past = [e for e in kept if e[0] <= current_round - 1]
+    return past[-1:] + [e for e in kept if e[0] > current_round - 1]
+
+
 def result_seed(block_id: int, round_: int) -> int:
     # Distinct from any worker seed stream, deterministic, different every round.
     return (1 << 62) | (round_ << 24) | block_id
@@ -126,13 +139,17 @@ class Aggregator:
                 raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"block {block_id}: cannot change settings from round {from_round}, "
                                    f"round {started - 1} is already under way")
+            if sum(1 for r, _ in block.schedule if block.round < r < from_round) >= MAX_PENDING_CODEC_CHANGES:
+                raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"block {block_id}: {MAX_PENDING_CODEC_CHANGES} codec changes are already "
+                                   f"scheduled for future rounds")
             try:
                 validate_settings(codec_of(settings), settings.bits, settings.bucket_size)
             except (CodecError, ValueError) as exc:
                 raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {block_id}: {exc}") from None
         for block_id, settings in changes:
             block = self.blocks[block_id]
-            block.schedule = [(r, c) for r, c in block.schedule if r < from_round] + [(from_round, settings)]
+            block.schedule = _prune_schedule(block.schedule, block.round, from_round) + [(from_round, settings)]
             if self.metrics:
                 self.metrics.block_bits.labels(shard=self.metrics.shard, block=str(block_id)).set(
                     settings.bits if settings.codec == ps_pb2.CODEC_MAXMIN else 32)

@@ -20,7 +20,8 @@ class ByteBudget:
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     async def acquire(self, n: int) -> None:
-        n = min(n, self.capacity)  # a single oversize request still gets through, alone
+        if n > self.capacity:  # callers refuse such requests first (Register, blob admission)
+            raise ValueError(f"cannot reserve {n} bytes from a budget of {self.capacity}")
         if not self._waiters and self.used + n <= self.capacity:
             self.used += n
             return
@@ -40,7 +41,7 @@ class ByteBudget:
             raise
 
     def release(self, n: int) -> None:
-        self.used -= min(n, self.capacity)
+        self.used -= n
         while self._waiters and (self._waiters[0][1].done() or self.used + self._waiters[0][0] <= self.capacity):
             size, fut = self._waiters.popleft()
             if not fut.done():  # a cancelled waiter is dropped without taking anything

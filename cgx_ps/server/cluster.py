@@ -12,18 +12,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..security import new_token_file
+
 __all__ = ["LocalCluster", "run_cluster"]
 
 
 class LocalCluster:
     """Start N ``cgx-ps server`` processes and wait until each serves; stop them with SIGTERM.
 
-    With base_port 0 every shard picks a free port, reported back through a port file.
+    With base_port 0 every shard picks a free port, reported back through a port file. The
+    shards require a job token: ``token_file``, else the one CGX_PS_TOKEN_FILE names, else a
+    fresh random one (secure by default);
+    ``worker_env()`` is what workers need to reach them. ``token_file=""`` runs without one.
     """
 
     def __init__(self, shards: int, host: str = "127.0.0.1", base_port: int = 0,
                  metrics_base_port: int = -1, extra_args: list[str] | None = None,
-                 startup_timeout_s: float = 60.0, log_dir: str | None = None) -> None:
+                 startup_timeout_s: float = 60.0, log_dir: str | None = None,
+                 token_file: str | None = None) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         self.shards, self.host, self.base_port = shards, host, base_port
@@ -35,10 +41,20 @@ class LocalCluster:
         self.ports: list[int] = []
         self.metrics_ports: list[int] = []
         self._tmp = tempfile.TemporaryDirectory(prefix="cgx-ps-cluster-")
+        if token_file is None:  # the job's token, if the environment names one, else a fresh one
+            token_file = os.environ.get("CGX_PS_TOKEN_FILE") or new_token_file(self._tmp.name)
+        self.token_file = token_file
 
     @property
     def addresses(self) -> list[str]:
         return [f"{self.host}:{p}" for p in self.ports]
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment workers need to reach these shards."""
+        env = {"CGX_PS_SERVERS": ",".join(self.addresses)}
+        if self.token_file:
+            env["CGX_PS_TOKEN_FILE"] = self.token_file
+        return env
 
     def start(self) -> "LocalCluster":
         files = []
@@ -49,7 +65,8 @@ class LocalCluster:
             files.append(port_file)
             cmd = [sys.executable, "-m", "cgx_ps.cli", "server", "--host", self.host, "--port", str(port),
                    "--shard-index", str(i), "--num-shards", str(self.shards),
-                   "--metrics-port", str(mport), "--port-file", str(port_file), *self.extra_args]
+                   "--metrics-port", str(mport), "--port-file", str(port_file),
+                   "--token-file", self.token_file or "", *self.extra_args]
             out = open(Path(self.log_dir) / f"shard{i}.log", "w") if self.log_dir else None
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None))
         deadline = time.monotonic() + self.startup_timeout_s
@@ -68,7 +85,8 @@ class LocalCluster:
         return self
 
     def stop(self, timeout_s: float = 30.0) -> list[int]:
-        """SIGTERM every shard (they drain), wait, SIGKILL stragglers; return exit codes."""
+        """SIGTERM every shard (they drain), wait, SIGKILL stragglers; return exit codes. The
+        generated token file goes with the cluster."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -92,10 +110,16 @@ class LocalCluster:
 def run_cluster(args: argparse.Namespace) -> int:
     extra = ["--round-timeout", str(args.round_timeout), "--max-inflight-mb", str(args.max_inflight_mb),
              "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level,
-             "--kernel-threads", str(args.kernel_threads)]
+             "--kernel-threads", str(args.kernel_threads), "--max-model-mb", str(args.max_model_mb),
+             "--max-concurrent-rpcs", str(args.max_concurrent_rpcs)]
+    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
+        if getattr(args, flag):
+            extra += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     if args.error_feedback:
         extra.append("--error-feedback")
-    cluster = LocalCluster(args.shards, args.host, args.base_port, args.metrics_base_port, extra)
+    # No --token-file: a fresh random token, written where only this user can read it.
+    cluster = LocalCluster(args.shards, args.host, args.base_port, args.metrics_base_port, extra,
+                           token_file=args.token_file or None)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -105,8 +129,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     cluster.start()
-    print(f"cgx-ps cluster: {args.shards} shards serving; export CGX_PS_SERVERS={','.join(cluster.addresses)}",
-          flush=True)
+    exports = " ".join(f"{k}={v}" for k, v in cluster.worker_env().items())
+    print(f"cgx-ps cluster: {args.shards} shards serving; for the workers: export {exports}", flush=True)
     try:
         while not stopping:
             dead = [i for i, p in enumerate(cluster.procs) if p.poll() is not None]

@@ -27,6 +27,24 @@ class ServerConfig:
     error_feedback: bool = False
     # threads running the codec kernels (0: one per CPU)
     kernel_threads: int = 0
+    # memory: fp32 state a session's layout may make this shard hold (accumulators, residuals)
+    max_model_bytes: int = 4 << 30
+    # calls served at once; beyond it gRPC refuses new calls with RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: int = 1024
+    # security (docs/security.md): the job token, TLS and mutual TLS
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # a plaintext port serving only the gRPC health service (for kubelet probes when TLS is on)
+    health_port: int = -1
+    # where metrics listen; None: the same address as the gRPC port
+    metrics_host: str | None = None
+
+    @property
+    def authenticates(self) -> bool:
+        """Does every caller prove it belongs to the job (token or client certificate)?"""
+        return bool(self.token_file or self.tls_client_ca)
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -37,3 +55,11 @@ class ServerConfig:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
         if self.max_inflight_bytes < 2 * CHUNK_BYTES:
             raise ValueError(f"max_inflight_bytes must be >= {2 * CHUNK_BYTES} (two chunks)")
+        if self.max_model_bytes < 1:
+            raise ValueError(f"max_model_bytes must be >= 1, got {self.max_model_bytes}")
+        if self.max_concurrent_rpcs < 8:
+            raise ValueError(f"max_concurrent_rpcs must be >= 8, got {self.max_concurrent_rpcs}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")

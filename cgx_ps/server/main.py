@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -15,15 +16,34 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from ..v1 import ps_pb2_grpc
+from ..security import CredentialError, read_token
 from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
+from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService
+from .tls import ReloadingServerCredentials
 
 __all__ = ["ShardServer", "run_server", "config_from_args", "setup_logging"]
 
 log = logging.getLogger("cgx_ps.server")
-SERVICE_NAME = "cgx_ps.v1.ParameterServer"
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` reachable from this machine only?"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: assume it resolves beyond this machine
+
+
+def exposure_warning(config: ServerConfig) -> str | None:
+    """The one warning a shard open to the network without token or TLS logs at start."""
+    if is_loopback(config.host) or config.token_file or config.tls_cert:
+        return None
+    return (f"listening on {config.host} with neither --token-file nor --tls-cert: anyone who can reach this "
+            f"port can read the job's broadcasts and push gradients (docs/security.md)")
 
 
 class ShardServer:
@@ -37,24 +57,53 @@ class ShardServer:
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cgx-shard")
         self.service = ParameterServerService(config, self.executor, self.metrics)
         self.health = health.aio.HealthServicer()
+        # Read at start so a bad file stops the shard with a message naming it.
+        self.token = read_token(config.token_file).encode() if config.token_file else None
+        self.tls = (ReloadingServerCredentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                    if config.tls_cert else None)
         self.port = 0
+        self.health_port = -1
         self._stopping = False
         self.metrics_port = -1
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._metrics_httpd = None
 
+    def _bind(self, server: grpc.aio.Server, port: int, secure: bool) -> int:
+        address = f"{self.config.host}:{port}"
+        bound = (server.add_secure_port(address, self.tls.credentials) if secure and self.tls is not None
+                 else server.add_insecure_port(address))
+        if bound == 0:
+            raise OSError(f"cannot bind {address}: is another process (another shard?) using the port?")
+        return bound
+
     async def start(self) -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(self.service, server)
+        server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+        add_parameter_server(server, self.service, self.token)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+        self.port = self._bind(server, self.config.port, secure=True)
+        if self.config.health_port >= 0:
+            # Kubelet gRPC probes speak plaintext: with TLS on, they get a port of their own that
+            # serves the health service and nothing else.
+            self._health_server = grpc.aio.server(maximum_concurrent_rpcs=16)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            self.health_port = self._bind(self._health_server, self.config.health_port, secure=False)
+        if self.config.metrics_port >= 0:
+            host = self.config.metrics_host or self.config.host
+            try:
+                self._metrics_httpd, _ = start_http_server(self.config.metrics_port, addr=host,
+                                                           registry=self.metrics.registry)
+            except OSError as exc:
+                raise OSError(f"cannot serve metrics on {host}:{self.config.metrics_port}: {exc.strerror}; "
+                              f"choose another --metrics-port (or -1 to disable)") from None
+            self.metrics_port = self._metrics_httpd.server_port
         await server.start()
         self._server = server
-        if self.config.metrics_port >= 0:
-            self._metrics_httpd, _ = start_http_server(self.config.metrics_port, registry=self.metrics.registry)
-            self.metrics_port = self._metrics_httpd.server_port
+        if self._health_server is not None:
+            await self._health_server.start()
+        warning = exposure_warning(self.config)
+        if warning:
+            log.warning(warning)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s:%d (shard %d of %d, metrics port %d)", self.config.host, self.port,
@@ -77,6 +126,8 @@ class ShardServer:
         self.service.close_streams("shard is shutting down")
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=None)
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
@@ -90,7 +141,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shard_index=args.shard_index, num_shards=args.num_shards,
         round_timeout_s=args.round_timeout, drain_timeout_s=args.drain_timeout,
         max_inflight_bytes=int(args.max_inflight_mb * (1 << 20)), error_feedback=args.error_feedback,
-        kernel_threads=args.kernel_threads,
+        kernel_threads=args.kernel_threads, max_model_bytes=int(args.max_model_mb * (1 << 20)),
+        max_concurrent_rpcs=args.max_concurrent_rpcs, token_file=args.token_file or None,
+        tls_cert=args.tls_cert or None, tls_key=args.tls_key or None, tls_client_ca=args.tls_client_ca or None,
+        health_port=getattr(args, "health_port", -1), metrics_host=getattr(args, "metrics_host", None) or None,
     )
 
 
@@ -113,17 +167,24 @@ def setup_logging(level: str, shard: int) -> None:
 
 
 async def _serve(config: ServerConfig, port_file: str | None) -> int:
-    server = ShardServer(config)
-    await server.start()
+    try:
+        server = ShardServer(config)
+        await server.start()
+    except (CredentialError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     if port_file:
         tmp = port_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"port": server.port, "metrics_port": server.metrics_port, "pid": os.getpid()}, f)
+            json.dump({"port": server.port, "metrics_port": server.metrics_port, "health_port": server.health_port,
+                       "pid": os.getpid()}, f)
         os.replace(tmp, port_file)  # readers never see a half-written file
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, server.tls.request_reload)
     await stop.wait()
     log.info("signal received: draining")
     await server.stop(drain=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import secrets
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -23,10 +25,11 @@ from ..layout import LayoutError, first_difference, layout_hash, validate_layout
 from ..transport import chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .aggregator import Aggregator, PushRejected, RoundFailure
-from .blobs import BlobError, BlobStore
+from .blobs import BlobError, BlobStore, BlobUpload
 from .budget import ByteBudget
 from .config import ServerConfig
 from .metrics import ShardMetrics
+from .rpc import read_message
 
 __all__ = ["ParameterServerService"]
 
@@ -38,6 +41,13 @@ _STOP = object()  # queue sentinel: end the node's stream
 class _WriterStalled(Exception):
     """The client stopped reading: end its stream with the error set on it."""
 MAX_ID_CHARS = 256  # node and job ids: they appear in messages, metrics and gRPC status details
+MAX_BLOB_WAIT_S = 3600.0  # GetBlob: a waiter holds a call slot, so its wait is bounded
+FIRST_MESSAGE_TIMEOUT_S = 30.0  # a stream that opens and says nothing holds a call slot
+MAX_PROBE_BYTES = 1 << 30  # auto mode probes with tens of MiB
+_BLOB_STATUS = {"exists": grpc.StatusCode.ALREADY_EXISTS, "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "key": grpc.StatusCode.INVALID_ARGUMENT,
+                "chunk": grpc.StatusCode.INVALID_ARGUMENT}
+WITHHELD = "(details withheld: this shard does not authenticate callers; see docs/security.md)"
 
 
 @dataclass(eq=False)
@@ -77,6 +87,11 @@ class _Session:
     ended: str | None = None  # why the session ended (the first reason given)
     # which member of each node pushed each block, and in which round: one local rank per block
     pushed_by: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    # proof of membership, handed out by Register: a stranger cannot act on the session
+    session_id: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def is_member(self, node: str, member: int, session_id: str) -> bool:
+        return member in self.nodes.get(node, ()) and secrets.compare_digest(session_id, self.session_id)
 
     def started(self, node: str, member: int) -> bool:
         """Has this member of a node begun training (so a new Register means it restarted)?"""
@@ -98,6 +113,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.blob_budget = ByteBudget(config.max_inflight_bytes)
         self._push_tasks: set[asyncio.Task] = set()
         self._last_ended: _Session | None = None  # its members learn why on their next Hello
+        self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
+
+    def _detail(self, text: str) -> str:
+        """``text`` (may name the job, tensors, shapes) for a shard whose callers proved they
+        belong to the job; withheld otherwise, so a stranger learns nothing of the model."""
+        return text if self.config.authenticates else WITHHELD
 
     # ---- Register -------------------------------------------------------------------------------
 
@@ -127,6 +148,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"layout is sharded for {request.layout.num_shards} shards, this shard "
                                 f"was started with --num-shards {self.config.num_shards}")
+        too_big = self._memory_refusal(request.layout)
+        if too_big is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_big)
         session = self.session
         busy: list[bool] = []
         if self._starts_new_session(session, request, context_message := [], busy):
@@ -147,7 +171,21 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             shard_index=self.config.shard_index, num_shards=self.config.num_shards, block_ids=owned,
             next_rounds=[session.aggregator.next_round(b) for b in owned],
             server_version=__version__, round_timeout_s=self.config.round_timeout_s,
+            session_id=session.session_id, instance_id=self.instance_id,
         )
+
+    def _memory_refusal(self, layout: ps_pb2.Layout) -> str | None:
+        """Why this shard cannot hold a layout's blocks within its memory limits, or None."""
+        owned = [b for b in layout.blocks if b.shard == self.config.shard_index]
+        largest = max((HEADER_SIZE + 4 * b.numel for b in owned), default=0)
+        if largest > self.config.max_inflight_bytes:
+            return (f"a block of {largest} bytes (fp32) exceeds this shard's in-flight budget of "
+                    f"{self.config.max_inflight_bytes} bytes (--max-inflight-mb): use smaller blocks")
+        state = 4 * sum(b.numel for b in owned) * (2 if self.config.error_feedback else 1)
+        if state > self.config.max_model_bytes:
+            return (f"the layout needs {state} bytes of fp32 state on this shard, more than its "
+                    f"--max-model-mb of {self.config.max_model_bytes} bytes: use more shards")
+        return None
 
     def _starts_new_session(self, session: _Session | None, request: ps_pb2.RegisterRequest,
                             message: list[str], busy: list[bool]) -> bool:
@@ -162,8 +200,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             if idle:
                 message.append(f"job {job!r} replaces finished job {session.job_id!r}")
                 return True
-            message.append(f"shard is busy with job {session.job_id!r} ({len(session.streams)} nodes "
-                           f"connected); job {job!r} must wait or use other shards")
+            which = f" ({session.job_id!r})" if self.config.authenticates else ""  # a stranger must not learn it
+            message.append(f"shard is busy with another job{which}, {len(session.streams)} nodes connected; "
+                           f"this job must wait or use other shards")
             busy.append(True)
             return False
         diff = first_difference(session.layout, request.layout)
@@ -179,7 +218,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             message.append("a new job (no job id) replaces an idle session")
             return True
         if diff is not None:
-            message.append(f"node {node} declares a different model layout than the session's: {diff}")
+            message.append(f"node {node} declares a different model layout than the session's: {self._detail(diff)}")
         elif request.num_nodes != session.num_nodes:
             message.append(f"node {node} says num_nodes={request.num_nodes}, the session has {session.num_nodes}")
         elif len(session.nodes) >= session.num_nodes:
@@ -203,6 +242,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                            result_cap=2 * sum(HEADER_SIZE + 4 * b.numel for b in owned) + (1 << 20))
         holder.append(session)
         self.session = session
+        self.blobs.clear()  # a new session starts with no blobs: none from another job or run
         log.info("new session: %d tensors, %d blocks (%d here), %d nodes, layout %s",
                  len(layout.tensors), len(layout.blocks), len(owned), request.num_nodes, digest[:12])
         return session
@@ -249,14 +289,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     # ---- Exchange -------------------------------------------------------------------------------
 
-    async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):  # noqa: N802
-        first = await context.read()
+    async def Exchange(self, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        first = await _first_message(context, ps_pb2.ExchangeRequest)
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
         node, member, session = first.hello.node_id, first.hello.member, self.session
-        if session is None or member not in session.nodes.get(node, ()):
+        if session is None or not session.is_member(node, member, first.hello.session_id):
             last = self._last_ended
-            ended = last.ended if last is not None and member in last.nodes.get(node, ()) else None
+            ended = self._detail(last.ended) if last is not None and member in last.nodes.get(node, ()) else None
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"node {node!r} member {member}: its session ended ({ended}); register again"
                                 if ended else
@@ -360,14 +400,18 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """The next message; a client that stops halfway through a block's chunks holds part of
         the shard's memory budget, so it gets the round timeout to continue, not forever."""
         if not partial:
-            return await context.read()
+            return await read_message(context, ps_pb2.ExchangeRequest)
+        # A block's upload has one deadline in total, not per chunk: a client trickling one byte
+        # per chunk must not hold the block's memory forever.
+        (block_id, a), = partial.items()
+        left = a.deadline - time.monotonic()
         try:
-            return await asyncio.wait_for(context.read(), self.config.round_timeout_s)
+            return await asyncio.wait_for(read_message(context, ps_pb2.ExchangeRequest), max(left, 0.0))
         except asyncio.TimeoutError:
-            (block_id, a), = partial.items()
             raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"sent {a.filled} of {a.total} bytes of block {block_id} "
-                               f"round {a.round}, then nothing for {self.config.round_timeout_s:g}s") from None
+                               f"sent {a.filled} of {a.total} bytes of block {block_id} round {a.round} "
+                               f"in {self.config.round_timeout_s:g}s; a block must arrive whole within the "
+                               f"round timeout") from None
 
     async def _assemble(self, session: _Session, partial: dict[int, _Assembly],
                         chunk: ps_pb2.PushChunk) -> bytes | None:
@@ -400,7 +444,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                    f"block {chunk.block_id}: the shard's memory budget ({self.budget.capacity} "
                                    f"bytes) stayed full for {2 * self.config.round_timeout_s:g}s") from None
-            assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected)
+            assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected,
+                                                           deadline=time.monotonic() + self.config.round_timeout_s)
             self.pending_pushes += 1
             self._update_inflight()
         if chunk.round != assembly.round or chunk.total_bytes != assembly.total or chunk.offset != assembly.filled:
@@ -476,86 +521,93 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     # ---- blobs (broadcasts) ---------------------------------------------------------------------
 
-    async def PutBlob(self, request_iterator, context: grpc.aio.ServicerContext) -> ps_pb2.PutBlobResponse:
-        parts: list[bytes] = []
-        key, total, filled, reserved = None, 0, 0, 0
+    def _member_refusal(self, node: str, member: int, session_id: str) -> str | None:
+        """Why a caller may not touch the session's blobs or settings, or None for a member."""
+        session = self.session
+        if session is None or not session.is_member(node, member, session_id):
+            return (f"node {node[:MAX_ID_CHARS]!r} member {member} is not a member of this shard's current "
+                    f"session (register first; a session's blobs and settings are its members' alone)")
+        return None
+
+    async def PutBlob(self, context: grpc.aio.ServicerContext) -> ps_pb2.PutBlobResponse:
+        first = await _first_message(context, ps_pb2.BlobChunk)
+        if first is grpc.aio.EOF:
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "PutBlob stream carried no chunk")
+        refusal = self._member_refusal(first.node_id, first.member, first.session_id)
+        if refusal is not None:
+            raise PushRejected(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        session, key, total = self.session, first.key, first.total_bytes
+        problem = self.blobs.admission(key, total)
+        if problem is not None:
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT if problem.kind == "key"
+                               else grpc.StatusCode.RESOURCE_EXHAUSTED, str(problem))
+        # bounded memory for concurrent puts: a stalled or huge PutBlob can delay other
+        # broadcasts, never gradient traffic
+        await self.blob_budget.acquire(total)
         try:
-            while True:
-                try:  # the first chunk may take as long as the client likes; a stall halfway may not
-                    chunk = await (context.read() if key is None else
-                                   asyncio.wait_for(context.read(), self.config.round_timeout_s))
+            upload = BlobUpload(key, total, deadline=time.monotonic() + self.config.round_timeout_s)
+            chunk = first
+            while chunk is not grpc.aio.EOF:
+                upload.add(chunk)  # raises BlobError naming what is wrong with the chunk
+                left = upload.deadline - time.monotonic()
+                try:
+                    chunk = await asyncio.wait_for(read_message(context, ps_pb2.BlobChunk), max(left, 0.0))
                 except asyncio.TimeoutError:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"blob {key!r}: sent {filled} of {total} bytes, then nothing for "
-                                        f"{self.config.round_timeout_s:g}s")
-                if chunk is grpc.aio.EOF:
-                    break
-                if key is None:
-                    key, total = chunk.key, chunk.total_bytes
-                    if total > self.blobs.capacity - self.blobs.used:
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                            f"blob {key!r} of {total} bytes exceeds the shard's blob capacity")
-                    await self.blob_budget.acquire(total)  # bounded memory for concurrent puts
-                    reserved = total
-                await self._blob_chunk(context, chunk, parts, key, total, filled)
-                filled += len(chunk.data)
-            if key is None or filled != total:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"blob {key!r}: stream ended at {filled} of {total} bytes")
-            try:
-                self.blobs.put(key, b"".join(parts))
-            except BlobError as exc:
-                code = grpc.StatusCode.ALREADY_EXISTS if exc.kind == "exists" else grpc.StatusCode.RESOURCE_EXHAUSTED
-                await context.abort(code, str(exc))
+                    raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"blob {key!r}: {upload.filled} of {total} bytes arrived within "
+                                       f"{self.config.round_timeout_s:g}s") from None
+            if session is not self.session:
+                raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, "the session ended during the upload")
+            self.blobs.put(key, upload.data(), writer=(first.node_id, first.member))
+        except BlobError as exc:
+            raise PushRejected(_BLOB_STATUS[exc.kind], str(exc)) from None
         finally:
-            self.blob_budget.release(reserved)
+            self.blob_budget.release(total)
         return ps_pb2.PutBlobResponse()
 
-    async def _blob_chunk(self, context, chunk: ps_pb2.BlobChunk, parts: list[bytes], key: str, total: int,
-                          filled: int) -> None:
-        problem = None
-        if chunk.key != key:
-            problem = f"chunk names blob {chunk.key!r}; one PutBlob stream carries one blob"
-        elif chunk.total_bytes != total:
-            problem = f"chunk says total_bytes={chunk.total_bytes}, the first chunk said {total}"
-        elif chunk.offset != filled:
-            problem = f"chunk at offset {chunk.offset}, expected {filled} (chunks must be in order, no gaps)"
-        elif filled + len(chunk.data) > total:
-            problem = f"chunk of {len(chunk.data)} bytes at offset {filled} overruns total_bytes={total}"
-        if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"blob {key!r}: {problem}")
-        parts.append(chunk.data)
-
-    async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext):
+    async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext) -> None:
+        session = self.session
+        if session is None or not secrets.compare_digest(request.session_id, session.session_id):
+            raise PushRejected(grpc.StatusCode.PERMISSION_DENIED,
+                               "not a member of this shard's current session (register first)")
+        timeout_s = request.timeout_s or 60.0
+        if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_BLOB_WAIT_S):
+            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"timeout_s must be finite, in (0, {MAX_BLOB_WAIT_S:g}], got {timeout_s!r}")
         try:
-            data = await self.blobs.get(request.key, request.timeout_s or 60.0)
+            data, (node, member) = await self.blobs.get(request.key, timeout_s)
         except BlobError as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+            raise PushRejected(_BLOB_STATUS[exc.kind], str(exc)) from None
         for off, piece in chunks(data):
-            yield ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off, data=piece)
+            await context.write(ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off, data=piece,
+                                                 node_id=node, member=member))
 
     # ---- adaptive compression and link probe -----------------------------------------------------
 
     async def SetCodecs(self, request: ps_pb2.SetCodecsRequest, context: grpc.aio.ServicerContext
                         ) -> ps_pb2.SetCodecsResponse:
         session = self.session
-        if session is None or request.node_id not in session.nodes:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"node {request.node_id!r} has not registered with this shard")
+        if session is None or request.node_id not in session.nodes or \
+                not secrets.compare_digest(request.session_id, session.session_id):
+            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"node {request.node_id[:MAX_ID_CHARS]!r} is not a member of this shard's "
+                               f"current session (register first)")
         mine = [(b.block_id, b.codec) for b in request.blocks if b.block_id in session.aggregator.blocks]
-        try:
-            session.aggregator.set_codecs(request.from_round, mine)
-        except PushRejected as exc:
-            await context.abort(exc.code, exc.message)
+        session.aggregator.set_codecs(request.from_round, mine)
         if mine:
             log.info("codec settings of %d blocks change from round %d (by %s)", len(mine), request.from_round,
                      request.node_id)
         return ps_pb2.SetCodecsResponse()
 
-    async def Probe(self, request_iterator, context: grpc.aio.ServicerContext) -> ps_pb2.ProbeResponse:
+    async def Probe(self, context: grpc.aio.ServicerContext) -> ps_pb2.ProbeResponse:
         total = 0
-        async for chunk in request_iterator:
+        chunk = await _first_message(context, ps_pb2.ProbeChunk)
+        while chunk is not grpc.aio.EOF:  # read and dropped: memory stays one chunk
             total += len(chunk.data)
+            if total > MAX_PROBE_BYTES:
+                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"a link probe sends at most {MAX_PROBE_BYTES} bytes")
+            chunk = await asyncio.wait_for(read_message(context, ps_pb2.ProbeChunk), self.config.round_timeout_s)
         return ps_pb2.ProbeResponse(bytes=total)
 
     # ---- shutdown -------------------------------------------------------------------------------
@@ -574,6 +626,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 class _Assembly:
     round: int
     total: int  # also the bytes reserved in the budget for it
+    deadline: float = math.inf  # time.monotonic() by which the last chunk must have arrived
     filled: int = 0
     parts: list[bytes] = field(default_factory=list)
 
@@ -584,6 +637,15 @@ class _Assembly:
     def payload(self) -> bytes:
         # One chunk: no copy. Several: one join (cheaper than growing a bytearray chunk by chunk).
         return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+
+async def _first_message(context: grpc.aio.ServicerContext, cls: type):
+    """A stream's first message, which must come soon: an idle stream holds a call slot."""
+    try:
+        return await asyncio.wait_for(read_message(context, cls), FIRST_MESSAGE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g}s of opening the stream") from None
 
 
 def _pull_messages(block_id: int, round_: int, data: bytes) -> list[ps_pb2.ExchangeResponse]:

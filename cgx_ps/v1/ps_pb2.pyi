@@ -97,20 +97,24 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s")
+    __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     next_rounds: _containers.RepeatedScalarFieldContainer[int]
     server_version: str
     round_timeout_s: float
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., next_rounds: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., round_timeout_s: _Optional[float] = ...) -> None: ...
+    session_id: str
+    instance_id: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., next_rounds: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., round_timeout_s: _Optional[float] = ..., session_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("hello", "push")
@@ -121,14 +125,16 @@ class ExchangeRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., push: _Optional[_Union[PushChunk, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("node_id", "layout_hash", "member")
+    __slots__ = ("node_id", "layout_hash", "member", "session_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layout_hash: str
     member: int
-    def __init__(self, node_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., member: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, node_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., member: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("round", "block_id", "total_bytes", "offset", "data")
@@ -179,28 +185,36 @@ class RoundError(_message.Message):
     def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., message: _Optional[str] = ..., missing_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlobChunk(_message.Message):
-    __slots__ = ("key", "total_bytes", "offset", "data")
+    __slots__ = ("key", "total_bytes", "offset", "data", "node_id", "member", "session_id")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     key: str
     total_bytes: int
     offset: int
     data: bytes
-    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    node_id: str
+    member: int
+    session_id: str
+    def __init__(self, key: _Optional[str] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., node_id: _Optional[str] = ..., member: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PutBlobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetBlobRequest(_message.Message):
-    __slots__ = ("key", "timeout_s")
+    __slots__ = ("key", "timeout_s", "session_id")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     key: str
     timeout_s: float
-    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    session_id: str
+    def __init__(self, key: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class BlockCodec(_message.Message):
     __slots__ = ("block_id", "codec")
@@ -211,14 +225,16 @@ class BlockCodec(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ...) -> None: ...
 
 class SetCodecsRequest(_message.Message):
-    __slots__ = ("node_id", "from_round", "blocks")
+    __slots__ = ("node_id", "from_round", "blocks", "session_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     from_round: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockCodec]
-    def __init__(self, node_id: _Optional[str] = ..., from_round: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockCodec, _Mapping]]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, node_id: _Optional[str] = ..., from_round: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockCodec, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class SetCodecsResponse(_message.Message):
     __slots__ = ()

@@ -14,17 +14,18 @@ data-parallel training against the cgx-ps shards.
     client.py     one shard connection                 broadcast.py  root -> all via shard 0
 """
 
+from .blobformat import BlobFormatError
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .config import WorkerConfig
-from .errors import (CgxPsError, ConfigError, IntraNodeError, RoundFailedError, ShardRejectedError,
+from .errors import (BroadcastError, CgxPsError, ConfigError, IntraNodeError, RoundFailedError, ShardRejectedError,
                      ShardUnavailableError)
 from .layout import Compression
 from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
 __all__ = [
-    "CgxPsError", "Compression", "ConfigError", "DistributedOptimizer", "IntraNodeError", "RoundFailedError",
-    "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
+    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "DistributedOptimizer",
+    "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
     "shutdown", "size",
 ]

@@ -1,13 +1,20 @@
-"""Broadcast from one rank to all through shard 0's blob store (no torch.distributed needed)."""
+"""Broadcast from one rank to all through shard 0's blob store (no torch.distributed needed).
+
+Blobs are written in a format that carries tensors and plain data only (``blobformat.py``:
+safetensors plus a JSON structure), never a pickle, so nothing a blob holds can run code in a
+worker. A reader also checks that the blob was written by its session's root rank: the shard
+stores each blob with the session member that put it.
+"""
 
 from __future__ import annotations
 
-import io
 import itertools
 from typing import Any, Mapping
 
 import torch
 
+from .blobformat import BlobFormatError, decode_object, encode_object
+from .errors import BroadcastError
 from .runtime import connected_engine, current_config
 
 __all__ = ["broadcast_object", "broadcast_parameters", "broadcast_optimizer_state"]
@@ -16,20 +23,26 @@ _counter = itertools.count()  # every rank makes the same broadcasts in the same
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, timeout_s: float | None = None) -> Any:
-    """Return root_rank's ``obj`` on every rank (serialized with torch.save). Non-root ranks wait
+    """Return root_rank's ``obj`` on every rank. ``obj`` may hold tensors, numbers, strings,
+    None, lists, tuples and dicts (a state_dict, an optimizer's state_dict). Non-root ranks wait
     up to ``timeout_s`` (default: the shards' round timeout) for the root to publish it."""
     config = current_config()
     engine = connected_engine()
     if timeout_s is None:
         timeout_s = engine.round_timeout_s
+    root = config.member_of(root_rank)
     key = f"broadcast/{next(_counter)}"
     if config.rank == root_rank:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        engine.put_blob(key, buf.getvalue())
+        engine.put_blob(key, encode_object(obj))
         return obj
-    data = engine.get_blob(key, timeout_s)
-    return torch.load(io.BytesIO(data), weights_only=False)
+    data, writer = engine.get_blob(key, timeout_s)
+    if writer != root:
+        raise BroadcastError(f"broadcast {key!r} was written by node {writer[0]!r} member {writer[1]}, not by the "
+                             f"root rank {root_rank} ({root[0]} member {root[1]}): refused")
+    try:
+        return decode_object(data)
+    except BlobFormatError as exc:
+        raise BroadcastError(f"broadcast {key!r} from rank {root_rank} is not a valid cgx-ps broadcast: {exc}") from None
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Any, root_rank: int = 0) -> None:
@@ -38,16 +51,23 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Any, root_rank: in
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda kv: kv[0])
     tensors = {name: t for name, t in items if isinstance(t, torch.Tensor)}
     values = broadcast_object({n: t.detach().cpu() for n, t in tensors.items()}, root_rank)
+    if not isinstance(values, dict):
+        raise BroadcastError(f"broadcast_parameters: rank {root_rank} sent a {type(values).__name__}, not tensors")
     with torch.no_grad():
         for name, t in tensors.items():
-            if name not in values or values[name].shape != t.shape:
-                raise ValueError(f"broadcast_parameters: rank {root_rank} has no tensor {name!r} of shape "
-                                 f"{tuple(t.shape)}: are all ranks building the same model?")
-            t.copy_(values[name])
+            value = values.get(name)
+            if not isinstance(value, torch.Tensor) or value.shape != t.shape:
+                raise BroadcastError(f"broadcast_parameters: rank {root_rank} has no tensor {name!r} of shape "
+                                     f"{tuple(t.shape)}: are all ranks building the same model?")
+            t.copy_(value)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank root_rank's optimizer state (momentum buffers, step counts, lr...)."""
     state = broadcast_object(optimizer.state_dict(), root_rank)
     if current_config().rank != root_rank:
-        optimizer.load_state_dict(state)
+        try:
+            optimizer.load_state_dict(state)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BroadcastError(f"broadcast_optimizer_state: rank {root_rank}'s state does not fit this "
+                                 f"optimizer: {exc}") from None

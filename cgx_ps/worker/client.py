@@ -20,7 +20,8 @@ import grpc
 
 from .. import __version__
 from ..layout import layout_hash
-from ..transport import CHUNK_BYTES, GRPC_OPTIONS, chunks
+from ..security import ChannelSecurity
+from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 
@@ -29,11 +30,27 @@ __all__ = ["ShardClient"]
 log = logging.getLogger(__name__)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Words gRPC puts in the details of a failed TLS handshake: retrying will not fix a certificate.
+_TLS_FAILURE_MARKERS = ("handshake", "certificate_verify_failed", "ssl_error", "tls", "certificate")
+
+
+def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsError | None:
+    """The error that ends connecting to a shard, or None when the failure may pass (retry)."""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return ShardRejectedError(address, code.name, f"{details} (check CGX_PS_TOKEN_FILE: the shards and "
+                                                      f"workers of a job must use the same token)")
+    if code == grpc.StatusCode.UNAVAILABLE and any(m in details.lower() for m in _TLS_FAILURE_MARKERS):
+        return ShardRejectedError(address, "TLS", f"the TLS handshake failed: {details} (check CGX_PS_TLS_CA, "
+                                                  f"CGX_PS_TLS_CERT/KEY and CGX_PS_TLS_SERVER_NAME)")
+    if code not in _RETRYABLE:
+        return ShardRejectedError(address, code.name, details)
+    return None
 
 
 class ShardClient:
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
-                 connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0) -> None:
+                 connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
+                 security: ChannelSecurity = ChannelSecurity()) -> None:
         self.address = address
         self.node_id = node_id
         self.num_nodes = num_nodes
@@ -42,6 +59,8 @@ class ShardClient:
         self.connect_timeout_s = connect_timeout_s
         self.job_id = job_id
         self.member = member
+        self.security = security
+        self._metadata = security.metadata()  # the job token, sent with every call
         self.registration: ps_pb2.RegisterResponse | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call = None
@@ -56,7 +75,7 @@ class ShardClient:
     # ---- setup ----------------------------------------------------------------------------------
 
     async def connect(self) -> ps_pb2.RegisterResponse:
-        self._channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+        self._channel = self.security.aio_channel(self.address)
         stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
                                          layout_hash=self.layout_hash, client_version=__version__,
@@ -65,11 +84,13 @@ class ShardClient:
         delay = 0.1
         while True:
             try:
-                self.registration = await stub.Register(request, timeout=10.0, wait_for_ready=False)
+                self.registration = await stub.Register(request, timeout=10.0, wait_for_ready=False,
+                                                        metadata=self._metadata)
                 break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
-                    raise ShardRejectedError(self.address, exc.code().name, exc.details() or "") from None
+                fatal = connect_failure(self.address, exc.code(), exc.details() or "")
+                if fatal is not None:
+                    raise fatal from None
                 if time.monotonic() + delay > deadline:
                     raise ShardUnavailableError(
                         f"shard {self.address} unreachable for {self.connect_timeout_s:g}s "
@@ -81,9 +102,10 @@ class ShardClient:
         return self.registration
 
     async def _open_stream(self) -> None:
-        self._call = ps_pb2_grpc.ParameterServerStub(self._channel).Exchange()
+        self._call = ps_pb2_grpc.ParameterServerStub(self._channel).Exchange(metadata=self._metadata)
         await self._call.write(ps_pb2.ExchangeRequest(
-            hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member)))
+            hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
+                               session_id=self.session_id)))
         self._reader = asyncio.create_task(self._read_results())
 
     async def reopen(self) -> None:
@@ -112,6 +134,21 @@ class ShardClient:
         self._fail_all(CgxPsError(f"connection to shard {self.address} closed"))
 
     @property
+    def session_id(self) -> str:
+        """The shard session's proof of membership (from Register)."""
+        return self.registration.session_id if self.registration is not None else ""
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            raise CgxPsError(f"shard {self.address}: not connected")
+        return self._channel
+
+    @property
     def error(self) -> CgxPsError | None:
         """The error that ended this connection's stream (a failed round, a closed shard), if any."""
         return self._error
@@ -121,8 +158,9 @@ class ShardClient:
     async def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
         stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         try:
-            await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks),
-                                 timeout=30)
+            await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks,
+                                                         session_id=self.session_id),
+                                 timeout=30, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise ShardRejectedError(self.address, exc.code().name, exc.details() or "") from None
 
@@ -132,7 +170,7 @@ class ShardClient:
         chunk = ps_pb2.ProbeChunk(data=bytes(min(nbytes, CHUNK_BYTES)))
         count = max(1, nbytes // CHUNK_BYTES)
         t0 = time.perf_counter()
-        await stub.Probe(iter([chunk] * count), timeout=120)
+        await stub.Probe(iter([chunk] * count), timeout=120, metadata=self._metadata)
         return time.perf_counter() - t0
 
     # ---- push / pull ----------------------------------------------------------------------------

@@ -12,14 +12,19 @@
                                                        models on a GPU, else shared memory), shm
                                                        (host shared memory even for GPU models),
                                                        or cuda
+    CGX_PS_TOKEN_FILE                                  the job token the shards require
+    CGX_PS_TLS_CA, CGX_PS_TLS_CERT, CGX_PS_TLS_KEY     TLS: the CA of the shards' certificates;
+                                                       a client certificate for mutual TLS
+    CGX_PS_TLS_SERVER_NAME                             name to check in the shards' certificates
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from ..security import ChannelSecurity, CredentialError
 from .errors import ConfigError
 
 __all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS"]
@@ -46,6 +51,8 @@ class WorkerConfig:
     job_id: str = ""
     # intra-node reduction transport: "auto", "shm" or "cuda"
     intranode: str = "auto"
+    # how to reach the shards: job token, TLS (docs/security.md)
+    security: ChannelSecurity = field(default_factory=ChannelSecurity)
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,6 +78,13 @@ class WorkerConfig:
     def node_id(self) -> str:
         return f"node-{self.node_rank}"
 
+    def member_of(self, rank: int) -> tuple[str, int]:
+        """(node id, member) under which a global rank talks to the shards: ranks are numbered
+        node by node, LOCAL_WORLD_SIZE per node, as torchrun numbers them."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is not in 0..{self.world_size - 1}")
+        return f"node-{rank // self.local_world_size}", rank % self.local_world_size
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "WorkerConfig":
         env = os.environ if env is None else env
@@ -93,12 +107,18 @@ class WorkerConfig:
             rank, world = num("RANK", 0), num("WORLD_SIZE", 1)
             node_rank = num("GROUP_RANK", num("NODE_RANK", rank // max(local_size, 1)))
             num_nodes = max(1, world // max(local_size, 1))
+        try:
+            security = ChannelSecurity.from_env(env)
+            security.check()  # a missing or malformed file fails here, named
+        except CredentialError as exc:
+            raise ConfigError(str(exc)) from None
         config = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=_servers(env.get("CGX_PS_SERVERS", ""), env.get("CGX_PS_NUM_SHARDS", "")),
                      connect_timeout_s=float(env.get("CGX_PS_CONNECT_TIMEOUT", 60.0)),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
-                     intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto")
+                     intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
+                     security=security)
         return replace(config, **overrides) if overrides else config
 
 

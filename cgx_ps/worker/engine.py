@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from ..transport import CHUNK_BYTES, GRPC_OPTIONS, chunks
+from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .client import ShardClient
 from .config import WorkerConfig
@@ -37,7 +37,6 @@ class CommEngine:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="cgx-comm", daemon=True)
         self._thread.start()
-        self._blob_channel: grpc.aio.Channel | None = None
         self.round_timeout_s = 60.0
         self.closed = False
 
@@ -56,7 +55,8 @@ class CommEngine:
             raise ConfigError(f"layout has {layout.num_shards} shards, CGX_PS_SERVERS lists "
                               f"{len(self.config.servers)}")
         self.clients = [ShardClient(a, self.node_id, self.num_nodes, layout, self.config.connect_timeout_s,
-                                    self.config.job_id, self.member) for a in self.config.servers]
+                                    self.config.job_id, self.member, self.config.security)
+                        for a in self.config.servers]
 
         async def connect_all() -> None:
             await asyncio.gather(*[c.connect() for c in self.clients])
@@ -68,6 +68,12 @@ class CommEngine:
                                   f"{c.registration.num_shards}: list the shards in index order on every worker")
         self.round_timeout_s = max(c.registration.round_timeout_s for c in self.clients)
 
+    @property
+    def session_id(self) -> str:
+        """Shard 0's session id: the same for every member of the job's current session, and
+        known only to them (local ranks name their intra-node rendezvous after it)."""
+        return self.clients[0].session_id if self.clients else ""
+
     def close(self) -> None:
         if self.closed or not self._thread.is_alive():
             self.closed = True
@@ -76,8 +82,6 @@ class CommEngine:
         async def close_all() -> None:
             for c in self.clients:
                 await c.close()
-            if self._blob_channel is not None:
-                await self._blob_channel.close()
 
         try:
             self._call(close_all(), timeout=10)
@@ -130,24 +134,34 @@ class CommEngine:
 
     # ---- blobs (broadcast) ------------------------------------------------------------------------
 
-    def _blob_stub(self) -> ps_pb2_grpc.ParameterServerStub:
-        if self._blob_channel is None:
-            self._blob_channel = grpc.aio.insecure_channel(self.config.servers[0], options=GRPC_OPTIONS)
-        return ps_pb2_grpc.ParameterServerStub(self._blob_channel)
+    # Blobs live on shard 0, in its session: they travel over that shard's connection, with the
+    # job token and the session id, and come back with the member that wrote them.
 
     def put_blob(self, key: str, data: bytes) -> None:
+        shard = self.clients[0]
+
         async def put() -> None:
-            pieces = [ps_pb2.BlobChunk(key=key, total_bytes=len(data), offset=o, data=piece)
+            pieces = [ps_pb2.BlobChunk(key=key, total_bytes=len(data), offset=o, data=piece, node_id=self.node_id,
+                                       member=self.member, session_id=shard.session_id)
                       for o, piece in chunks(data)]
-            await self._blob_stub().PutBlob(iter(pieces), timeout=120)
+            await ps_pb2_grpc.ParameterServerStub(shard.channel).PutBlob(iter(pieces), timeout=120,
+                                                                         metadata=shard.metadata)
 
         self._rpc(put(), f"broadcast put {key!r}")
 
-    def get_blob(self, key: str, timeout_s: float) -> bytes:
-        async def get() -> bytes:
-            call = self._blob_stub().GetBlob(ps_pb2.GetBlobRequest(key=key, timeout_s=timeout_s),
-                                             timeout=timeout_s + 30)
-            return b"".join([chunk.data async for chunk in call])
+    def get_blob(self, key: str, timeout_s: float) -> tuple[bytes, tuple[str, int]]:
+        """A blob's bytes and who wrote it: (node id, member)."""
+        shard = self.clients[0]
+
+        async def get() -> tuple[bytes, tuple[str, int]]:
+            call = ps_pb2_grpc.ParameterServerStub(shard.channel).GetBlob(
+                ps_pb2.GetBlobRequest(key=key, timeout_s=timeout_s, session_id=shard.session_id),
+                timeout=timeout_s + 30, metadata=shard.metadata)
+            parts, writer = [], ("", 0)
+            async for chunk in call:
+                parts.append(chunk.data)
+                writer = (chunk.node_id, chunk.member)
+            return b"".join(parts), writer
 
         return self._rpc(get(), f"broadcast get {key!r}")
 

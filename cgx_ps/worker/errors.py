@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
-           "ConfigError", "IntraNodeError"]
+           "ConfigError", "IntraNodeError", "BroadcastError"]
 
 
 class CgxPsError(RuntimeError):
@@ -36,3 +36,8 @@ class RoundFailedError(CgxPsError):
 
 class IntraNodeError(CgxPsError):
     """A local rank of this node died, stalled or disagreed (intra-node reduction)."""
+
+
+class BroadcastError(CgxPsError):
+    """A broadcast did not come from the root rank, could not be parsed, or does not fit the
+    receiving rank's model or optimizer."""
