@@ -47,7 +47,7 @@ def reducer_worker(local_rank: int, numel: int, iters: int, job: str, device: to
     from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
     layout = build_layout([TensorInfo("g", (numel,))], 1, Compression(bits=None))
-    reducer = NodeReducer(layout, local_rank, 2, 0, job, timeout_s=60, device=device)
+    reducer = NodeReducer(layout, local_rank, 2, 0, job, timeout_s=60, device=device, run_tag=job)  # job: random per run
     grad = torch.randn(numel, device=device)
     times = []
 
@@ -121,7 +121,7 @@ def bytes_per_node(local: int, steps: int) -> float:
             [sys.executable, str(HERE / "cgx_step.py"), "--model", "mlp17m", "--steps", str(steps), "--warmup", "1",
              "--compression", "4bit"],
             env=dict(os.environ, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(local), RANK=str(r), WORLD_SIZE=str(local),
-                     CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1", CGX_PS_SERVERS=cluster.addresses[0],
+                     CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1", **cluster.worker_env(),
                      CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1"),
             stdout=subprocess.PIPE, text=True) for r in range(local)]
         results = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]

@@ -727,6 +727,7 @@ class ShardSet:
         self._tmp = tmp
         self.returncodes: list[int | None] = []
         self._last_cpu: dict[int, float] = {}  # pid -> last CPU seconds seen
+        self.token_file = ""  # the job token the shards require (CGX_PS_TOKEN_FILE for workers)
 
     @property
     def servers(self) -> str:
@@ -804,6 +805,9 @@ def start_shards(cluster: Cluster, hosts: Sequence[int], extra_args: Sequence[st
     tmp = tempfile.TemporaryDirectory(prefix="cgxb-shards-")
     procs: list[subprocess.Popen] = []
     shards = ShardSet(cluster, hosts, procs, [], tmp)
+    from cgx_ps.security import new_token_file
+
+    shards.token_file = new_token_file(tmp.name)  # shards listen beyond loopback: require a job token
     try:
         port_files = []
         for k, h in enumerate(hosts):
@@ -812,7 +816,7 @@ def start_shards(cluster: Cluster, hosts: Sequence[int], extra_args: Sequence[st
             argv = [sys.executable, "-m", "cgx_ps.cli", "server", "--host", cluster.address(h), "--port", "0",
                     "--shard-index", str(k), "--num-shards", str(len(hosts)), "--metrics-port", "-1",
                     "--port-file", str(port_file), "--log-level", "WARNING", "--drain-timeout", "2",
-                    *extra_args]
+                    "--token-file", shards.token_file, *extra_args]
             log = open(Path(tmp.name) / f"shard{k}.log", "w")
             try:
                 procs.append(cluster.spawn(h, argv, env=_repo_env(env), stdout=log, stderr=subprocess.STDOUT,
@@ -866,6 +870,7 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
             rank = worker_hosts.index(i)
             return _repo_env({"RANK": rank, "WORLD_SIZE": len(worker_hosts), "CGX_PS_NODE_RANK": rank,
                               "CGX_PS_NUM_NODES": len(worker_hosts), "CGX_PS_SERVERS": shards.servers,
+                              "CGX_PS_TOKEN_FILE": shards.token_file,
                               "CGX_PS_JOB_ID": job_id, **_thread_env(threads)})
 
         argv = _cgx_argv(model, compression, steps, warmup, batch_size, threads, seed, extra_args)

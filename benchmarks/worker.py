@@ -66,7 +66,7 @@ def main() -> None:
             job = uuid.uuid4().hex[:8]
             res = _run("cgx_step.py", 2, [*common, "--compression", compression], lambda r: dict(
                 base, RANK=str(r), WORLD_SIZE="2", CGX_PS_NODE_RANK=str(r), CGX_PS_NUM_NODES="2",
-                CGX_PS_SERVERS=",".join(cluster.addresses), CGX_PS_JOB_ID=job))
+                **cluster.worker_env(), CGX_PS_JOB_ID=job))
             rows.append({"config": f"cgx-ps {compression}", "step_s": max(d["median_step_s"] for d in res),
                          "exposed_s": max(d["exposed_comm_s"] for d in res),
                          "mb_pushed": res[0]["bytes_pushed_per_step"] / 1e6})

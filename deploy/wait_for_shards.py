@@ -10,8 +10,17 @@ library does:
                        expanded for i in range(CGX_PS_NUM_SHARDS)
     CGX_PS_NUM_SHARDS  number of shards
 
+and connects the way the workers do when the shards serve TLS (deploy/optional/tls):
+
+    CGX_PS_TLS_CA           CA bundle that signed the shards' certificates (TLS is on when set)
+    CGX_PS_TLS_CERT, _KEY   client certificate and key, for shards that require one (mTLS)
+    CGX_PS_TLS_SERVER_NAME  name to check in the shards' certificate instead of the host
+
+cgx_ps.security.ChannelSecurity, the workers' own code, reads them. The health service
+needs no bearer token.
+
 Exit status: 0 once all shards are SERVING, 1 on timeout, 2 on a bad configuration.
-Needs only grpcio and grpcio-health-checking (both cgx-ps dependencies).
+Runs in the cgx-ps image: needs grpcio, grpcio-health-checking and cgx_ps.security.
 """
 
 from __future__ import annotations
@@ -24,6 +33,12 @@ from typing import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# How the workers open channels (TLS, client certificate, checked server name), so this
+# check connects exactly the way training will.
+from cgx_ps.security import ChannelSecurity, CredentialError
+
+PLAINTEXT = ChannelSecurity()
 
 
 def shard_addresses(env: Mapping[str, str]) -> list[str]:
@@ -43,26 +58,28 @@ def shard_addresses(env: Mapping[str, str]) -> list[str]:
     return addresses
 
 
-def check(address: str, rpc_timeout: float) -> str:
+def check(address: str, rpc_timeout: float, security: ChannelSecurity = PLAINTEXT) -> str:
     """The shard's overall health status name, or a short reason it could not be read."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with security.sync_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=rpc_timeout)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError as err:
         return err.code().name if hasattr(err, "code") else str(err)
+    except CredentialError as err:  # e.g. a certificate file replaced mid-read
+        return f"credentials: {err}"
 
 
 def wait(addresses: Sequence[str], timeout: float, interval: float = 2.0,
-         rpc_timeout: float = 2.0, log=print) -> bool:
+         rpc_timeout: float = 2.0, log=print, security: ChannelSecurity = PLAINTEXT) -> bool:
     """Poll until every address is SERVING (True) or ``timeout`` seconds pass (False)."""
     deadline = time.monotonic() + timeout
     pending = {address: "not checked" for address in addresses}
     last_report = 0.0
     while True:
         for address in list(pending):
-            status = check(address, rpc_timeout)
+            status = check(address, rpc_timeout, security)
             if status == "SERVING":
                 del pending[address]
                 log(f"wait-for-shards: {address} is SERVING")
@@ -90,12 +107,15 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     parser.add_argument("--interval", type=float, default=2.0,
                         help="seconds between polls (default %(default)s)")
     args = parser.parse_args(argv)
+    env = os.environ if env is None else env
     try:
-        addresses = shard_addresses(os.environ if env is None else env)
-    except ValueError as err:
+        addresses = shard_addresses(env)
+        security = ChannelSecurity.from_env(env)
+        security.check()  # a missing or malformed file fails now, by name
+    except ValueError as err:  # CredentialError is one
         print(f"wait-for-shards: {err}", file=sys.stderr)
         return 2
-    return 0 if wait(addresses, args.timeout, args.interval) else 1
+    return 0 if wait(addresses, args.timeout, args.interval, security=security) else 1
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ class _DistributedMixin:
             self._cgx_reducer = NodeReducer(self._cgx_layout, config.local_rank, config.local_world_size,
                                             config.node_rank, config.job_id or os.environ.get("TORCHELASTIC_RUN_ID", ""),
                                             timeout_s=self._cgx_engine.round_timeout_s, device=device,
-                                            transport=transport)
+                                            transport=transport, run_tag=self._cgx_engine.session_id)
         self._cgx_backward_passes = backward_passes_per_step
         self._cgx_error_feedback = error_feedback
         self._cgx_warmup = warmup_steps

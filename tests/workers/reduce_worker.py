@@ -33,16 +33,19 @@ def main() -> None:
     p.add_argument("--local-rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--job", required=True)
+    p.add_argument("--run-tag", default="", help="random per run, the same for every rank (the session id in training)")
     p.add_argument("--device", default="cpu", help="cpu, cuda:0, or cuda:{rank} (one GPU per local rank)")
     p.add_argument("--transport", default="auto")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     lay = layout()
     device = torch.device(args.device.replace("{rank}", str(args.local_rank)))
     pad = torch.empty(12345, device=device)  # the buffer must not start its allocation: offset > 0 on GPUs
-    reducer = NodeReducer(lay, args.local_rank, args.size, 0, args.job, timeout_s=30, device=device,
-                          transport=args.transport)
+    reducer = NodeReducer(lay, args.local_rank, args.size, 0, args.job, timeout_s=args.timeout, device=device,
+                          transport=args.transport, run_tag=args.run_tag)
+    print("ready", flush=True)  # set up: the tests may kill -9 a rank from here on
     numel = reducer.offsets[-1]
     results = []
 

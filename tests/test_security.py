@@ -1,0 +1,586 @@
+"""Attacks on a real shard and real workers (docs/security.md): one test per attack, each of
+which would succeed against the code before the security work.
+
+Certificates are made here with trustme, never committed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cgx_ps.kernels import Codec, encode
+from cgx_ps.layout import layout_hash
+from cgx_ps.security import ChannelSecurity, CredentialError
+from cgx_ps.server import LocalCluster, ServerConfig, ShardServer
+from cgx_ps.server.blobs import BlobError, BlobStore
+from cgx_ps.server.main import exposure_warning
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from cgx_ps.worker import ConfigError, WorkerConfig
+from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.errors import ShardRejectedError, ShardUnavailableError
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from support import METADATA, SECURITY, TOKEN_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE = "/cgx_ps.v1.ParameterServer/"
+WRONG = (("authorization", "Bearer " + "x" * 43),)
+
+
+def layout_of(*shapes: tuple[int, ...], block_bytes: int = 64 << 10) -> ps_pb2.Layout:
+    return build_layout([TensorInfo(f"t{i}", s) for i, s in enumerate(shapes)], 1, Compression(bits=None),
+                        block_bytes=block_bytes)
+
+
+_started: list[ShardServer] = []
+
+
+@pytest.fixture(autouse=True)
+async def _stop_servers():
+    yield
+    while _started:
+        try:
+            await asyncio.wait_for(_started.pop().stop(drain=False), 10)
+        except Exception:  # noqa: BLE001 - already stopped by the test
+            pass
+
+
+async def start(**kw) -> ShardServer:
+    config = dict(host="127.0.0.1", port=0, metrics_port=-1, round_timeout_s=3.0, drain_timeout_s=2.0,
+                  kernel_threads=1, token_file=TOKEN_FILE)
+    config.update(kw)
+    server = ShardServer(ServerConfig(**config))
+    await server.start()
+    _started.append(server)
+    return server
+
+
+async def member(server: ShardServer, layout: ps_pb2.Layout, node: str = "node-0", nodes: int = 1,
+                 security: ChannelSecurity = SECURITY, connect_timeout_s: float = 5, **kw) -> ShardClient:
+    client = ShardClient(f"127.0.0.1:{server.port}", node, nodes, layout, connect_timeout_s=connect_timeout_s,
+                         security=security, **kw)
+    await client.connect()
+    return client
+
+
+async def status_of(coro) -> tuple[grpc.StatusCode, str]:
+    try:
+        result = coro
+        if hasattr(result, "__aiter__"):
+            async for _ in result:
+                pass
+        else:
+            await result
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def raw_calls(channel: grpc.aio.Channel, payload: bytes, metadata) -> dict[str, tuple[grpc.StatusCode, str]]:
+    """Every ParameterServer method called with raw bytes (no client-side serializer)."""
+    out = {}
+    for name in ("Register", "SetCodecs"):
+        out[name] = await status_of(channel.unary_unary(SERVICE + name)(payload, metadata=metadata, timeout=5))
+    out["GetBlob"] = await status_of(channel.unary_stream(SERVICE + "GetBlob")(payload, metadata=metadata, timeout=5))
+    for name in ("PutBlob", "Probe"):
+        out[name] = await status_of(channel.stream_unary(SERVICE + name)(iter([payload]), metadata=metadata,
+                                                                          timeout=5))
+    out["Exchange"] = await status_of(channel.stream_stream(SERVICE + "Exchange")(iter([payload]),
+                                                                                  metadata=metadata, timeout=5))
+    return out
+
+
+# ---- 1. no code execution from the wire -------------------------------------------------------------
+
+
+class _Plant:
+    """Unpickling this touches a marker file: proof that a pickle ran code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+async def _put_as(address: str, layout: ps_pb2.Layout, node: str, nodes: int, job: str, data: bytes) -> None:
+    """Join the victim's session as ``node`` member 0 and put ``data`` at broadcast/0."""
+    client = ShardClient(address, node, nodes, layout, connect_timeout_s=10, security=SECURITY, job_id=job)
+    await client.connect()
+    async with grpc.aio.insecure_channel(address) as channel:
+        await ps_pb2_grpc.ParameterServerStub(channel).PutBlob(
+            iter([ps_pb2.BlobChunk(key="broadcast/0", total_bytes=len(data), offset=0, data=data, node_id=node,
+                                   member=0, session_id=client.session_id)]), metadata=METADATA, timeout=10)
+    await client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["root", "another member"])
+def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer):
+    """Before: broadcast blobs were torch.load(weights_only=False)ed, so whoever wrote
+    broadcast/0 ran code in every worker. Now a pickle is refused as not a cgx-ps blob, and a
+    valid blob from anyone but the root rank is refused too."""
+    marker = tmp_path / "pwned"
+    nodes = 3
+    with LocalCluster(1, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
+        job = f"victim-{uuid.uuid4().hex[:6]}"
+        env = dict(os.environ, **cluster.worker_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                   LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK="1", CGX_PS_NUM_NODES=str(nodes), CGX_PS_JOB_ID=job,
+                   OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
+        layout_file = tmp_path / "layout.pb"
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests/workers/broadcast_worker.py"), "--layout-out",
+                                 str(layout_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not layout_file.exists():
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "the victim never registered"
+                time.sleep(0.05)
+            layout = ps_pb2.Layout.FromString(layout_file.read_bytes())
+            if writer == "root":  # a compromised or impersonated root puts a pickle
+                node, data = "node-0", pickle.dumps({"0.weight": _Plant(str(marker))})
+            else:  # a valid blob, written by a member that is not the root rank
+                from cgx_ps.worker.blobformat import encode_object
+                node, data = "node-2", encode_object({"0.weight": torch.zeros(32, 16)})
+            asyncio.run(_put_as(cluster.addresses[0], layout, node, nodes, job, data))
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    outcome = json.loads(out.strip().splitlines()[-1])
+    assert not marker.exists(), "the planted pickle ran code in the worker"
+    assert outcome["ok"] is False and outcome["type"] == "BroadcastError", outcome
+    if writer == "root":
+        assert "not a cgx-ps broadcast blob" in outcome["error"], outcome
+    else:
+        assert "written by node 'node-2' member 0, not by the root rank 0" in outcome["error"], outcome
+
+
+# ---- 2. the job token ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("metadata", [None, WRONG, (("authorization", "Basic abc"),)], ids=["none", "wrong", "basic"])
+async def test_every_rpc_refuses_a_missing_or_wrong_token_before_parsing(metadata):
+    server = await start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        # garbage bodies: UNAUTHENTICATED (not INVALID_ARGUMENT) shows the token is checked first
+        statuses = await raw_calls(channel, b"\xff\xfe garbage", metadata)
+        assert {m: code for m, (code, _) in statuses.items()} == \
+            {m: grpc.StatusCode.UNAUTHENTICATED for m in statuses}, statuses
+        # the health service stays open for probes
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert server.service.session is None  # nothing reached the service
+
+
+async def test_a_worker_with_the_wrong_token_fails_at_once_naming_it(tmp_path):
+    server = await start()
+    wrong = tmp_path / "token"
+    wrong.write_text("y" * 40)
+    t0 = time.monotonic()
+    with pytest.raises(ShardRejectedError, match="UNAUTHENTICATED.*check CGX_PS_TOKEN_FILE"):
+        await member(server, layout_of((64, 64)), security=ChannelSecurity(token_file=str(wrong)))
+    assert time.monotonic() - t0 < 5  # not retried for the connect timeout
+
+
+@pytest.mark.parametrize("content, match", [("", "holds 0 characters"), ("short", "at least 16"),
+                                            ("has space inside the token!", "printable ASCII")])
+def test_bad_token_files_are_named(tmp_path, content, match):
+    path = tmp_path / "token"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match):
+        WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1", "CGX_PS_TOKEN_FILE": str(path)})
+    with pytest.raises(ConfigError, match="cannot read it"):
+        WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1", "CGX_PS_TOKEN_FILE": str(tmp_path / "missing")})
+
+
+def test_a_shard_with_an_unreadable_token_file_stops_with_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
+                          "--metrics-port", "-1", "--token-file", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "token file" in res.stderr and "cannot read it" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+
+
+# ---- session takeover, stream replacement, codec changes by strangers -------------------------------
+
+
+async def test_strangers_cannot_take_over_a_session():
+    layout = layout_of((64, 64))
+    server = await start()
+    a = await member(server, layout, nodes=1, job_id="J")
+    session = server.service.session
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        register = ps_pb2.RegisterRequest(node_id="node-0", num_nodes=1, layout=layout, layout_hash=layout_hash(layout),
+                                          job_id="J")
+        # without the token: nothing, whatever it knows
+        assert (await status_of(stub.Register(register, metadata=WRONG)))[0] == grpc.StatusCode.UNAUTHENTICATED
+        # with the token but not a member (no session id): no codecs, no blobs, no stream
+        code, details = await status_of(stub.SetCodecs(ps_pb2.SetCodecsRequest(
+            node_id="node-0", from_round=1, blocks=[ps_pb2.BlockCodec(block_id=0, codec=layout.blocks[0].codec)]),
+            metadata=METADATA))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "not a member" in details
+        code, _ = await status_of(stub.GetBlob(ps_pb2.GetBlobRequest(key="broadcast/0", timeout_s=1),
+                                               metadata=METADATA))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        code, _ = await status_of(stub.PutBlob(iter([ps_pb2.BlobChunk(key="broadcast/0", total_bytes=1, data=b"x",
+                                                                      node_id="node-0")]), metadata=METADATA))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        call = stub.Exchange(metadata=METADATA)
+        await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id="node-0", layout_hash=layout_hash(layout),
+                                                                   session_id="0" * 32)))
+        code, _ = await status_of(call)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+    # the member's stream was not replaced and its session goes on
+    assert server.service.session is session and session.streams[("node-0", 0)] is not None
+    result = await asyncio.wait_for(a.exchange(0, 0, encode(torch.ones(4096), Codec.FP32).to_bytes()), 10)
+    assert len(result) > 0
+    await a.close()
+
+
+async def test_an_open_shard_tells_strangers_no_job_id_or_tensor_names():
+    """Without authentication anyone may call: refusals must not describe the job's model."""
+    server = await start(token_file=None)
+    secret = ps_pb2.Layout()
+    secret.CopyFrom(build_layout([TensorInfo("secret_model.encoder.weight", (123, 77))], 1, Compression(bits=None)))
+    a = await member(server, secret, nodes=2, job_id="job-secret-42", security=ChannelSecurity())
+    probe = layout_of((64, 64))
+    with pytest.raises(ShardRejectedError) as info:  # same job id guessed, other model
+        await member(server, probe, node="node-1", nodes=2, job_id="job-secret-42", security=ChannelSecurity())
+    assert "secret_model" not in str(info.value) and "123" not in str(info.value) and "withheld" in str(info.value)
+    with pytest.raises(ShardUnavailableError) as info:  # another job while the shard is busy
+        await member(server, probe, node="x", nodes=1, job_id="other", security=ChannelSecurity(),
+                     connect_timeout_s=1)
+    assert "job-secret-42" not in str(info.value) and "busy with another job" in str(info.value)
+    await a.close()
+
+
+# ---- TLS and mutual TLS ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a shard certificate for 127.0.0.1, a client certificate, and a stranger CA."""
+    d = tmp_path_factory.mktemp("pki")
+    ca, other = trustme.CA(), trustme.CA()
+    shard, client = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("worker.cgx-ps.test")
+    rogue = other.issue_cert("worker.cgx-ps.test")
+    files = {}
+    for name, blob in [("ca", ca.cert_pem), ("other_ca", other.cert_pem), ("shard_key", shard.private_key_pem),
+                       ("client_key", client.private_key_pem), ("rogue_key", rogue.private_key_pem)]:
+        blob.write_to_path(str(d / f"{name}.pem"))
+        files[name] = str(d / f"{name}.pem")
+    for name, cert in [("shard", shard), ("client", client), ("rogue", rogue)]:
+        path = d / f"{name}.pem"
+        path.write_bytes(b"".join(b.bytes() for b in cert.cert_chain_pems))
+        files[name] = str(path)
+    files["other"] = other
+    return files
+
+
+def tls_args(pki, mutual: bool) -> list[str]:
+    args = ["--tls-cert", pki["shard"], "--tls-key", pki["shard_key"]]
+    return args + (["--tls-client-ca", pki["ca"]] if mutual else [])
+
+
+async def test_tls_refuses_plaintext_and_certless_clients(pki):
+    server = await start(tls_cert=pki["shard"], tls_key=pki["shard_key"], tls_client_ca=pki["ca"])
+    layout = layout_of((64, 64))
+    with pytest.raises((ShardRejectedError, ShardUnavailableError)):  # plaintext: no handshake
+        await member(server, layout, connect_timeout_s=2)
+    with pytest.raises((ShardRejectedError, ShardUnavailableError)):  # TLS, but no client certificate
+        await member(server, layout, security=ChannelSecurity(token_file=TOKEN_FILE, tls_ca=pki["ca"]),
+                     connect_timeout_s=2)
+    with pytest.raises((ShardRejectedError, ShardUnavailableError)):  # a certificate from another CA
+        await member(server, layout, security=ChannelSecurity(token_file=TOKEN_FILE, tls_ca=pki["ca"],
+                                                              tls_cert=pki["rogue"], tls_key=pki["rogue_key"]),
+                     connect_timeout_s=2)
+    assert server.service.session is None
+    good = await member(server, layout, security=ChannelSecurity(token_file=TOKEN_FILE, tls_ca=pki["ca"],
+                                                                 tls_cert=pki["client"], tls_key=pki["client_key"]))
+    assert server.service.session is not None
+    await good.close()
+
+
+async def test_a_worker_trusting_another_ca_fails_fast_naming_the_handshake(pki):
+    server = await start(tls_cert=pki["shard"], tls_key=pki["shard_key"])
+    t0 = time.monotonic()
+    with pytest.raises(ShardRejectedError, match="TLS handshake failed"):
+        await member(server, layout_of((64, 64)), security=ChannelSecurity(token_file=TOKEN_FILE,
+                                                                           tls_ca=pki["other_ca"]),
+                     connect_timeout_s=60)
+    assert time.monotonic() - t0 < 10
+
+
+def test_missing_tls_files_are_named(tmp_path):
+    missing = str(tmp_path / "nope.pem")
+    with pytest.raises(ConfigError, match="CGX_PS_TLS_CA.*nope.pem"):
+        WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1", "CGX_PS_TLS_CA": missing})
+    with pytest.raises(ConfigError, match="needs both CGX_PS_TLS_CERT and CGX_PS_TLS_KEY"):
+        WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1", "CGX_PS_TLS_CA": missing, "CGX_PS_TLS_CERT": missing})
+    with pytest.raises(CredentialError, match="--tls-cert.*nope.pem"):
+        ShardServer(ServerConfig(port=0, tls_cert=missing, tls_key=missing))
+
+
+async def test_certificates_rotate_without_a_restart(pki, tmp_path):
+    cert, key = tmp_path / "shard.pem", tmp_path / "shard.key"
+    cert.write_bytes(Path(pki["shard"]).read_bytes())
+    key.write_bytes(Path(pki["shard_key"]).read_bytes())
+    server = await start(tls_cert=str(cert), tls_key=str(key))
+    layout = layout_of((64, 64))
+    old_ca = ChannelSecurity(token_file=TOKEN_FILE, tls_ca=pki["ca"])
+    new_ca_file = tmp_path / "new_ca.pem"
+    new_ca = trustme.CA()
+    new_ca.cert_pem.write_to_path(str(new_ca_file))
+    rotated = new_ca.issue_cert("127.0.0.1")
+    a = await member(server, layout, security=old_ca, nodes=2)
+    # cert-manager renews the Secret: the files change under the running shard
+    cert.write_bytes(b"".join(b.bytes() for b in rotated.cert_chain_pems))
+    key.write_bytes(rotated.private_key_pem.bytes())
+    os.utime(cert, (time.time() + 5, time.time() + 5))  # a new mtime even within one clock tick
+    b = await member(server, layout, node="node-1", nodes=2,
+                     security=ChannelSecurity(token_file=TOKEN_FILE, tls_ca=str(new_ca_file)))
+    assert server.tls.reloads == 1
+    with pytest.raises(ShardRejectedError, match="TLS handshake failed"):  # the old certificate is gone
+        await member(server, layout, node="node-2", nodes=2, security=old_ca)
+    # the connection opened before the rotation keeps working
+    p = encode(torch.ones(4096), Codec.FP32).to_bytes()
+    ra, rb = await asyncio.wait_for(asyncio.gather(a.exchange(0, 0, p), b.exchange(0, 0, p)), 10)
+    assert ra == rb
+    server.tls.request_reload()  # SIGHUP: re-read even if the files look unchanged
+    await member(server, layout, node="node-1", nodes=2,
+                 security=ChannelSecurity(token_file=TOKEN_FILE, tls_ca=str(new_ca_file)))
+    assert server.tls.reloads == 2
+    await a.close()
+    await b.close()
+
+
+@pytest.mark.slow
+def test_workers_train_bit_identically_over_mutual_tls(pki, tmp_path):
+    extra = ["--round-timeout", "20", "--log-level", "WARNING", *tls_args(pki, mutual=True)]
+    with LocalCluster(2, extra_args=extra) as cluster:
+        job = f"tls-{uuid.uuid4().hex[:6]}"
+        procs = []
+        for rank in range(2):
+            env = dict(os.environ, **cluster.worker_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+                       LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES="2", CGX_PS_JOB_ID=job,
+                       OMP_NUM_THREADS="1", CGX_PS_TLS_CA=pki["ca"], CGX_PS_TLS_CERT=pki["client"],
+                       CGX_PS_TLS_KEY=pki["client_key"])
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--steps", "3",
+                                           "--out", str(tmp_path / f"{rank}.pt")], env=env, stderr=subprocess.PIPE,
+                                          text=True))
+        errors = [p.communicate(timeout=180)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    a, b = (torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2))
+    assert all(torch.equal(a["final"][n], b["final"][n]) for n in a["final"])
+    assert any(not torch.equal(a["final"][n], a["initial"][n]) for n in a["final"])  # it trained
+
+
+# ---- bounded memory whatever the input -------------------------------------------------------------
+
+
+def test_blob_keys_count_against_the_capacity():
+    store = BlobStore(capacity=1000)
+    store.put("k" * 200, b"", ("node-0", 0))
+    assert store.used == 200
+    with pytest.raises(BlobError, match="keys must be 1..256 bytes"):
+        store.put("k" * 257, b"", ("node-0", 0))
+    for i in range(3):
+        store.put(f"{i:0>200}", b"", ("node-0", 0))
+    with pytest.raises(BlobError, match="exceeds the shard's blob capacity"):
+        store.put("z" * 200, b"x", ("node-0", 0))
+    assert store.used <= store.capacity
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_huge_keys_and_blocks_leave_the_shard_within_its_caps():
+    """Before: 30 empty blobs with 4 MiB keys grew a 2 MiB-capped shard by 144 MiB, and a block
+    larger than the cap was admitted."""
+    with LocalCluster(1, extra_args=["--max-inflight-mb", "2", "--log-level", "ERROR"]) as cluster:
+        pid, address = cluster.procs[0].pid, cluster.addresses[0]
+
+        async def attack() -> list[grpc.StatusCode]:
+            codes = []
+            (client,) = [await member_at(address, layout_of((64, 64)))]
+            async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+                stub = ps_pb2_grpc.ParameterServerStub(ch)
+                for i in range(30):
+                    key = f"{i}" + "k" * (4 << 20)
+                    code, _ = await status_of(stub.PutBlob(iter([ps_pb2.BlobChunk(
+                        key=key, total_bytes=0, node_id="node-0", session_id=client.session_id)]),
+                        metadata=METADATA, timeout=10))
+                    codes.append(code)
+            big = build_layout([TensorInfo("w", (1024, 1024))], 1, Compression(bits=None), block_bytes=8 << 20)
+            try:
+                await member_at(address, big, node="node-1", nodes=1, job_id="other-job-after-idle")
+                codes.append(grpc.StatusCode.OK)
+            except ShardRejectedError as exc:
+                codes.append(grpc.StatusCode[exc.code])
+                assert "exceeds this shard's in-flight budget" in str(exc)
+            await client.close()
+            return codes
+
+        before = _rss_kib(pid)
+        codes = asyncio.run(attack())
+        growth_mib = (_rss_kib(pid) - before) / 1024
+    assert codes[:30] == [grpc.StatusCode.INVALID_ARGUMENT] * 30, codes
+    assert codes[30] == grpc.StatusCode.INVALID_ARGUMENT, codes
+    assert growth_mib < 40, f"shard RSS grew by {growth_mib:.0f} MiB"  # receive buffers, not 30 x 4 MiB kept
+
+
+async def member_at(address: str, layout, node: str = "node-0", nodes: int = 1, **kw) -> ShardClient:
+    client = ShardClient(address, node, nodes, layout, connect_timeout_s=10, security=SECURITY, **kw)
+    await client.connect()
+    return client
+
+
+async def test_a_layout_needing_more_state_than_allowed_is_refused():
+    server = await start(max_model_bytes=1 << 20)
+    with pytest.raises(ShardRejectedError, match="more than its --max-model-mb"):
+        await member(server, layout_of((1024, 512)))
+
+
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0, 1e9])
+async def test_getblob_timeouts_must_be_finite_and_bounded(timeout):
+    server = await start()
+    a = await member(server, layout_of((64, 64)))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        code, details = await status_of(ps_pb2_grpc.ParameterServerStub(channel).GetBlob(
+            ps_pb2.GetBlobRequest(key="k", timeout_s=timeout, session_id=a.session_id), metadata=METADATA))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s must be finite" in details
+    await a.close()
+
+
+async def test_the_codec_schedule_is_bounded():
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
+    server = await start()
+    a = await member(server, layout)
+    block = server.service.session.aggregator.blocks[0]
+    two = ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=2, bucket_size=512)
+    for r in range(1, 9):
+        await a.set_codecs(r, [ps_pb2.BlockCodec(block_id=0, codec=two)])
+    with pytest.raises(ShardRejectedError, match="RESOURCE_EXHAUSTED.*already scheduled"):
+        await a.set_codecs(20, [ps_pb2.BlockCodec(block_id=0, codec=two)])
+    # as rounds pass, entries for rounds gone by are dropped: one change per round stays small
+    x = torch.randn(4096)
+    for r in range(12):
+        await a.set_codecs(r + 1, [ps_pb2.BlockCodec(block_id=0, codec=two)])
+        payload = encode(x, Codec.FP32).to_bytes()  # uncompressed is always allowed
+        await asyncio.wait_for(a.exchange(0, r, payload), 10)
+    assert len(block.schedule) <= 3, block.schedule
+    await a.close()
+
+
+async def test_streams_that_say_nothing_are_cut_off(monkeypatch):
+    from cgx_ps.server import service
+    monkeypatch.setattr(service, "FIRST_MESSAGE_TIMEOUT_S", 0.5)
+    server = await start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        never = asyncio.Event()
+
+        async def silent():
+            await never.wait()
+            yield b""  # pragma: no cover
+
+        t0 = time.monotonic()
+        code, details = await status_of(channel.stream_stream(SERVICE + "Exchange")(silent(), metadata=METADATA))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "no first message" in details
+        code, _ = await status_of(channel.stream_unary(SERVICE + "PutBlob")(silent(), metadata=METADATA))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 5
+
+
+async def test_a_draining_shard_takes_no_new_calls():
+    server = await start()
+    server.service.draining = True
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        statuses = await raw_calls(channel, b"", METADATA)
+    del statuses["Exchange"]  # streams finish the rounds in flight
+    assert {code for code, _ in statuses.values()} == {grpc.StatusCode.UNAVAILABLE}, statuses
+
+
+# ---- malformed messages: a clear status and one rate-limited line, never a traceback ---------------
+
+
+async def test_malformed_messages_get_invalid_argument_and_at_most_one_line_each(caplog):
+    server = await start()
+    caplog.set_level("INFO")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        for _ in range(3):
+            statuses = await raw_calls(channel, b"\xff\xff\xff\xff\x0f garbage", METADATA)
+            assert {code for code, _ in statuses.values()} == {grpc.StatusCode.INVALID_ARGUMENT}, statuses
+            assert all("malformed" in details for _, details in statuses.values()), statuses
+        for _ in range(40):  # a flood on one method: rate-limited
+            await status_of(channel.unary_unary(SERVICE + "Register")(b"\xff\xff", metadata=METADATA))
+    lines = [r for r in caplog.records if r.name.startswith("cgx_ps") or r.name.startswith("grpc")]
+    assert not any(r.exc_info or "Traceback" in r.getMessage() for r in lines)
+    assert len(lines) <= 6 * 3 + 10, [r.getMessage() for r in lines]
+    assert all("\n" not in r.getMessage() for r in lines)
+
+
+# ---- secure defaults ----------------------------------------------------------------------------------
+
+
+def test_a_shard_open_beyond_loopback_without_token_or_tls_warns():
+    assert exposure_warning(ServerConfig(host="127.0.0.1")) is None
+    assert exposure_warning(ServerConfig(host="0.0.0.0", token_file="t")) is None
+    assert exposure_warning(ServerConfig(host="::1")) is None
+    assert "neither --token-file nor --tls-cert" in exposure_warning(ServerConfig(host="0.0.0.0"))
+    assert exposure_warning(ServerConfig(host="shard-0.example")) is not None
+
+
+async def test_metrics_listen_where_the_grpc_port_does():
+    server = await start(metrics_port=0)
+    assert server._metrics_httpd.server_address[0] == "127.0.0.1"
+
+
+@pytest.mark.slow
+def test_cgx_ps_cluster_makes_a_private_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CGX_PS_TOKEN_FILE"}
+    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "cluster", "--shards", "1", "--base-port", "0",
+                             "--log-level", "WARNING"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        exports = dict(kv.split("=", 1) for kv in line.split("export ", 1)[1].split())
+        token_file = exports["CGX_PS_TOKEN_FILE"]
+        assert token_file != TOKEN_FILE and os.stat(token_file).st_mode & 0o777 == 0o600
+        layout = layout_of((64, 64))
+        address = exports["CGX_PS_SERVERS"]
+
+        async def clients() -> None:
+            with pytest.raises(ShardRejectedError, match="UNAUTHENTICATED"):
+                await ShardClient(address, "node-0", 1, layout, connect_timeout_s=5).connect()
+            ok = ShardClient(address, "node-0", 1, layout, connect_timeout_s=5,
+                             security=ChannelSecurity(token_file=token_file))
+            await ok.connect()
+            await ok.close()
+
+        asyncio.run(clients())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert not os.path.exists(token_file)  # it goes with the cluster
