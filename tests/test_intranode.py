@@ -175,7 +175,8 @@ def _reap(pid: int, timeout: float = 10) -> int:
     raise AssertionError(f"child {pid} hung")
 
 
-def _connect(name: bytes, timeout: float = 5) -> socket.socket:
+def _connect(name: bytes, timeout: float = 60) -> socket.socket:
+    # generous: a real rank 0 imports torch first, which takes seconds on a loaded machine
     deadline = time.monotonic() + timeout
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
