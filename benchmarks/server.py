@@ -1,36 +1,114 @@
-"""One shard on loopback, N simulated nodes pushing 4-bit gradients; a raw TCP copy as the peer.
+"""One shard on loopback, N simulated nodes pushing 4-bit gradients, in plaintext, with the job
+token, over TLS and over mutual TLS; raw TCP (and TLS) copies as the peers.
 
     .venv/bin/python benchmarks/server.py [--nodes 4] [--mb 100] [--rounds 5] [--bits 4]
+                                          [--configs plain,token,tls,mtls] [--sequential]
 
-The shard runs as its own process (``cgx-ps server``), the nodes as asyncio clients in this
-process with payloads encoded up front, so the figure is the shard's: receive, validate,
-dequantize-accumulate, re-quantize, send to every node. The peer is a plain TCP socket moving the
-same compressed bytes between two processes on loopback, measured in the same run.
+Each configuration gets its own shard process (``cgx-ps server``), started together; the nodes are
+asyncio clients in this process with payloads encoded up front, so the figure is the shard's:
+receive (and decrypt), check the token, validate, dequantize-accumulate, re-quantize, send (and
+encrypt) to every node. Rounds are interleaved across the configurations (round r of each in
+turn, the order rotated every round), so a machine whose speed drifts during the run slows them
+all alike; ``--sequential`` runs each configuration's rounds back to back instead. Besides wall
+time, each shard's CPU time (/proc) over its timed rounds is reported: on a shared machine the
+ratio of CPU per round is the steadier estimate of what TLS costs a shard with a core of its own.
+The peers are a plain TCP socket and a Python ``ssl`` socket moving the same compressed bytes
+between two processes on loopback, in the same run.
+
+Certificates come from a throwaway CA (``trustme``) written to a temporary directory that is
+removed at exit: no key material is ever written into the repository.
+
+    plain  no token, no TLS
+    token  the job token on every call (authorization: Bearer ...)
+    tls    token + TLS (the shard's certificate checked against the CA)
+    mtls   token + mutual TLS (the shard also requires a client certificate signed by the CA)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
+import os
 import socket
+import ssl
 import statistics
+import tempfile
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from cgx_ps.kernels import quantize
+from cgx_ps.security import ChannelSecurity, new_token_file
 from cgx_ps.server import LocalCluster
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
+CONFIG_ORDER = ("plain", "token", "tls", "mtls")
+DESCRIPTIONS = {"plain": "plaintext, no token", "token": "token only", "tls": "TLS + token",
+                "mtls": "mutual TLS + token"}
+TLS_TARGET = 0.8  # issue: TLS must keep >= 0.8x of plaintext throughput
 
-def _sink(port_queue: mp.Queue, total: int) -> None:
+
+# ---- credentials (temporary directory only) -------------------------------------------------------
+
+@dataclass(frozen=True)
+class Credentials:
+    token: str
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+
+def make_credentials(directory: str) -> Credentials:
+    import trustme  # a dev dependency: only this benchmark and the tests need it
+
+    d = Path(directory)
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("worker.cgx-ps.invalid")
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    for name, leaf in (("server", server), ("client", client)):
+        (d / f"{name}.pem").write_bytes(b"".join(pem.bytes() for pem in leaf.cert_chain_pems))
+        leaf.private_key_pem.write_to_path(str(d / f"{name}.key"))
+        os.chmod(d / f"{name}.key", 0o600)
+    return Credentials(token=new_token_file(d), ca=str(d / "ca.pem"), server_cert=str(d / "server.pem"),
+                       server_key=str(d / "server.key"), client_cert=str(d / "client.pem"),
+                       client_key=str(d / "client.key"))
+
+
+def shard_setup(config: str, creds: Credentials) -> tuple[str, list[str], ChannelSecurity]:
+    """(token file for the shard, extra shard args, the clients' security) of a configuration."""
+    tls_args = ["--tls-cert", creds.server_cert, "--tls-key", creds.server_key]
+    if config == "plain":
+        return "", [], ChannelSecurity()
+    if config == "token":
+        return creds.token, [], ChannelSecurity(token_file=creds.token)
+    if config == "tls":
+        return creds.token, tls_args, ChannelSecurity(token_file=creds.token, tls_ca=creds.ca)
+    if config == "mtls":
+        return creds.token, tls_args + ["--tls-client-ca", creds.ca], ChannelSecurity(
+            token_file=creds.token, tls_ca=creds.ca, tls_cert=creds.client_cert, tls_key=creds.client_key)
+    raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIG_ORDER)}")
+
+
+# ---- peers: raw TCP and TLS copies ------------------------------------------------------------------
+
+def _sink(port_queue: mp.Queue, total: int, cert: str | None, key: str | None) -> None:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     port_queue.put(srv.getsockname()[1])
     conn, _ = srv.accept()
+    if cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        conn = ctx.wrap_socket(conn, server_side=True)
     buf = bytearray(1 << 20)
     got = 0
     while got < total:
@@ -42,12 +120,18 @@ def _sink(port_queue: mp.Queue, total: int) -> None:
     conn.close()
 
 
-def tcp_copy_seconds(payload: bytes, copies: int) -> float:
-    """Send `copies` x payload over a loopback TCP socket to another process; return seconds."""
+def copy_seconds(payload: bytes, copies: int, creds: Credentials | None = None) -> float:
+    """Send ``copies`` x payload over a loopback socket (TLS when ``creds``) to another process;
+    return seconds (handshake excluded)."""
     q: mp.Queue = mp.Queue()
-    proc = mp.Process(target=_sink, args=(q, len(payload) * copies))
+    proc = mp.Process(target=_sink, args=(q, len(payload) * copies, creds and creds.server_cert,
+                                          creds and creds.server_key))
     proc.start()
     sock = socket.create_connection(("127.0.0.1", q.get()))
+    if creds is not None:
+        ctx = ssl.create_default_context(cafile=creds.ca)
+        sock = ctx.wrap_socket(sock, server_hostname="localhost")
+        sock.do_handshake()
     t0 = time.perf_counter()
     for _ in range(copies):
         sock.sendall(payload)
@@ -58,32 +142,84 @@ def tcp_copy_seconds(payload: bytes, copies: int) -> float:
     return elapsed
 
 
-async def run_rounds(address: str, nodes: int, layout, payloads: dict[int, bytes], rounds: int) -> list[float]:
-    clients = [ShardClient(address, f"node-{i}", nodes, layout) for i in range(nodes)]
-    for c in clients:
-        await c.connect()
-    times = []
+# ---- the shard rounds -------------------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of stat)
+
+
+@dataclass
+class Measured:
+    wall: list[float] = field(default_factory=list)  # seconds per timed round
+    shard_cpu: float = 0.0  # CPU seconds the shard spent in the timed rounds, in total
+    client_cpu: float = 0.0  # CPU seconds this process (the N nodes) spent in them
+
+
+async def one_round(clients: list[ShardClient], layout, payloads: dict[int, bytes], r: int) -> float:
+    t0 = time.perf_counter()
+    await asyncio.gather(*[c.exchange(b.block_id, r, payloads[b.block_id]) for c in clients for b in layout.blocks])
+    return time.perf_counter() - t0
+
+
+async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes: int, layout,
+                     payloads: dict[int, bytes], rounds: int, interleave: bool) -> dict[str, Measured]:
+    """Round times and CPU per configuration; round 0 of each warms up (JIT, allocations, handshakes)."""
+    clients = {name: [ShardClient(address, f"node-{i}", nodes, layout, security=security) for i in range(nodes)]
+               for name, (address, _, security) in targets.items()}
+    out = {name: Measured() for name in targets}
     try:
-        for r in range(rounds + 1):  # round 0 warms up (JIT, allocations)
-            t0 = time.perf_counter()
-            await asyncio.gather(*[c.exchange(b.block_id, r, payloads[b.block_id])
-                                   for c in clients for b in layout.blocks])
+        for group in clients.values():
+            for c in group:
+                await c.connect()
+        names = list(targets)
+        if interleave:  # round r of each in turn, the order rotated by one every round: no
+            # configuration always runs right after the same other one (or first after a pause)
+            schedule = [(r, name) for r in range(rounds + 1)
+                        for name in names[r % len(names):] + names[:r % len(names)]]
+        else:
+            schedule = [(r, name) for name in names for r in range(rounds + 1)]
+        started: dict[str, float] = {}
+        for r, name in schedule:
+            pid = targets[name][1]
+            if r == 1:  # the shard's CPU from its first timed round to the end: work it finishes
+                started[name] = cpu_seconds(pid)  # after a round ends is counted too
+            client0 = time.process_time()
+            t = await one_round(clients[name], layout, payloads, r)
             if r:
-                times.append(time.perf_counter() - t0)
+                out[name].wall.append(t)
+                out[name].client_cpu += time.process_time() - client0
+        await asyncio.sleep(0.5)
+        for name, cpu0 in started.items():
+            out[name].shard_cpu = cpu_seconds(targets[name][1]) - cpu0
     finally:
-        for c in clients:
-            await c.close()
-    return times
+        for group in clients.values():
+            for c in group:
+                await c.close()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--mb", type=float, default=100.0, help="fp32 megabytes of gradient per node per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after one warm-up)")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
+    parser.add_argument("--configs", default=",".join(CONFIG_ORDER),
+                        help=f"comma-separated subset of {','.join(CONFIG_ORDER)} (default: all, in that order)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run each configuration's rounds back to back instead of interleaving them")
     args = parser.parse_args()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIG_ORDER]
+    if unknown or not configs or len(set(configs)) != len(configs):
+        parser.error(f"--configs: choose distinct names from {', '.join(CONFIG_ORDER)}, got {args.configs!r}")
 
     numel = int(args.mb * 1e6 / 4)
     layout = build_layout([TensorInfo("grad", (numel,))], 1, Compression(bits=args.bits, compress_1d=True),
@@ -92,25 +228,59 @@ def main() -> None:
     payloads = {b.block_id: quantize(torch.randn(b.numel, generator=gen), args.bits, 1024, stochastic=True).to_bytes()
                 for b in layout.blocks}
     wire_bytes = sum(len(p) for p in payloads.values())
+    load_before = os.getloadavg()
 
-    with LocalCluster(1) as cluster:
-        times = asyncio.run(run_rounds(cluster.addresses[0], args.nodes, layout, payloads, args.rounds))
-    t = statistics.median(times)
-    compressed_in = args.nodes * wire_bytes / t / 1e6
-    summed = args.nodes * numel * 4 / t / 1e6
-    tcp_s = tcp_copy_seconds(b"".join(payloads.values()), args.nodes * 3) / 3
-    tcp_mb_s = args.nodes * wire_bytes / tcp_s / 1e6
+    with tempfile.TemporaryDirectory(prefix="cgx-ps-bench-tls-") as tmp, contextlib.ExitStack() as stack:
+        creds = make_credentials(tmp)
+        targets = {}
+        for name in configs:
+            token_file, extra, security = shard_setup(name, creds)
+            cluster = stack.enter_context(LocalCluster(1, extra_args=["--log-level", "WARNING", *extra],
+                                                       token_file=token_file))
+            targets[name] = (cluster.addresses[0], cluster.procs[0].pid, security)
+        measured = asyncio.run(run_rounds(targets, args.nodes, layout, payloads, args.rounds,
+                                       interleave=not args.sequential))
+        stack.close()  # shards down before the peers run: they would share the two cores otherwise
+        blob = b"".join(payloads.values())
+        tcp_s = copy_seconds(blob, args.nodes * 3) / 3
+        tls_s = copy_seconds(blob, args.nodes * 3, creds) / 3
+    load_after = os.getloadavg()
 
+    def mb_s(seconds: float) -> float:
+        return args.nodes * wire_bytes / seconds / 1e6
+
+    base = configs[0]
     print(f"{args.nodes} nodes x {args.mb:g} MB fp32 gradient ({len(layout.blocks)} blocks, {args.bits}-bit: "
-          f"{wire_bytes / 1e6:.1f} MB on the wire per node), median of {args.rounds} rounds")
-    print("| measure | value |")
-    print("|---|---|")
-    print(f"| round time (all nodes push, shard sums, all nodes pull) | {t * 1e3:.0f} ms |")
-    print(f"| compressed input into the shard | {compressed_in:.0f} MB/s |")
-    print(f"| aggregated gradient (fp32 MB summed per second) | {summed:.0f} MB/s |")
-    print(f"| peer: raw TCP copy of the same compressed bytes, loopback | {tcp_mb_s:.0f} MB/s |")
-    print(f"| shard input / raw TCP | {compressed_in / tcp_mb_s:.2f} |")
-    print(f"| 1 Gbit/s link (125 MB/s) covered | {compressed_in / 125:.1f}x |")
+          f"{wire_bytes / 1e6:.1f} MB on the wire per node), {args.rounds} timed rounds per configuration, "
+          f"{'sequential' if args.sequential else 'interleaved'}; load average "
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} CPUs)")
+    print(f"| configuration | round time (median) | compressed input into the shard, median (min–max) | "
+          f"× {base}: ratio of medians; median of per-round ratios | shard CPU per round | × {base} by shard "
+          f"CPU | nodes' CPU per round | fp32 summed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base_t = statistics.median(measured[base].wall)
+    base_cpu = measured[base].shard_cpu
+    for name in configs:
+        m = measured[name]
+        t = statistics.median(m.wall)
+        rates = [mb_s(x) for x in m.wall]
+        paired = statistics.median(b / x for b, x in zip(measured[base].wall, m.wall))
+        mark = ""
+        if name in ("tls", "mtls") and base == "plain":
+            mark = " ✓" if base_t / t >= TLS_TARGET else f" ✗ (target ≥ {TLS_TARGET})"
+        print(f"| {name}: {DESCRIPTIONS[name]} | {t * 1e3:.0f} ms | {mb_s(t):.0f} MB/s ({min(rates):.0f}–"
+              f"{max(rates):.0f}) | {base_t / t:.2f}; {paired:.2f}{mark} | {m.shard_cpu / args.rounds * 1e3:.0f} ms | "
+              f"{base_cpu / m.shard_cpu:.2f} | {m.client_cpu / args.rounds * 1e3:.0f} ms | "
+              f"{args.nodes * numel * 4 / t / 1e6:.0f} MB/s |")
+    print(f"| peer: raw TCP copy of the same compressed bytes, loopback | | {mb_s(tcp_s):.0f} MB/s | "
+          f"{mb_s(tcp_s) / mb_s(base_t):.1f} | | | | |")
+    print(f"| peer: TLS (Python ssl) copy of the same bytes, loopback | | {mb_s(tls_s):.0f} MB/s | "
+          f"{mb_s(tls_s) / mb_s(base_t):.1f} | | | | |")
+    print(f"shard CPU: user+system seconds of the shard process during the timed rounds; '× {base} by shard CPU' "
+          f"is the throughput ratio a shard with a core of its own would see (less sensitive to other load)")
+    best = mb_s(base_t)
+    print(f"{base} shard input / raw TCP: {best / mb_s(tcp_s):.2f}; 1 Gbit/s link (125 MB/s) covered: "
+          f"{best / 125:.1f}x")
 
 
 if __name__ == "__main__":
