@@ -20,6 +20,7 @@ import time
 import torch
 
 from cgx_ps.kernels import quantize
+from cgx_ps.security import ChannelSecurity
 from cgx_ps.server import LocalCluster
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
@@ -58,8 +59,9 @@ def tcp_copy_seconds(payload: bytes, copies: int) -> float:
     return elapsed
 
 
-async def run_rounds(address: str, nodes: int, layout, payloads: dict[int, bytes], rounds: int) -> list[float]:
-    clients = [ShardClient(address, f"node-{i}", nodes, layout) for i in range(nodes)]
+async def run_rounds(address: str, nodes: int, layout, payloads: dict[int, bytes], rounds: int,
+                     security: ChannelSecurity) -> list[float]:
+    clients = [ShardClient(address, f"node-{i}", nodes, layout, security=security) for i in range(nodes)]
     for c in clients:
         await c.connect()
     times = []
@@ -94,7 +96,8 @@ def main() -> None:
     wire_bytes = sum(len(p) for p in payloads.values())
 
     with LocalCluster(1) as cluster:
-        times = asyncio.run(run_rounds(cluster.addresses[0], args.nodes, layout, payloads, args.rounds))
+        security = ChannelSecurity(token_file=cluster.token_file)  # the shard requires the job token
+        times = asyncio.run(run_rounds(cluster.addresses[0], args.nodes, layout, payloads, args.rounds, security))
     t = statistics.median(times)
     compressed_in = args.nodes * wire_bytes / t / 1e6
     summed = args.nodes * numel * 4 / t / 1e6
