@@ -389,7 +389,7 @@ def test_server_binary_health_bad_input_and_sigterm(tmp_path) -> None:
                 stub = ps_pb2_grpc.ParameterServerStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await stub.Register(ps_pb2.RegisterRequest(node_id="x", num_nodes=1, layout=make_layout(),
-                                                               layout_hash="nope"))
+                                                               layout_hash="nope"), metadata=METADATA)
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "does not match the layout" in info.value.details()
 
