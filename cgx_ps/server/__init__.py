@@ -6,10 +6,11 @@
     cluster.py     several local shard processes (development, demo, tests)
 """
 
-from .aggregator import Aggregator, PushRejected, RoundFailure
+from .aggregator import Aggregator, RoundFailure
 from .cluster import LocalCluster
 from .config import CHUNK_BYTES, GRPC_OPTIONS, ServerConfig
+from .errors import ProtocolError
 from .main import ShardServer, run_server
 
-__all__ = ["Aggregator", "CHUNK_BYTES", "GRPC_OPTIONS", "LocalCluster", "PushRejected", "RoundFailure",
+__all__ = ["Aggregator", "CHUNK_BYTES", "GRPC_OPTIONS", "LocalCluster", "ProtocolError", "RoundFailure",
            "ServerConfig", "ShardServer", "run_server"]

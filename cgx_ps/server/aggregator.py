@@ -17,7 +17,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable
 
-import grpc
 import torch
 
 from ..kernels import (HEADER_SIZE, Codec, CodecError, body_size, decode_header, dequantize, encode,
@@ -25,20 +24,12 @@ from ..kernels import (HEADER_SIZE, Codec, CodecError, body_size, decode_header,
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
+from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from .metrics import ShardMetrics
 
-__all__ = ["Aggregator", "PushRejected", "RoundFailure", "PushOutcome", "result_seed"]
+__all__ = ["Aggregator", "RoundFailure", "PushOutcome", "result_seed"]
 
 log = logging.getLogger(__name__)
-
-
-class PushRejected(Exception):
-    """A push that is refused; carries the gRPC status code for the node's stream."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -136,17 +127,15 @@ class Aggregator:
             block = self._block(block_id)
             started = block.round + (1 if block.pushed else 0)
             if from_round < started:
-                raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"block {block_id}: cannot change settings from round {from_round}, "
-                                   f"round {started - 1} is already under way")
+                raise WrongRound(f"block {block_id}: cannot change settings from round {from_round}, "
+                                 f"round {started - 1} is already under way")
             if sum(1 for r, _ in block.schedule if block.round < r < from_round) >= MAX_PENDING_CODEC_CHANGES:
-                raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"block {block_id}: {MAX_PENDING_CODEC_CHANGES} codec changes are already "
-                                   f"scheduled for future rounds")
+                raise LimitExceeded(f"block {block_id}: {MAX_PENDING_CODEC_CHANGES} codec changes are already "
+                                    f"scheduled for future rounds")
             try:
                 validate_settings(codec_of(settings), settings.bits, settings.bucket_size)
             except (CodecError, ValueError) as exc:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {block_id}: {exc}") from None
+                raise BadRequest(f"block {block_id}: {exc}") from None
         for block_id, settings in changes:
             block = self.blocks[block_id]
             block.schedule = _prune_schedule(block.schedule, block.round, from_round) + [(from_round, settings)]
@@ -173,8 +162,7 @@ class Aggregator:
         try:
             return self.blocks[block_id]
         except KeyError:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {block_id} is not owned by this shard") from None
+            raise BadRequest(f"block {block_id} is not owned by this shard") from None
 
     # ---- the hot path ---------------------------------------------------------------------------
 
@@ -193,8 +181,7 @@ class Aggregator:
             try:
                 await loop.run_in_executor(self.executor, decode)
             except CodecError as exc:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"block {block_id} round {round_}: {exc}") from None
+                raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
             if first:
                 block.first_push_at = time.monotonic()
                 block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
@@ -209,8 +196,7 @@ class Aggregator:
 
     def _check_round(self, block: _Block, node_id: str, round_: int) -> PushOutcome | None:
         if self.failed is not None:
-            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"session failed earlier: {self.failed.message}")
+            raise SessionEnded(f"session failed earlier: {self.failed.message}")
         if round_ == block.round:
             if node_id in block.pushed:
                 return PushOutcome(accepted=False)  # retry of a push already summed
@@ -218,9 +204,7 @@ class Aggregator:
         if round_ + 1 == block.round and node_id in block.last_nodes:
             return PushOutcome(accepted=False, resend=block.last_result)  # retry after the result
         kind = "stale" if round_ < block.round else "far-future"
-        raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"block {block.spec.block_id}: {kind} round {round_}, "
-                           f"the shard expects round {block.round}")
+        raise WrongRound(f"block {block.spec.block_id}: {kind} round {round_}, the shard expects round {block.round}")
 
     def _check_header(self, block: _Block, payload: bytes) -> tuple[int, int, int]:
         """The push's (codec, bits, bucket): the declared one or FP32, and the round's."""
@@ -228,23 +212,21 @@ class Aggregator:
         try:
             h = decode_header(payload)
         except CodecError as exc:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {spec.block_id}: {exc}") from None
+            raise BadRequest(f"block {spec.block_id}: {exc}") from None
         settings = block.settings_for(block.round)
         codec = codec_of(settings)
         declared = (int(codec), settings.bits, settings.bucket_size) if codec == Codec.MAXMIN \
             else (int(codec), h.bits, 0)
         got = (int(h.codec), h.bits, h.bucket_size)
         if h.numel != spec.numel or got not in (declared, (int(Codec.FP32), 32, 0)):
-            raise PushRejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise BadRequest(
                 f"block {spec.block_id}: payload is {h.codec.name} bits={h.bits} bucket={h.bucket_size} "
                 f"numel={h.numel}; round {block.round} expects {codec.name} bits={settings.bits} "
                 f"bucket={settings.bucket_size} numel={spec.numel} (or FP32)",
             )
         if block.round_encoding is not None and got != block.round_encoding:
             c, b, k = block.round_encoding
-            raise PushRejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise BadRequest(
                 f"block {spec.block_id} round {block.round}: other nodes pushed {Codec(c).name} bits={b} "
                 f"bucket={k}, this push is {h.codec.name} bits={h.bits} bucket={h.bucket_size}")
         return got

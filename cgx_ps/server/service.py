@@ -24,12 +24,14 @@ from ..kernels.wire import HEADER_SIZE
 from ..layout import LayoutError, first_difference, layout_hash, validate_layout
 from ..transport import chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
-from .aggregator import Aggregator, PushRejected, RoundFailure
-from .blobs import BlobError, BlobStore, BlobUpload
+from .aggregator import Aggregator, RoundFailure
+from .blobs import BlobStore, BlobUpload
 from .budget import ByteBudget
 from .config import ServerConfig
+from .errors import (BadRequest, Busy, Conflict, Forbidden, InternalError, LimitExceeded, NotMember, ProtocolError,
+                     SessionEnded, ShuttingDown, StreamAborted, TimedOut, shown)
 from .metrics import ShardMetrics
-from .rpc import read_message
+from .rpc import grpc_status, read_message
 
 __all__ = ["ParameterServerService"]
 
@@ -41,13 +43,8 @@ _STOP = object()  # queue sentinel: end the node's stream
 class _WriterStalled(Exception):
     """The client stopped reading: end its stream with the error set on it."""
 MAX_ID_CHARS = 256  # node and job ids: they appear in messages, metrics and gRPC status details
-MAX_BLOB_WAIT_S = 3600.0  # GetBlob: a waiter holds a call slot, so its wait is bounded
 FIRST_MESSAGE_TIMEOUT_S = 30.0  # a stream that opens and says nothing holds a call slot
 MAX_PROBE_BYTES = 1 << 30  # auto mode probes with tens of MiB
-_BLOB_STATUS = {"exists": grpc.StatusCode.ALREADY_EXISTS, "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "key": grpc.StatusCode.INVALID_ARGUMENT,
-                "chunk": grpc.StatusCode.INVALID_ARGUMENT}
-WITHHELD = "(details withheld: this shard does not authenticate callers; see docs/security.md)"
 
 
 @dataclass(eq=False)
@@ -55,12 +52,12 @@ class _NodeStream:
     node_id: str
     member: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    error: PushRejected | None = None
+    error: ProtocolError | None = None
     queued_bytes: int = 0  # result bytes waiting for this client to read them
     push_tasks: set[asyncio.Task] = field(default_factory=set)  # its pushes still being summed
     stopping: bool = False
 
-    def stop(self, error: PushRejected | None = None) -> None:
+    def stop(self, error: ProtocolError | None = None) -> None:
         """End the stream (the writer sends what is queued first), with ``error`` if none yet."""
         self.error = self.error or error
         if not self.stopping:
@@ -116,51 +113,45 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
 
     def _detail(self, text: str) -> str:
-        """``text`` (may name the job, tensors, shapes) for a shard whose callers proved they
-        belong to the job; withheld otherwise, so a stranger learns nothing of the model."""
-        return text if self.config.authenticates else WITHHELD
+        return shown(text, self.config.authenticates)
 
     # ---- Register -------------------------------------------------------------------------------
 
     async def Register(self, request: ps_pb2.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> ps_pb2.RegisterResponse:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "shard is shutting down")
+            raise ShuttingDown("shard is shutting down")
         node = request.node_id
         if not node:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
+            raise BadRequest("node_id is empty")
         if len(node) > MAX_ID_CHARS or len(request.job_id) > MAX_ID_CHARS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"node_id ({len(node)} chars) and job_id ({len(request.job_id)} chars) must "
-                                f"be at most {MAX_ID_CHARS} characters")
+            raise BadRequest(f"node_id ({len(node)} chars) and job_id ({len(request.job_id)} chars) must "
+                             f"be at most {MAX_ID_CHARS} characters")
         if request.num_nodes < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_nodes must be >= 1")
+            raise BadRequest("num_nodes must be >= 1")
         try:
             validate_layout(request.layout)
         except LayoutError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad layout from {node}: {exc}")
+            raise BadRequest(f"bad layout from {node}: {exc}") from None
         digest = layout_hash(request.layout)
         if digest != request.layout_hash:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"layout_hash {request.layout_hash[:12]}… does not match the layout "
-                                f"sent ({digest[:12]}…): client and server disagree on hashing")
+            raise BadRequest(f"layout_hash {request.layout_hash[:12]}… does not match the layout "
+                             f"sent ({digest[:12]}…): client and server disagree on hashing")
         if request.layout.num_shards != self.config.num_shards:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"layout is sharded for {request.layout.num_shards} shards, this shard "
-                                f"was started with --num-shards {self.config.num_shards}")
+            raise Conflict(f"layout is sharded for {request.layout.num_shards} shards, this shard "
+                           f"was started with --num-shards {self.config.num_shards}")
         too_big = self._memory_refusal(request.layout)
         if too_big is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_big)
+            raise BadRequest(too_big)
         session = self.session
         busy: list[bool] = []
         if self._starts_new_session(session, request, context_message := [], busy):
             if session is not None:
-                self._end_session(session, grpc.StatusCode.ABORTED, context_message[0])
+                self._end_session(session, StreamAborted(context_message[0]))
             session = self._new_session(request, digest)
         elif context_message:
-            # busy with another job: UNAVAILABLE, so the client keeps retrying until it is free
-            code = grpc.StatusCode.UNAVAILABLE if busy else grpc.StatusCode.FAILED_PRECONDITION
-            await context.abort(code, context_message[0])
+            # busy with another job: the client keeps retrying until it is free
+            raise (Busy if busy else Conflict)(context_message[0])
         session.last_activity = time.monotonic()
         session.nodes.setdefault(node, set()).add(request.member)
         session.aggregator.known_nodes.add(node)
@@ -247,16 +238,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                  len(layout.tensors), len(layout.blocks), len(owned), request.num_nodes, digest[:12])
         return session
 
-    def _end_session(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
+    def _end_session(self, session: _Session, error: ProtocolError) -> None:
         session.aggregator.close()
         # a member registered there but not yet streaming learns why its session is gone (the
         # first reason: "reset after failure" must not hide the failure itself)
-        session.ended = session.ended or reason
+        session.ended = session.ended or error.message
         self._last_ended = session
         if session is self.session:
             self.blobs.clear()
         for stream in session.streams.values():
-            stream.stop(PushRejected(code, reason))
+            stream.stop(error)
 
     # ---- results and failures -------------------------------------------------------------------
 
@@ -272,9 +263,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         """Queue messages for a stream's writer, unless its client has stopped reading: one client
         that never reads must not grow the shard's memory without bound."""
         if stream.queued_bytes + nbytes > session.result_cap:
-            stream.stop(PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"node {stream.node_id} member {stream.member} is not reading its results "
-                                     f"({stream.queued_bytes} bytes waiting)"))
+            stream.stop(LimitExceeded(f"node {stream.node_id} member {stream.member} is not reading its results "
+                                      f"({stream.queued_bytes} bytes waiting)"))
             return
         stream.queued_bytes += nbytes
         stream.queue.put_nowait((messages, nbytes))
@@ -285,34 +275,29 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             missing_nodes=list(failure.missing_nodes)))
         for stream in session.streams.values():
             stream.queue.put_nowait(([error], 0))
-        self._end_session(session, grpc.StatusCode.ABORTED, failure.message)
+        self._end_session(session, StreamAborted(failure.message))
 
     # ---- Exchange -------------------------------------------------------------------------------
 
     async def Exchange(self, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         first = await _first_message(context, ps_pb2.ExchangeRequest)
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
+            raise BadRequest("the first message must be a Hello")
         node, member, session = first.hello.node_id, first.hello.member, self.session
         if session is None or not session.is_member(node, member, first.hello.session_id):
             last = self._last_ended
             ended = self._detail(last.ended) if last is not None and member in last.nodes.get(node, ()) else None
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"node {node!r} member {member}: its session ended ({ended}); register again"
-                                if ended else
-                                f"node {node!r} has not registered with this shard (push before Register)")
+            raise NotMember(f"node {node!r} member {member}: its session ended ({ended}); register again"
+                            if ended else f"node {node!r} has not registered with this shard (push before Register)")
         if first.hello.layout_hash != session.layout_hash:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"node {node}: layout hash {first.hello.layout_hash[:12]}… is not the "
-                                f"session's {session.layout_hash[:12]}… (register again)")
+            raise Conflict(f"node {node}: layout hash {first.hello.layout_hash[:12]}… is not the "
+                           f"session's {session.layout_hash[:12]}… (register again)")
         if session.aggregator.failed is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"session failed: {session.aggregator.failed.message}")
+            raise SessionEnded(f"session failed: {session.aggregator.failed.message}")
         stream = _NodeStream(node, member)
         old = session.streams.get((node, member))
         if old is not None:  # a reconnect replaces the old stream, also for results still due
-            old.stop(PushRejected(grpc.StatusCode.ABORTED,
-                                  f"replaced by a newer stream of node {node} member {member} (a reconnect)"))
+            old.stop(StreamAborted(f"replaced by a newer stream of node {node} member {member} (a reconnect)"))
             for waiting in session.pushers.values():
                 waiting[:] = [stream if s is old else s for s in waiting]
         session.streams[(node, member)] = stream
@@ -330,8 +315,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     try:  # gRPC flow control holds a write until the client reads
                         await asyncio.wait_for(context.write(message), self.config.round_timeout_s)
                     except asyncio.TimeoutError:
-                        stream.error = stream.error or PushRejected(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        stream.error = stream.error or LimitExceeded(
                             f"node {node} member {member} has not read its results for "
                             f"{self.config.round_timeout_s:g}s ({stream.queued_bytes} bytes waiting)")
                         log.warning("node %s member %d stopped reading: %s", node, member, stream.error.message)
@@ -348,7 +332,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 del session.streams[(node, member)]
             session.last_activity = time.monotonic()
         if stream.error is not None:
-            await context.abort(stream.error.code, stream.error.message)
+            await context.abort(*grpc_status(stream.error))
 
     async def _read_pushes(self, context: grpc.aio.ServicerContext, session: _Session,
                            stream: _NodeStream) -> None:
@@ -360,7 +344,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                 if request is grpc.aio.EOF:
                     break
                 if request.WhichOneof("kind") != "push":
-                    raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "expected a PushChunk after Hello")
+                    raise BadRequest("expected a PushChunk after Hello")
                 chunk = request.push
                 payload = await self._assemble(session, partial, chunk)
                 if payload is not None:
@@ -373,7 +357,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         except asyncio.CancelledError:
             cancelled = True  # the writer is gone: nothing more can reach this client
             raise
-        except PushRejected as exc:
+        except ProtocolError as exc:
             stream.error = stream.error or exc  # the first cause (say, "replaced by a newer stream") stands
             self.metrics.push(stream.node_id, "rejected")
             log.warning("node %s: %s", stream.node_id, exc.message)
@@ -381,7 +365,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             pass  # the client went away; nothing to tell it
         except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
             log.exception("node %s: unexpected error reading pushes", stream.node_id)
-            stream.error = stream.error or PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
+            stream.error = stream.error or InternalError(f"shard error: {exc!r}")
         finally:
             for assembly in partial.values():
                 self.budget.release(assembly.total)
@@ -408,56 +392,50 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         try:
             return await asyncio.wait_for(read_message(context, ps_pb2.ExchangeRequest), max(left, 0.0))
         except asyncio.TimeoutError:
-            raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"sent {a.filled} of {a.total} bytes of block {block_id} round {a.round} "
-                               f"in {self.config.round_timeout_s:g}s; a block must arrive whole within the "
-                               f"round timeout") from None
+            raise TimedOut(f"sent {a.filled} of {a.total} bytes of block {block_id} round {a.round} "
+                           f"in {self.config.round_timeout_s:g}s; a block must arrive whole within the "
+                           f"round timeout") from None
 
     async def _assemble(self, session: _Session, partial: dict[int, _Assembly],
                         chunk: ps_pb2.PushChunk) -> bytes | None:
         """Add a chunk to its block; return the payload once complete."""
         if session.aggregator.failed is not None or session is not self.session:
-            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, "session is no longer active")
+            raise SessionEnded("session is no longer active")
         if self.draining and session.aggregator.next_round(chunk.block_id) == chunk.round and not \
                 session.aggregator.blocks[chunk.block_id].pushed:
-            raise PushRejected(grpc.StatusCode.UNAVAILABLE, "shard is shutting down; no new rounds")
+            raise ShuttingDown("shard is shutting down; no new rounds")
         assembly = partial.get(chunk.block_id)
         if assembly is None and partial:
             # a block's chunks come contiguously (the client holds its stream for a whole block), so
             # a stream holds at most one block's reservation while it waits for budget: no deadlock
             (other, a), = partial.items()
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {chunk.block_id}: chunk arrived while block {other} has {a.filled} of "
-                               f"{a.total} bytes; a stream must send one block's chunks contiguously")
+            raise BadRequest(f"block {chunk.block_id}: chunk arrived while block {other} has {a.filled} of "
+                             f"{a.total} bytes; a stream must send one block's chunks contiguously")
         if assembly is None:
             sizes = session.aggregator.allowed_sizes(chunk.block_id, chunk.round)  # rejects unknown ids
             if chunk.total_bytes not in sizes:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
-                                   f"says {sizes[0]} (or {sizes[1]} uncompressed)")
+                raise BadRequest(f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
+                                 f"says {sizes[0]} (or {sizes[1]} uncompressed)")
             expected = chunk.total_bytes
             # Reserve the whole block up front: a block holds all of its budget or none, so
             # streams that each hold part of the budget can never wait on each other forever.
             try:
                 await asyncio.wait_for(self.budget.acquire(expected), 2 * self.config.round_timeout_s)
             except asyncio.TimeoutError:
-                raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"block {chunk.block_id}: the shard's memory budget ({self.budget.capacity} "
-                                   f"bytes) stayed full for {2 * self.config.round_timeout_s:g}s") from None
+                raise LimitExceeded(f"block {chunk.block_id}: the shard's memory budget ({self.budget.capacity} "
+                                    f"bytes) stayed full for {2 * self.config.round_timeout_s:g}s") from None
             assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected,
                                                            deadline=time.monotonic() + self.config.round_timeout_s)
             self.pending_pushes += 1
             self._update_inflight()
         if chunk.round != assembly.round or chunk.total_bytes != assembly.total or chunk.offset != assembly.filled:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {chunk.block_id}: chunk (round {chunk.round}, offset {chunk.offset}, "
-                               f"total {chunk.total_bytes}) does not continue round {assembly.round} at "
-                               f"offset {assembly.filled} of {assembly.total}")
+            raise BadRequest(f"block {chunk.block_id}: chunk (round {chunk.round}, offset {chunk.offset}, "
+                             f"total {chunk.total_bytes}) does not continue round {assembly.round} at "
+                             f"offset {assembly.filled} of {assembly.total}")
         n = len(chunk.data)
         if n == 0 or assembly.filled + n > assembly.total:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {chunk.block_id}: chunk of {n} bytes at offset {chunk.offset} "
-                               f"overruns the block's {assembly.total} bytes")
+            raise BadRequest(f"block {chunk.block_id}: chunk of {n} bytes at offset {chunk.offset} "
+                             f"overruns the block's {assembly.total} bytes")
         assembly.add(chunk.data)
         if assembly.filled < assembly.total:
             return None
@@ -480,9 +458,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         try:
             by = session.pushed_by.get(claim_key)
             if by is not None and by[0] == chunk.round and by[1] != stream.member:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"block {chunk.block_id} round {chunk.round} was already pushed by member "
-                                   f"{by[1]} of node {stream.node_id}: one local rank pushes each block")
+                raise BadRequest(f"block {chunk.block_id} round {chunk.round} was already pushed by member "
+                                 f"{by[1]} of node {stream.node_id}: one local rank pushes each block")
             # claimed before the first await, so two members racing cannot both get past the check
             session.pushed_by[claim_key] = claim = (chunk.round, stream.member)
             outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
@@ -500,9 +477,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                     del session.pushed_by[claim_key]
                 else:
                     session.pushed_by[claim_key] = by
-            if not isinstance(exc, PushRejected):
+            if not isinstance(exc, ProtocolError):
                 log.exception("node %s: unexpected error in push", stream.node_id)
-                exc = PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
+                exc = InternalError(f"shard error: {exc!r}")
             self.metrics.push(stream.node_id, "rejected")
             log.warning("node %s: %s", stream.node_id, exc.message)
             stream.stop(exc)
@@ -532,35 +509,25 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     async def PutBlob(self, context: grpc.aio.ServicerContext) -> ps_pb2.PutBlobResponse:
         first = await _first_message(context, ps_pb2.BlobChunk)
         if first is grpc.aio.EOF:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "PutBlob stream carried no chunk")
+            raise BadRequest("PutBlob stream carried no chunk")
         refusal = self._member_refusal(first.node_id, first.member, first.session_id)
         if refusal is not None:
-            raise PushRejected(grpc.StatusCode.PERMISSION_DENIED, refusal)
+            raise Forbidden(refusal)
         session, key, total = self.session, first.key, first.total_bytes
-        problem = self.blobs.admission(key, total)
-        if problem is not None:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT if problem.kind == "key"
-                               else grpc.StatusCode.RESOURCE_EXHAUSTED, str(problem))
+        self.blobs.admit(key, total)
+
+        async def next_chunk() -> ps_pb2.BlobChunk | None:
+            chunk = await read_message(context, ps_pb2.BlobChunk)
+            return None if chunk is grpc.aio.EOF else chunk
+
         # bounded memory for concurrent puts: a stalled or huge PutBlob can delay other
         # broadcasts, never gradient traffic
         await self.blob_budget.acquire(total)
         try:
-            upload = BlobUpload(key, total, deadline=time.monotonic() + self.config.round_timeout_s)
-            chunk = first
-            while chunk is not grpc.aio.EOF:
-                upload.add(chunk)  # raises BlobError naming what is wrong with the chunk
-                left = upload.deadline - time.monotonic()
-                try:
-                    chunk = await asyncio.wait_for(read_message(context, ps_pb2.BlobChunk), max(left, 0.0))
-                except asyncio.TimeoutError:
-                    raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       f"blob {key!r}: {upload.filled} of {total} bytes arrived within "
-                                       f"{self.config.round_timeout_s:g}s") from None
+            data = await BlobUpload(key, total, self.config.round_timeout_s).receive(first, next_chunk)
             if session is not self.session:
-                raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, "the session ended during the upload")
-            self.blobs.put(key, upload.data(), writer=(first.node_id, first.member))
-        except BlobError as exc:
-            raise PushRejected(_BLOB_STATUS[exc.kind], str(exc)) from None
+                raise SessionEnded("the session ended during the upload")
+            self.blobs.put(key, data, writer=(first.node_id, first.member))
         finally:
             self.blob_budget.release(total)
         return ps_pb2.PutBlobResponse()
@@ -568,16 +535,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext) -> None:
         session = self.session
         if session is None or not secrets.compare_digest(request.session_id, session.session_id):
-            raise PushRejected(grpc.StatusCode.PERMISSION_DENIED,
-                               "not a member of this shard's current session (register first)")
-        timeout_s = request.timeout_s or 60.0
-        if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_BLOB_WAIT_S):
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"timeout_s must be finite, in (0, {MAX_BLOB_WAIT_S:g}], got {timeout_s!r}")
-        try:
-            data, (node, member) = await self.blobs.get(request.key, timeout_s)
-        except BlobError as exc:
-            raise PushRejected(_BLOB_STATUS[exc.kind], str(exc)) from None
+            raise Forbidden("not a member of this shard's current session (register first)")
+        data, (node, member) = await self.blobs.get(request.key, request.timeout_s or 60.0)
         for off, piece in chunks(data):
             await context.write(ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off, data=piece,
                                                  node_id=node, member=member))
@@ -589,9 +548,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         session = self.session
         if session is None or request.node_id not in session.nodes or \
                 not secrets.compare_digest(request.session_id, session.session_id):
-            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"node {request.node_id[:MAX_ID_CHARS]!r} is not a member of this shard's "
-                               f"current session (register first)")
+            raise NotMember(f"node {request.node_id[:MAX_ID_CHARS]!r} is not a member of this shard's "
+                            f"current session (register first)")
         mine = [(b.block_id, b.codec) for b in request.blocks if b.block_id in session.aggregator.blocks]
         session.aggregator.set_codecs(request.from_round, mine)
         if mine:
@@ -605,8 +563,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         while chunk is not grpc.aio.EOF:  # read and dropped: memory stays one chunk
             total += len(chunk.data)
             if total > MAX_PROBE_BYTES:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"a link probe sends at most {MAX_PROBE_BYTES} bytes")
+                raise BadRequest(f"a link probe sends at most {MAX_PROBE_BYTES} bytes")
             chunk = await asyncio.wait_for(read_message(context, ps_pb2.ProbeChunk), self.config.round_timeout_s)
         return ps_pb2.ProbeResponse(bytes=total)
 
@@ -619,7 +576,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     def close_streams(self, reason: str) -> None:
         if self.session is not None:
-            self._end_session(self.session, grpc.StatusCode.UNAVAILABLE, reason)
+            self._end_session(self.session, ShuttingDown(reason))
 
 
 @dataclass(eq=False)
@@ -644,8 +601,7 @@ async def _first_message(context: grpc.aio.ServicerContext, cls: type):
     try:
         return await asyncio.wait_for(read_message(context, cls), FIRST_MESSAGE_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g}s of opening the stream") from None
+        raise TimedOut(f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g}s of opening the stream") from None
 
 
 def _pull_messages(block_id: int, round_: int, data: bytes) -> list[ps_pb2.ExchangeResponse]:
