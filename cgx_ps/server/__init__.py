@@ -10,18 +10,26 @@
     aggregator.py  per-block rounds: dequantize-accumulate, re-quantize once, timeouts
     blobs.py       the broadcast store: blobs of the session, uploads checked chunk by chunk
     budget.py      an async byte budget (backpressure)
-    config.py      the shard's settings
+    config.py      the shard's settings: each one's default, environment variable and flag
     metrics.py     Prometheus metrics of one shard
     tls.py         server TLS whose certificate files may be rotated under a running shard
     main.py        the process: uvloop, health, metrics, graceful drain
     cluster.py     several local shard processes (development, demo, tests)
 """
 
-from .aggregator import Aggregator, RoundFailure
-from .cluster import LocalCluster
-from .config import CHUNK_BYTES, GRPC_OPTIONS, ServerConfig
-from .errors import ProtocolError
-from .main import ShardServer, run_server
+import importlib
+from typing import Any
 
-__all__ = ["Aggregator", "CHUNK_BYTES", "GRPC_OPTIONS", "LocalCluster", "ProtocolError", "RoundFailure",
-           "ServerConfig", "ShardServer", "run_server"]
+# Each public name and its module, imported on first use: the CLI reads the shard's settings
+# (config.py) to build its flags without loading torch and gRPC for every `cgx-ps --help`.
+_EXPORTS = {"Aggregator": "aggregator", "RoundFailure": "aggregator", "LocalCluster": "cluster",
+            "CHUNK_BYTES": "config", "GRPC_OPTIONS": "config", "ServerConfig": "config",
+            "ProtocolError": "errors", "ShardServer": "main", "run_server": "main"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
