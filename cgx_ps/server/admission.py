@@ -17,7 +17,7 @@ from ..layout import LayoutError, first_difference, layout_hash, validate_layout
 from ..v1 import ps_pb2
 from .config import ServerConfig
 from .errors import BadRequest, Busy, Conflict, ProtocolError, shown
-from .session import Session
+from .session import Session, owned_blocks
 
 __all__ = ["Join", "MAX_ID_CHARS", "Refuse", "Restart", "admit", "check_registration"]
 
@@ -111,7 +111,7 @@ def check_registration(request: ps_pb2.RegisterRequest, config: ServerConfig) ->
 
 def _check_memory(layout: ps_pb2.Layout, config: ServerConfig) -> None:
     """Raise if this shard cannot hold a layout's blocks within its memory limits."""
-    owned = [b for b in layout.blocks if b.shard == config.shard_index]
+    owned = owned_blocks(layout, config.shard_index)
     largest = max((HEADER_SIZE + 4 * b.numel for b in owned), default=0)
     if largest > config.max_inflight_bytes:
         raise BadRequest(f"a block of {largest} bytes (fp32) exceeds this shard's in-flight budget of "

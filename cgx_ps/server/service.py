@@ -56,7 +56,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         # uploads of blobs reserve from their own budget: a stalled or huge PutBlob (it needs no
         # session) can delay other broadcasts, never gradient traffic
         self.blob_budget = ByteBudget(config.max_inflight_bytes)
-        self._push_tasks: set[asyncio.Task] = set()
+        self._push_tasks: set[asyncio.Task] = set()  # holds them: the event loop keeps tasks weakly
         self._last_ended: Session | None = None  # the session a Restart replaced
         self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
 
@@ -162,9 +162,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             cancelled = True  # the writer is gone: nothing more can reach this client
             raise
         except ProtocolError as exc:
-            stream.fail(exc.with_traceback(None))  # the first cause ("replaced by a newer stream") stands
-            self.metrics.push(stream.node_id, "rejected")
-            log.warning("node %s: %s", stream.node_id, exc.message)
+            stream.fail(self._rejected(stream, exc))  # the first cause ("replaced by a newer stream") stands
         except grpc.aio.AioRpcError:
             pass  # the client went away; nothing to tell it
         except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
@@ -180,6 +178,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # a client half-closes only when it has everything it waits for)
             stream.stop()
 
+    def _rejected(self, stream: NodeStream, error: ProtocolError) -> ProtocolError:
+        """Count and log a refused push; the error, without the traceback that would keep the
+        stream's frames (and the pushed bytes) alive."""
+        self.metrics.push(stream.node_id, "rejected")
+        log.warning("node %s: %s", stream.node_id, error.message)
+        return error.with_traceback(None)
+
     def _check_push(self, session: Session, chunk: ps_pb2.PushChunk) -> None:
         if session.failed is not None or session is not self.session:
             raise SessionEnded("session is no longer active")
@@ -191,14 +196,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             outcome = await session.aggregator.push(stream.node_id, stream.member, chunk.block_id, chunk.round,
                                                     payload)
         except Exception as exc:  # noqa: BLE001 - any failure ends this member's stream, clearly
-            if isinstance(exc, ProtocolError):
-                error = exc.with_traceback(None)
-            else:
+            if not isinstance(exc, ProtocolError):
                 log.exception("node %s: unexpected error in push", stream.node_id)
-                error = InternalError(f"shard error: {exc!r}")
-            self.metrics.push(stream.node_id, "rejected")
-            log.warning("node %s: %s", stream.node_id, error.message)
-            stream.stop(error)
+                exc = InternalError(f"shard error: {exc!r}")
+            stream.stop(self._rejected(stream, exc))
             return
         finally:
             self.inflight.release(len(payload))

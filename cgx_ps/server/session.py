@@ -32,13 +32,18 @@ from .errors import ProtocolError, StreamAborted
 from .metrics import ShardMetrics
 from .stream import NodeStream, result_messages
 
-__all__ = ["Session"]
+__all__ = ["Session", "owned_blocks"]
+
+
+def owned_blocks(layout: ps_pb2.Layout, shard_index: int) -> list[ps_pb2.BlockSpec]:
+    """The blocks of a layout that the shard ``shard_index`` sums."""
+    return [b for b in layout.blocks if b.shard == shard_index]
 
 
 class Session:
     def __init__(self, request: ps_pb2.RegisterRequest, digest: str, config: ServerConfig, executor: Executor | None,
                  blobs: BlobStore, metrics: ShardMetrics | None = None) -> None:
-        owned = [b for b in request.layout.blocks if b.shard == config.shard_index]
+        owned = owned_blocks(request.layout, config.shard_index)
         # what the job declared at its first Register
         self.layout = ps_pb2.Layout()
         self.layout.CopyFrom(request.layout)
