@@ -57,7 +57,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         # session) can delay other broadcasts, never gradient traffic
         self.blob_budget = ByteBudget(config.max_inflight_bytes)
         self._push_tasks: set[asyncio.Task] = set()  # holds them: the event loop keeps tasks weakly
-        self._last_ended: Session | None = None  # the session a Restart replaced
+        self._last_ended: Session | None = None  # replaced or shut down last: its members learn why
         self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
 
     @property
@@ -75,12 +75,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     async def Register(self, request: ps_pb2.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> ps_pb2.RegisterResponse:
         digest = check_registration(request, self.config)
-        outcome = admit(self.session, request, in_flight=self.rounds_in_flight(), now=time.monotonic(),
-                        authenticated=self.config.authenticates)
-        if isinstance(outcome, Refuse):
-            raise outcome.error
-        if isinstance(outcome, Restart):
-            self._start_session(request, digest, outcome.reason)
+        match admit(self.session, request, in_flight=self.rounds_in_flight(), now=time.monotonic(),
+                    authenticated=self.config.authenticates):
+            case Refuse(error):
+                raise error
+            case Restart(reason):
+                self._start_session(request, digest, reason)
         session = self.session
         session.join(request.node_id, request.member)
         owned = sorted(session.aggregator.blocks)
@@ -228,14 +228,15 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             chunk = await read_message(context, ps_pb2.BlobChunk)
             return None if chunk is grpc.aio.EOF else chunk
 
-        await self.blob_budget.acquire(first.total_bytes)
+        upload = BlobUpload(first.key, first.total_bytes, self.config.round_timeout_s)
+        await self.blob_budget.acquire(upload.total)
         try:
-            data = await BlobUpload(first.key, first.total_bytes, self.config.round_timeout_s).receive(first, next_chunk)
+            data = await upload.receive(first, next_chunk)
             if session is not self.session:
                 raise SessionEnded("the session ended during the upload")
-            self.blobs.put(first.key, data, writer=(first.node_id, first.member))
+            self.blobs.put(upload.key, data, writer=(first.node_id, first.member))
         finally:
-            self.blob_budget.release(first.total_bytes)
+            self.blob_budget.release(upload.total)
         return ps_pb2.PutBlobResponse()
 
     async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext) -> None:
