@@ -16,60 +16,29 @@ import os
 import sys
 from typing import Sequence
 
+from .server.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, SETTINGS, flag_defaults
+
 __all__ = ["build_parser", "main", "DEFAULT_PORT", "DEFAULT_METRICS_PORT"]
 
-DEFAULT_PORT = 7070
-DEFAULT_METRICS_PORT = 9400
 
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
+def _add_server_options(p: argparse.ArgumentParser, *, per_shard: bool) -> None:
+    """A shard's settings as flags (server/config.py's SETTINGS), their defaults from the
+    environment; ``per_shard``: also those that differ between the shards of a cluster."""
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"cgx-ps: environment variable {name}={value!r} is not an integer") from None
-
-
-def _add_server_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--round-timeout", type=float, default=float(os.environ.get("CGX_PS_ROUND_TIMEOUT", 60.0)),
-                   help="seconds a round may wait for its last node before it fails for everyone "
-                        "(env CGX_PS_ROUND_TIMEOUT; default %(default)s)")
-    p.add_argument("--max-inflight-mb", type=float,
-                   default=float(os.environ.get("CGX_PS_MAX_INFLIGHT_MB", 1024)),
-                   help="cap on pushed bytes buffered but not yet summed; beyond it pushes wait "
-                        "(env CGX_PS_MAX_INFLIGHT_MB; default %(default)s)")
-    p.add_argument("--drain-timeout", type=float, default=float(os.environ.get("CGX_PS_DRAIN_TIMEOUT", 20.0)),
-                   help="on SIGTERM, seconds to finish rounds in flight before exiting "
-                        "(env CGX_PS_DRAIN_TIMEOUT; default %(default)s)")
-    p.add_argument("--error-feedback", action="store_true",
-                   default=os.environ.get("CGX_PS_ERROR_FEEDBACK", "") not in ("", "0", "false"),
-                   help="carry the re-quantization error of each block into the next round "
-                        "(env CGX_PS_ERROR_FEEDBACK)")
-    p.add_argument("--kernel-threads", type=int, default=_env_int("CGX_PS_KERNEL_THREADS", 0),
-                   help="threads summing and re-encoding blocks; 0 = one per CPU (set 1 when the shard "
-                        "shares a host with workers) (env CGX_PS_KERNEL_THREADS)")
-    p.add_argument("--max-model-mb", type=float, default=float(os.environ.get("CGX_PS_MAX_MODEL_MB", 4096)),
-                   help="cap on the fp32 state (accumulators, residuals) a job's layout may need on this shard; "
-                        "a larger layout is refused at Register (env CGX_PS_MAX_MODEL_MB; default %(default)s)")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=_env_int("CGX_PS_MAX_CONCURRENT_RPCS", 1024),
-                   help="calls served at once; more are refused with RESOURCE_EXHAUSTED "
-                        "(env CGX_PS_MAX_CONCURRENT_RPCS; default %(default)s)")
+        defaults = flag_defaults(os.environ)
+    except ValueError as exc:
+        raise SystemExit(f"cgx-ps: {exc}") from None
     security = p.add_argument_group("security (docs/security.md)")
-    security.add_argument("--token-file", default=os.environ.get("CGX_PS_TOKEN_FILE", ""),
-                          help="file holding the job token every call must carry as 'authorization: Bearer "
-                               "<token>' (env CGX_PS_TOKEN_FILE)")
-    security.add_argument("--tls-cert", default=os.environ.get("CGX_PS_TLS_CERT", ""),
-                          help="PEM certificate chain: serve TLS (env CGX_PS_TLS_CERT); re-read when the file "
-                               "changes or on SIGHUP")
-    security.add_argument("--tls-key", default=os.environ.get("CGX_PS_TLS_KEY", ""),
-                          help="PEM private key of --tls-cert (env CGX_PS_TLS_KEY)")
-    security.add_argument("--tls-client-ca", default=os.environ.get("CGX_PS_TLS_CLIENT_CA", ""),
-                          help="PEM CA bundle: require client certificates it signed, mutual TLS "
-                               "(env CGX_PS_TLS_CLIENT_CA)")
-    p.add_argument("--log-level", default=os.environ.get("CGX_PS_LOG_LEVEL", "INFO"),
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    for name, s in SETTINGS.items():
+        if s.per_shard and not per_shard:
+            continue
+        group = security if s.security else p
+        if s.kind is bool:
+            group.add_argument(s.flag, action="store_true", default=defaults[name], help=f"{s.help} (env {s.env})")
+        else:
+            default = "; default %(default)s" if defaults[name] != "" else ""
+            group.add_argument(s.flag, type=s.kind, default=defaults[name], choices=s.choices or None,
+                               help=f"{s.help} (env {s.env}{default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,26 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     server = sub.add_parser("server", help="run one parameter-server shard")
-    server.add_argument("--host", default=os.environ.get("CGX_PS_HOST", "0.0.0.0"),
-                        help="address to bind (env CGX_PS_HOST; default %(default)s)")
-    server.add_argument("--port", type=int, default=_env_int("CGX_PS_PORT", DEFAULT_PORT),
-                        help="gRPC port, 0 picks a free one (env CGX_PS_PORT; default %(default)s)")
-    server.add_argument("--shard-index", type=int, default=_env_int("CGX_PS_SHARD_INDEX", 0),
-                        help="this shard's index (env CGX_PS_SHARD_INDEX; default %(default)s)")
-    server.add_argument("--num-shards", type=int, default=_env_int("CGX_PS_NUM_SHARDS", 1),
-                        help="total shards (env CGX_PS_NUM_SHARDS; default %(default)s)")
-    server.add_argument("--metrics-port", type=int,
-                        default=_env_int("CGX_PS_METRICS_PORT", DEFAULT_METRICS_PORT),
-                        help="Prometheus metrics HTTP port, -1 disables "
-                             "(env CGX_PS_METRICS_PORT; default %(default)s)")
-    server.add_argument("--metrics-host", default=os.environ.get("CGX_PS_METRICS_HOST", ""),
-                        help="address the metrics listen on (env CGX_PS_METRICS_HOST; default: --host)")
-    server.add_argument("--health-port", type=int, default=_env_int("CGX_PS_HEALTH_PORT", -1),
-                        help="plaintext port serving only the gRPC health service, for probes that cannot "
-                             "speak TLS; -1 disables (env CGX_PS_HEALTH_PORT; default %(default)s)")
+    _add_server_options(server, per_shard=True)
     server.add_argument("--port-file", default=None,
                         help="write the bound gRPC and metrics ports here as JSON once serving")
-    _add_server_options(server)
 
     cluster = sub.add_parser("cluster", help="run N local shard processes until Ctrl-C/SIGTERM")
     cluster.add_argument("--shards", type=int, default=2)
@@ -105,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="shard i listens on base-port + i (default %(default)s)")
     cluster.add_argument("--metrics-base-port", type=int, default=-1,
                          help="shard i serves metrics on this + i; -1 disables (default)")
-    _add_server_options(cluster)
+    _add_server_options(cluster, per_shard=False)
 
     demo = sub.add_parser("demo", help="local cluster: shards plus workers training a real model")
     demo.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")

@@ -1,11 +1,15 @@
-"""The committed protocol stubs are fresh, and the codec ids agree on both sides of the wire."""
+"""The committed protocol stubs are fresh, the codec ids agree on both sides of the wire, and the
+status codes the shard sends are the ones ps.proto documents."""
 
 from __future__ import annotations
 
 import filecmp
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import grpc
 
 from cgx_ps.kernels import Codec
 from cgx_ps.v1 import ps_pb2
@@ -29,3 +33,57 @@ def test_codec_ids_match_proto_enum() -> None:
     proto = {name.removeprefix("CODEC_"): number for name, number in ps_pb2.Codec.items()
              if name != "CODEC_UNSPECIFIED"}
     assert proto == {c.name: int(c) for c in Codec}
+
+
+# ---- status codes: one table from the shard's errors, documented in the .proto ---------------------
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    return {sub for direct in cls.__subclasses__() for sub in {direct} | _all_subclasses(direct)}
+
+
+def documented_status_codes() -> list[str]:
+    """The codes listed under "Status codes" in ps.proto's header comment."""
+    header = (ROOT / "protos/cgx_ps/v1/ps.proto").read_text().split("\nsyntax", 1)[0]
+    section = header.split("// Status codes", 1)[1].split("\n//\n", 1)[0]
+    return re.findall(r"^//   ([A-Z_]+) ", section, flags=re.M)
+
+
+def test_the_proto_documents_every_status_code_the_shard_sends() -> None:
+    from cgx_ps.server.rpc import STATUS_CODES
+
+    documented = documented_status_codes()
+    assert len(documented) == len(set(documented)), documented
+    assert set(documented) == {code.name for code in STATUS_CODES.values()}
+
+
+def test_every_domain_error_has_exactly_one_status() -> None:
+    import cgx_ps.server.blobs  # noqa: F401 - its errors are subclasses too
+    from cgx_ps.server.errors import ProtocolError
+    from cgx_ps.server.rpc import STATUS_CODES, grpc_status
+
+    assert ProtocolError not in STATUS_CODES  # abstract: every refusal says which kind it is
+    for cls in _all_subclasses(ProtocolError):
+        mapped = [STATUS_CODES[c] for c in cls.__mro__ if c in STATUS_CODES]
+        if not mapped and cls.__subclasses__():
+            continue  # a grouping (BlobError): its subclasses say which kind
+        assert mapped, f"{cls.__name__} has no status code in rpc.STATUS_CODES"
+        assert grpc_status(cls("why")) == (mapped[0], "why")
+        # a class reached through two bases must not be ambiguous
+        assert len(set(mapped)) == 1, f"{cls.__name__} maps to {mapped}"
+
+
+def test_blob_errors_keep_their_statuses() -> None:
+    from cgx_ps.server.blobs import BadBlob, BlobError, BlobKeyTaken, BlobNotPut, BlobStoreFull
+    from cgx_ps.server.rpc import grpc_status
+
+    expected = {BadBlob: grpc.StatusCode.INVALID_ARGUMENT, BlobStoreFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                BlobKeyTaken: grpc.StatusCode.ALREADY_EXISTS, BlobNotPut: grpc.StatusCode.DEADLINE_EXCEEDED}
+    for cls, code in expected.items():
+        assert issubclass(cls, BlobError) and grpc_status(cls("x"))[0] == code
+
+
+def test_domain_errors_carry_no_grpc_types() -> None:
+    for module in ("errors.py", "blobs.py", "aggregator.py"):
+        source = (ROOT / "cgx_ps/server" / module).read_text()
+        assert "import grpc" not in source and "StatusCode" not in source, module

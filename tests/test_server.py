@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import subprocess
@@ -154,7 +155,7 @@ async def test_duplicate_push_is_ignored_and_retry_after_result_resends(shard: S
 
 
 async def test_missing_node_fails_the_round_for_everyone(shard: ShardServer) -> None:
-    shard.config.round_timeout_s = 0.5
+    shard.service.config = dataclasses.replace(shard.config, round_timeout_s=0.5)  # (ServerConfig is frozen)
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
     a, b = await connect(shard, layout, 2)
     try:
@@ -168,7 +169,7 @@ async def test_missing_node_fails_the_round_for_everyone(shard: ShardServer) -> 
 
 
 async def test_unregistered_nodes_are_reported_missing(shard: ShardServer) -> None:
-    shard.config.round_timeout_s = 0.5
+    shard.service.config = dataclasses.replace(shard.config, round_timeout_s=0.5)  # (ServerConfig is frozen)
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
     a = ShardClient(f"127.0.0.1:{shard.port}", "solo", 3, layout, security=SECURITY)
     await a.connect()

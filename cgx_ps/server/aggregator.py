@@ -3,8 +3,14 @@
 Each owned block has its own round counter. A node's push for (block, round) is decoded straight
 into the block's float32 accumulator (the first push overwrites, later ones add), on a kernel
 thread so the event loop keeps receiving. When every node has pushed, the sum is encoded once
-with the block's codec and the same bytes go to every node. Blocks are independent, so early
-blocks are returned while later ones are still arriving.
+with the block's codec and the same bytes go to every node: the sink (the session) hears the
+result with the member of each node that pushed it. Blocks are independent, so early blocks are
+returned while later ones are still arriving.
+
+A block records who pushed it (node -> member) for the round under way and the one before, and
+decides under its lock: a node's first push counts, its retry is a duplicate (or, for the round
+just finished, gets the result again), and another member of the same node is refused: one
+local rank pushes each block.
 """
 
 from __future__ import annotations
@@ -15,9 +21,8 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Collection, Mapping, Protocol
 
-import grpc
 import torch
 
 from ..kernels import (HEADER_SIZE, Codec, CodecError, body_size, decode_header, dequantize, encode,
@@ -25,20 +30,12 @@ from ..kernels import (HEADER_SIZE, Codec, CodecError, body_size, decode_header,
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
+from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from .metrics import ShardMetrics
 
-__all__ = ["Aggregator", "PushRejected", "RoundFailure", "PushOutcome", "result_seed"]
+__all__ = ["Aggregator", "PushOutcome", "RoundFailure", "RoundSink", "result_seed"]
 
 log = logging.getLogger(__name__)
-
-
-class PushRejected(Exception):
-    """A push that is refused; carries the gRPC status code for the node's stream."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -47,6 +44,15 @@ class RoundFailure:
     round: int
     message: str
     missing_nodes: tuple[str, ...]
+
+
+class RoundSink(Protocol):
+    """Who hears of finished and failed rounds (the session)."""
+
+    def deliver(self, block_id: int, round_: int, result: bytes, pushers: Mapping[str, int]) -> None:
+        """``result`` of a round, for each node's member in ``pushers`` (node id -> member)."""
+
+    def round_failed(self, failure: RoundFailure) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -62,12 +68,12 @@ class _Block:
     round: int = 0
     acc: torch.Tensor | None = None
     residual: torch.Tensor | None = None
-    pushed: set[str] = field(default_factory=set)
+    pushed: dict[str, int] = field(default_factory=dict)  # node -> member, this round
     first_push_at: float = 0.0
     timer: asyncio.TimerHandle | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_result: bytes | None = None  # result of round - 1, for retried pushes
-    last_nodes: frozenset[str] = frozenset()
+    last_pushed: Mapping[str, int] = field(default_factory=dict)  # node -> member, round - 1
     round_encoding: tuple[int, int, int] | None = None  # (codec, bits, bucket) of this round
     # adaptive compression: (from_round, settings) announced with SetCodecs, ascending
     schedule: list[tuple[int, ps_pb2.CodecSettings]] = field(default_factory=list)
@@ -103,9 +109,9 @@ class Aggregator:
         self,
         blocks: list[ps_pb2.BlockSpec],
         num_nodes: int,
-        executor: Executor,
-        on_result: Callable[[int, int, bytes], None],
-        on_failure: Callable[[RoundFailure], None],
+        executor: Executor | None,
+        sink: RoundSink,
+        registered: Collection[str],
         round_timeout_s: float,
         error_feedback: bool = False,
         metrics: ShardMetrics | None = None,
@@ -113,13 +119,12 @@ class Aggregator:
         self.blocks = {b.block_id: _Block(b, block_payload_size(b)) for b in blocks}
         self.num_nodes = num_nodes
         self.executor = executor
-        self.on_result = on_result
-        self.on_failure = on_failure
+        self.sink = sink
+        self.registered = registered  # node ids registered so far (a live view): named on timeouts
         self.round_timeout_s = round_timeout_s
         self.error_feedback = error_feedback
         self.metrics = metrics
         self.failed: RoundFailure | None = None
-        self.known_nodes: set[str] = set()
 
     # ---- queries used by the service ----------------------------------------------------------
 
@@ -136,17 +141,15 @@ class Aggregator:
             block = self._block(block_id)
             started = block.round + (1 if block.pushed else 0)
             if from_round < started:
-                raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"block {block_id}: cannot change settings from round {from_round}, "
-                                   f"round {started - 1} is already under way")
+                raise WrongRound(f"block {block_id}: cannot change settings from round {from_round}, "
+                                 f"round {started - 1} is already under way")
             if sum(1 for r, _ in block.schedule if block.round < r < from_round) >= MAX_PENDING_CODEC_CHANGES:
-                raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"block {block_id}: {MAX_PENDING_CODEC_CHANGES} codec changes are already "
-                                   f"scheduled for future rounds")
+                raise LimitExceeded(f"block {block_id}: {MAX_PENDING_CODEC_CHANGES} codec changes are already "
+                                    f"scheduled for future rounds")
             try:
                 validate_settings(codec_of(settings), settings.bits, settings.bucket_size)
             except (CodecError, ValueError) as exc:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {block_id}: {exc}") from None
+                raise BadRequest(f"block {block_id}: {exc}") from None
         for block_id, settings in changes:
             block = self.blocks[block_id]
             block.schedule = _prune_schedule(block.schedule, block.round, from_round) + [(from_round, settings)]
@@ -157,11 +160,16 @@ class Aggregator:
     def next_round(self, block_id: int) -> int:
         return self._block(block_id).round
 
+    def opens_round(self, block_id: int, round_: int) -> bool:
+        """Would a push of this block and round be the round's first?"""
+        block = self._block(block_id)
+        return block.round == round_ and not block.pushed
+
     def pushed_nodes(self) -> set[str]:
         """Nodes that have pushed anything in this session."""
         nodes = set()
         for b in self.blocks.values():
-            nodes |= b.pushed | b.last_nodes
+            nodes.update(b.pushed, b.last_pushed)
         return nodes
 
     def rounds_in_flight(self) -> int:
@@ -173,15 +181,14 @@ class Aggregator:
         try:
             return self.blocks[block_id]
         except KeyError:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {block_id} is not owned by this shard") from None
+            raise BadRequest(f"block {block_id} is not owned by this shard") from None
 
     # ---- the hot path ---------------------------------------------------------------------------
 
-    async def push(self, node_id: str, block_id: int, round_: int, payload: bytes) -> PushOutcome:
+    async def push(self, node_id: str, member: int, block_id: int, round_: int, payload: bytes) -> PushOutcome:
         block = self._block(block_id)
         async with block.lock:
-            outcome = self._check_round(block, node_id, round_)
+            outcome = self._check_round(block, node_id, member, round_)
             if outcome is not None:
                 return outcome
             encoding = self._check_header(block, payload)
@@ -193,12 +200,11 @@ class Aggregator:
             try:
                 await loop.run_in_executor(self.executor, decode)
             except CodecError as exc:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"block {block_id} round {round_}: {exc}") from None
+                raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
             if first:
                 block.first_push_at = time.monotonic()
                 block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
-            block.pushed.add(node_id)
+            block.pushed[node_id] = member
             block.round_encoding = encoding
             if self.metrics:
                 self.metrics.bytes_in.inc(len(payload))
@@ -207,20 +213,27 @@ class Aggregator:
                 await self._finish(block, round_)
             return PushOutcome(accepted=True)
 
-    def _check_round(self, block: _Block, node_id: str, round_: int) -> PushOutcome | None:
+    def _check_round(self, block: _Block, node_id: str, member: int, round_: int) -> PushOutcome | None:
+        """None for a push that counts, an outcome for a retry; raises for one that may not."""
         if self.failed is not None:
-            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"session failed earlier: {self.failed.message}")
+            raise SessionEnded(f"session failed earlier: {self.failed.message}")
         if round_ == block.round:
-            if node_id in block.pushed:
-                return PushOutcome(accepted=False)  # retry of a push already summed
+            by = block.pushed.get(node_id)
+        elif round_ + 1 == block.round:
+            by = block.last_pushed.get(node_id)
+        else:
+            by = None
+        if by is not None and by != member:
+            raise BadRequest(f"block {block.spec.block_id} round {round_} was already pushed by member {by} of "
+                             f"node {node_id}: one local rank pushes each block")
+        if by is not None:
+            # a retry: of a push already summed (the result goes to the member's stream as it is
+            # then), or of the round just finished (its result again)
+            return PushOutcome(accepted=False, resend=None if round_ == block.round else block.last_result)
+        if round_ == block.round:
             return None
-        if round_ + 1 == block.round and node_id in block.last_nodes:
-            return PushOutcome(accepted=False, resend=block.last_result)  # retry after the result
         kind = "stale" if round_ < block.round else "far-future"
-        raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"block {block.spec.block_id}: {kind} round {round_}, "
-                           f"the shard expects round {block.round}")
+        raise WrongRound(f"block {block.spec.block_id}: {kind} round {round_}, the shard expects round {block.round}")
 
     def _check_header(self, block: _Block, payload: bytes) -> tuple[int, int, int]:
         """The push's (codec, bits, bucket): the declared one or FP32, and the round's."""
@@ -228,23 +241,21 @@ class Aggregator:
         try:
             h = decode_header(payload)
         except CodecError as exc:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, f"block {spec.block_id}: {exc}") from None
+            raise BadRequest(f"block {spec.block_id}: {exc}") from None
         settings = block.settings_for(block.round)
         codec = codec_of(settings)
         declared = (int(codec), settings.bits, settings.bucket_size) if codec == Codec.MAXMIN \
             else (int(codec), h.bits, 0)
         got = (int(h.codec), h.bits, h.bucket_size)
         if h.numel != spec.numel or got not in (declared, (int(Codec.FP32), 32, 0)):
-            raise PushRejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise BadRequest(
                 f"block {spec.block_id}: payload is {h.codec.name} bits={h.bits} bucket={h.bucket_size} "
                 f"numel={h.numel}; round {block.round} expects {codec.name} bits={settings.bits} "
                 f"bucket={settings.bucket_size} numel={spec.numel} (or FP32)",
             )
         if block.round_encoding is not None and got != block.round_encoding:
             c, b, k = block.round_encoding
-            raise PushRejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise BadRequest(
                 f"block {spec.block_id} round {block.round}: other nodes pushed {Codec(c).name} bits={b} "
                 f"bucket={k}, this push is {h.codec.name} bits={h.bits} bucket={h.bucket_size}")
         return got
@@ -263,15 +274,15 @@ class Aggregator:
                                     f"cannot be encoded: {exc}", ()))
             return
         block.last_result = result
-        block.last_nodes = frozenset(block.pushed)
-        block.pushed = set()
+        block.last_pushed = block.pushed
+        block.pushed = {}
         block.round_encoding = None
         block.round += 1
         if self.metrics:
             self.metrics.rounds.inc()
             self.metrics.round_latency.observe(time.monotonic() - block.first_push_at)
             self.metrics.last_node_wait.observe(wait)
-        self.on_result(block.spec.block_id, round_, result)
+        self.sink.deliver(block.spec.block_id, round_, result, block.last_pushed)
 
     def _encode_sum(self, block: _Block, round_: int) -> bytes:
         """Encode the round's sum the way the round's pushes were encoded."""
@@ -291,11 +302,12 @@ class Aggregator:
     def _timeout(self, block: _Block, round_: int) -> None:
         if block.round != round_ or self.failed is not None:
             return
-        missing = sorted(self.known_nodes - block.pushed)
-        never = self.num_nodes - len(self.known_nodes)
+        registered = set(self.registered)
+        missing = sorted(registered - block.pushed.keys())
+        never = self.num_nodes - len(registered)
         who = ", ".join(missing) if missing else "none of the registered nodes"
         extra = (f" and {never} of {self.num_nodes} node(s) that never registered with this shard (registered: "
-                 f"{', '.join(sorted(self.known_nodes)) or 'none'})") if never > 0 else ""
+                 f"{', '.join(sorted(registered)) or 'none'})") if never > 0 else ""
         self._fail(RoundFailure(
             block.spec.block_id, round_,
             f"round {round_} of block {block.spec.block_id} timed out after {self.round_timeout_s:g}s "
@@ -313,7 +325,7 @@ class Aggregator:
         if self.metrics:
             self.metrics.rounds_failed.inc()
         log.error("round failed: %s", failure.message)
-        self.on_failure(failure)
+        self.sink.round_failed(failure)
 
     def close(self) -> None:
         for b in self.blocks.values():

@@ -11,32 +11,67 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
-__all__ = ["BlobError", "BlobStore", "BlobUpload", "MAX_KEY_BYTES"]
+from .errors import AlreadyExists, BadRequest, LimitExceeded, ProtocolError, TimedOut
+
+__all__ = ["BadBlob", "BlobError", "BlobKeyTaken", "BlobNotPut", "BlobStore", "BlobStoreFull", "BlobUpload",
+           "MAX_BLOB_WAIT_S", "MAX_KEY_BYTES"]
 
 MAX_KEY_BYTES = 256  # workers use keys like "broadcast/17"
+MAX_BLOB_WAIT_S = 3600.0  # GetBlob: a waiter holds a call slot, so its wait is bounded
 
 Writer = tuple[str, int]  # (node id, member) of the session member that put a blob
 
 
-class BlobError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "exists" | "full" | "timeout" | "key" | "chunk"
+class BlobError(ProtocolError):
+    """The blob store refuses; the subclass says why (and so the status the caller sees)."""
+
+
+class BadBlob(BlobError, BadRequest):
+    """A malformed key, chunk or wait."""
+
+
+class BlobStoreFull(BlobError, LimitExceeded):
+    """The blob would exceed the store's capacity."""
+
+
+class BlobKeyTaken(BlobError, AlreadyExists):
+    """The key already holds different bytes."""
+
+
+class BlobNotPut(BlobError, TimedOut):
+    """The blob did not arrive in time (a reader's wait, or a writer's upload)."""
 
 
 @dataclass(eq=False)
 class BlobUpload:
-    """One PutBlob stream's chunks, checked as they come: one key, in order, no overrun."""
+    """One PutBlob stream's chunks, checked as they come: one key, in order, no overrun, and
+    the whole blob within ``timeout_s`` (it holds memory while it arrives)."""
 
     key: str
     total: int
-    deadline: float = math.inf
+    timeout_s: float = math.inf
     filled: int = 0
     parts: list[bytes] = field(default_factory=list)
 
-    def add(self, chunk) -> None:  # a ps_pb2.BlobChunk
+    async def receive(self, first: Any, read: Callable[[], Awaitable[Any]]) -> bytes:
+        """The blob's bytes: ``first`` (a ps_pb2.BlobChunk), then the chunks ``read`` returns
+        until it returns None (the end of the stream)."""
+        deadline = time.monotonic() + self.timeout_s
+        chunk = first
+        while chunk is not None:
+            self.add(chunk)
+            try:
+                chunk = await asyncio.wait_for(read(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise BlobNotPut(f"blob {self.key!r}: {self.filled} of {self.total} bytes arrived within "
+                                 f"{self.timeout_s:g}s") from None
+        return self.data()
+
+    def add(self, chunk: Any) -> None:  # a ps_pb2.BlobChunk
         problem = None
         if chunk.key != self.key:
             problem = f"chunk names blob {chunk.key[:64]!r}; one PutBlob stream carries one blob"
@@ -47,13 +82,13 @@ class BlobUpload:
         elif self.filled + len(chunk.data) > self.total:
             problem = f"chunk of {len(chunk.data)} bytes at offset {self.filled} overruns total_bytes={self.total}"
         if problem is not None:
-            raise BlobError("chunk", f"blob {self.key!r}: {problem}")
+            raise BadBlob(f"blob {self.key!r}: {problem}")
         self.parts.append(chunk.data)
         self.filled += len(chunk.data)
 
     def data(self) -> bytes:
         if self.filled != self.total:
-            raise BlobError("chunk", f"blob {self.key!r}: stream ended at {self.filled} of {self.total} bytes")
+            raise BadBlob(f"blob {self.key!r}: stream ended at {self.filled} of {self.total} bytes")
         return b"".join(self.parts)
 
 
@@ -69,31 +104,29 @@ class BlobStore:
     def _cost(key: str, nbytes: int) -> int:
         return len(key.encode()) + nbytes
 
-    def admission(self, key: str, total: int) -> BlobError | None:
-        """Why a blob of ``total`` bytes under ``key`` cannot be stored, or None."""
-        if not key or len(key.encode()) > MAX_KEY_BYTES:
-            return BlobError("key", f"blob keys must be 1..{MAX_KEY_BYTES} bytes, got {len(key.encode())}")
+    def admit(self, key: str, total: int) -> None:
+        """Raise if a blob of ``total`` bytes under ``key`` cannot be stored."""
+        _check_key(key)
         if self.used + self._cost(key, total) > self.capacity:
-            return BlobError("full", f"blob {key!r} of {total} bytes exceeds the shard's blob capacity "
-                                     f"({self.used} of {self.capacity} bytes used)")
-        return None
+            raise BlobStoreFull(f"blob {key!r} of {total} bytes exceeds the shard's blob capacity "
+                                f"({self.used} of {self.capacity} bytes used)")
 
     def put(self, key: str, data: bytes, writer: Writer) -> None:
         old = self._blobs.get(key)
         if old is not None:
             if old != (data, writer):
-                raise BlobError("exists", f"blob {key!r} already holds different bytes")
+                raise BlobKeyTaken(f"blob {key!r} already holds different bytes")
             return  # a retried put
-        problem = self.admission(key, len(data))
-        if problem is not None:
-            raise problem
+        self.admit(key, len(data))
         self._blobs[key] = (data, writer)
         self.used += self._cost(key, len(data))
         self._event(key).set()
 
     async def get(self, key: str, timeout_s: float) -> tuple[bytes, Writer]:
-        if not key or len(key.encode()) > MAX_KEY_BYTES:
-            raise BlobError("key", f"blob keys must be 1..{MAX_KEY_BYTES} bytes, got {len(key.encode())}")
+        """The blob under ``key`` and its writer, waiting up to ``timeout_s`` for it to be put."""
+        if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_BLOB_WAIT_S):
+            raise BadBlob(f"timeout_s must be finite, in (0, {MAX_BLOB_WAIT_S:g}], got {timeout_s!r}")
+        _check_key(key)
         deadline = asyncio.get_running_loop().time() + timeout_s
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
@@ -102,8 +135,8 @@ class BlobStore:
                 try:
                     await asyncio.wait_for(self._event(key).wait(), max(left, 0))
                 except asyncio.TimeoutError:
-                    raise BlobError("timeout", f"blob {key!r} was not put within {timeout_s:g}s: did the root "
-                                               f"rank fail (see its log) or skip this broadcast?") from None
+                    raise BlobNotPut(f"blob {key!r} was not put within {timeout_s:g}s: did the root "
+                                     f"rank fail (see its log) or skip this broadcast?") from None
             return self._blobs[key]
         finally:
             self._waiting[key] -= 1
@@ -123,3 +156,8 @@ class BlobStore:
         if event is None:
             event = self._ready[key] = asyncio.Event()
         return event
+
+
+def _check_key(key: str) -> None:
+    if not key or len(key.encode()) > MAX_KEY_BYTES:
+        raise BadBlob(f"blob keys must be 1..{MAX_KEY_BYTES} bytes, got {len(key.encode())}")

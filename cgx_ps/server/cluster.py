@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from ..security import new_token_file
+from .config import shard_flags
 
 __all__ = ["LocalCluster", "run_cluster"]
 
@@ -108,16 +109,9 @@ class LocalCluster:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    extra = ["--round-timeout", str(args.round_timeout), "--max-inflight-mb", str(args.max_inflight_mb),
-             "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level,
-             "--kernel-threads", str(args.kernel_threads), "--max-model-mb", str(args.max_model_mb),
-             "--max-concurrent-rpcs", str(args.max_concurrent_rpcs)]
-    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
-        if getattr(args, flag):
-            extra += ["--" + flag.replace("_", "-"), getattr(args, flag)]
-    if args.error_feedback:
-        extra.append("--error-feedback")
-    # No --token-file: a fresh random token, written where only this user can read it.
+    # Every shard gets the cluster's settings; LocalCluster sets the per-shard ones and the token
+    # (no --token-file: a fresh random one, written where only this user can read it).
+    extra = shard_flags(vars(args), skip=("token_file",))
     cluster = LocalCluster(args.shards, args.host, args.base_port, args.metrics_base_port, extra,
                            token_file=args.token_file or None)
     stopping = False

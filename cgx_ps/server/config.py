@@ -1,19 +1,34 @@
-"""Settings of one shard process."""
+"""Settings of one shard process: each one's default, environment variable and flag, in one place.
+
+    ServerConfig(port=0, ...)        in code (tests, embedding): the defaults below
+    ServerConfig.from_env(env)       CGX_PS_* variables over the defaults (a deployment)
+    cgx-ps server --port 7070 ...    flags over the environment: the CLI builds its flags from
+                                     SETTINGS and the config with ServerConfig.from_flags
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
 
+from ..envparse import env_flag, env_float, env_int, env_str
 from ..transport import CHUNK_BYTES, GRPC_OPTIONS
 
-__all__ = ["ServerConfig", "CHUNK_BYTES", "GRPC_OPTIONS"]
+__all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "SETTINGS", "ServerConfig",
+           "Setting", "flag_defaults", "shard_flags"]
+
+DEFAULT_PORT = 7070
+DEFAULT_METRICS_PORT = 9400  # a deployed shard serves metrics here unless told otherwise
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_MIB = 1 << 20
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
     # where to listen
     host: str = "0.0.0.0"
-    port: int = 7070  # 0 picks a free port (tests)
+    port: int = DEFAULT_PORT  # 0 picks a free port (tests)
     metrics_port: int = -1  # Prometheus HTTP port; -1 disables, 0 picks a free one
     # which part of the model this shard owns
     shard_index: int = 0
@@ -40,6 +55,7 @@ class ServerConfig:
     health_port: int = -1
     # where metrics listen; None: the same address as the gRPC port
     metrics_host: str | None = None
+    log_level: str = "INFO"
 
     @property
     def authenticates(self) -> bool:
@@ -63,3 +79,110 @@ class ServerConfig:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "ServerConfig":
+        """The environment's settings over the defaults, then ``overrides`` (field values)."""
+        values = flag_defaults(os.environ if env is None else env)
+        return cls(**{**{name: _field_value(name, v) for name, v in values.items()}, **overrides})
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> "ServerConfig":
+        """From the CLI's parsed flags (``vars(args)``), whose defaults came from ``flag_defaults``."""
+        return cls(**{name: _field_value(name, flags[s.dest]) for name, s in SETTINGS.items()})
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str  # the environment variable
+    flag: str  # the command-line flag
+    help: str
+    kind: type = str  # of the flag's value: int, float, bool or str
+    unit: int = 1  # the field holds the flag's value times this (flags in MiB, fields in bytes)
+    per_shard: bool = False  # differs between the shards of one cluster: `cgx-ps cluster` sets it
+    security: bool = False  # listed under the CLI's security heading
+    deployed: Any = None  # the default of a deployment, where it differs from the field's
+    choices: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        """The flag's name in argparse's namespace."""
+        return self.flag[2:].replace("-", "_")
+
+
+# How each ServerConfig field is set outside code, in the order the CLI lists the flags.
+SETTINGS: dict[str, Setting] = {
+    "host": Setting("CGX_PS_HOST", "--host", "address to bind", per_shard=True),
+    "port": Setting("CGX_PS_PORT", "--port", "gRPC port, 0 picks a free one", int, per_shard=True),
+    "shard_index": Setting("CGX_PS_SHARD_INDEX", "--shard-index", "this shard's index", int, per_shard=True),
+    "num_shards": Setting("CGX_PS_NUM_SHARDS", "--num-shards", "total shards", int, per_shard=True),
+    # Tests run many shards on one host: one built in code serves no metrics unless asked.
+    "metrics_port": Setting("CGX_PS_METRICS_PORT", "--metrics-port", "Prometheus metrics HTTP port, -1 disables",
+                            int, per_shard=True, deployed=DEFAULT_METRICS_PORT),
+    "metrics_host": Setting("CGX_PS_METRICS_HOST", "--metrics-host",
+                            "address the metrics listen on; empty: the --host address", per_shard=True),
+    "health_port": Setting("CGX_PS_HEALTH_PORT", "--health-port", "plaintext port serving only the gRPC health "
+                           "service, for probes that cannot speak TLS; -1 disables", int, per_shard=True),
+    "round_timeout_s": Setting("CGX_PS_ROUND_TIMEOUT", "--round-timeout",
+                               "seconds a round may wait for its last node before it fails for everyone", float),
+    "max_inflight_bytes": Setting("CGX_PS_MAX_INFLIGHT_MB", "--max-inflight-mb",
+                                  "cap on pushed bytes buffered but not yet summed; beyond it pushes wait", float,
+                                  unit=_MIB),
+    "drain_timeout_s": Setting("CGX_PS_DRAIN_TIMEOUT", "--drain-timeout",
+                               "on SIGTERM, seconds to finish rounds in flight before exiting", float),
+    "error_feedback": Setting("CGX_PS_ERROR_FEEDBACK", "--error-feedback",
+                              "carry the re-quantization error of each block into the next round", bool),
+    "kernel_threads": Setting("CGX_PS_KERNEL_THREADS", "--kernel-threads", "threads summing and re-encoding "
+                              "blocks; 0 = one per CPU (set 1 when the shard shares a host with workers)", int),
+    "max_model_bytes": Setting("CGX_PS_MAX_MODEL_MB", "--max-model-mb", "cap on the fp32 state (accumulators, "
+                               "residuals) a job's layout may need on this shard; a larger layout is refused at "
+                               "Register", float, unit=_MIB),
+    "max_concurrent_rpcs": Setting("CGX_PS_MAX_CONCURRENT_RPCS", "--max-concurrent-rpcs",
+                                   "calls served at once; more are refused with RESOURCE_EXHAUSTED", int),
+    "token_file": Setting("CGX_PS_TOKEN_FILE", "--token-file", "file holding the job token every call must carry "
+                          "as 'authorization: Bearer <token>'", security=True),
+    "tls_cert": Setting("CGX_PS_TLS_CERT", "--tls-cert", "PEM certificate chain: serve TLS; re-read when the "
+                        "file changes or on SIGHUP", security=True),
+    "tls_key": Setting("CGX_PS_TLS_KEY", "--tls-key", "PEM private key of --tls-cert", security=True),
+    "tls_client_ca": Setting("CGX_PS_TLS_CLIENT_CA", "--tls-client-ca", "PEM CA bundle: require client "
+                             "certificates it signed, mutual TLS", security=True),
+    "log_level": Setting("CGX_PS_LOG_LEVEL", "--log-level", "log level", choices=LOG_LEVELS),
+}
+_DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
+_PARSE = {int: env_int, float: env_float, bool: env_flag, str: env_str}
+
+
+def flag_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """Every setting's value in its flag's unit: the environment's, else the default. Raises
+    ValueError naming a malformed variable."""
+    out = {}
+    for name, s in SETTINGS.items():
+        default = _DEFAULTS[name] if s.deployed is None else s.deployed
+        if default is None:
+            default = ""
+        elif s.unit != 1:
+            default /= s.unit
+        out[name] = _PARSE[s.kind](env, s.env, default)
+    return out
+
+
+def shard_flags(flags: Mapping[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    """Command-line flags that give a shard process the settings in ``flags`` (parsed flags,
+    ``vars(args)``): all but those set per shard and those named in ``skip``."""
+    argv: list[str] = []
+    for name, s in SETTINGS.items():
+        value = flags[s.dest] if not (s.per_shard or name in skip) else None
+        if s.kind is bool and value:
+            argv.append(s.flag)
+        elif s.kind is not bool and value not in (None, ""):
+            argv += [s.flag, str(value)]
+    return argv
+
+
+def _field_value(name: str, flag_value: Any) -> Any:
+    if flag_value == "" and _DEFAULTS[name] is None:
+        return None  # an empty path or address: not set
+    unit = SETTINGS[name].unit
+    return int(flag_value * unit) if unit != 1 else flag_value

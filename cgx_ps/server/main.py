@@ -23,7 +23,7 @@ from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService
 from .tls import ReloadingServerCredentials
 
-__all__ = ["ShardServer", "run_server", "config_from_args", "setup_logging"]
+__all__ = ["ShardServer", "run_server", "setup_logging"]
 
 log = logging.getLogger("cgx_ps.server")
 
@@ -135,19 +135,6 @@ class ShardServer:
         log.info("stopped")
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port,
-        shard_index=args.shard_index, num_shards=args.num_shards,
-        round_timeout_s=args.round_timeout, drain_timeout_s=args.drain_timeout,
-        max_inflight_bytes=int(args.max_inflight_mb * (1 << 20)), error_feedback=args.error_feedback,
-        kernel_threads=args.kernel_threads, max_model_bytes=int(args.max_model_mb * (1 << 20)),
-        max_concurrent_rpcs=args.max_concurrent_rpcs, token_file=args.token_file or None,
-        tls_cert=args.tls_cert or None, tls_key=args.tls_key or None, tls_client_ca=args.tls_client_ca or None,
-        health_port=getattr(args, "health_port", -1), metrics_host=getattr(args, "metrics_host", None) or None,
-    )
-
-
 class _ShardFilter(logging.Filter):
     def __init__(self, shard: int) -> None:
         super().__init__()
@@ -193,10 +180,10 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
 
 def run_server(args: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args)
+        config = ServerConfig.from_flags(vars(args))
     except ValueError as exc:
         raise SystemExit(f"cgx-ps server: {exc}") from None
-    setup_logging(args.log_level, config.shard_index)
+    setup_logging(config.log_level, config.shard_index)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS

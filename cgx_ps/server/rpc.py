@@ -9,8 +9,10 @@ this order, before the service sees it:
    which finish the rounds in flight;
 3. parsing: a malformed message is INVALID_ARGUMENT, never UNKNOWN with a traceback.
 
-Refusals and failures are logged as one line each, rate-limited per method, so a hostile client
-cannot fill the log (a gRPC default would log a full traceback per bad message).
+A refusal is a domain error (errors.py); STATUS_CODES, the one table from those errors to gRPC
+status codes, gives the status the caller sees. Refusals and failures are logged as one line
+each, rate-limited per method, so a hostile client cannot fill the log (a gRPC default would log
+a full traceback per bad message).
 """
 
 from __future__ import annotations
@@ -25,13 +27,45 @@ from google.protobuf.message import DecodeError, Message
 
 from ..security import bearer_matches
 from ..v1 import ps_pb2
-from .aggregator import PushRejected
+from .errors import (AlreadyExists, BadRequest, Busy, Conflict, Forbidden, InternalError, LimitExceeded, NotMember,
+                     ProtocolError, SessionEnded, ShuttingDown, StreamAborted, TimedOut, Unauthenticated, WrongRound)
 
-__all__ = ["SERVICE_NAME", "RateLimitedLog", "add_parameter_server", "read_message", "parse_message"]
+__all__ = ["SERVICE_NAME", "STATUS_CODES", "RateLimitedLog", "add_parameter_server", "grpc_status", "read_message",
+           "parse_message"]
 
 SERVICE_NAME = "cgx_ps.v1.ParameterServer"
 log = logging.getLogger("cgx_ps.server.rpc")
 M = TypeVar("M", bound=Message)
+
+# What a refusal looks like on the wire: the one table from domain errors to status codes.
+# ps.proto's header lists exactly these codes (tests/test_proto.py checks it); workers retry on
+# UNAVAILABLE and DEADLINE_EXCEEDED, and take ABORTED for a round that failed for everyone.
+STATUS_CODES: dict[type[ProtocolError], grpc.StatusCode] = {
+    BadRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    NotMember: grpc.StatusCode.FAILED_PRECONDITION,
+    Forbidden: grpc.StatusCode.PERMISSION_DENIED,
+    Conflict: grpc.StatusCode.FAILED_PRECONDITION,
+    WrongRound: grpc.StatusCode.FAILED_PRECONDITION,
+    SessionEnded: grpc.StatusCode.FAILED_PRECONDITION,
+    StreamAborted: grpc.StatusCode.ABORTED,
+    Busy: grpc.StatusCode.UNAVAILABLE,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TimedOut: grpc.StatusCode.DEADLINE_EXCEEDED,
+    InternalError: grpc.StatusCode.INTERNAL,
+}
+
+
+def grpc_status(error: ProtocolError) -> tuple[grpc.StatusCode, str]:
+    """The status code and details ``error`` travels as: the table's code for its class, or for
+    the nearest base class in it (a blob store error is also a BadRequest, a TimedOut...)."""
+    for cls in type(error).__mro__:
+        code = STATUS_CODES.get(cls)
+        if code is not None:
+            return code, error.message
+    return grpc.StatusCode.INTERNAL, error.message  # a class missing from the table is a bug
 
 
 class RateLimitedLog:
@@ -65,8 +99,7 @@ def parse_message(cls: type[M], raw: bytes) -> M:
     try:
         message.ParseFromString(raw)
     except (DecodeError, RuntimeError, ValueError) as exc:  # protobuf raises these on corrupt input
-        raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"malformed {cls.DESCRIPTOR.name}: {str(exc)[:100]}") from None
+        raise BadRequest(f"malformed {cls.DESCRIPTOR.name}: {str(exc)[:100]}") from None
     return message
 
 
@@ -89,31 +122,31 @@ class _Gate:
         self.token = token
         self.log = RateLimitedLog(log)
 
-    def refusal(self, method: str, context: grpc.aio.ServicerContext) -> tuple[grpc.StatusCode, str] | None:
+    def refusal(self, method: str, context: grpc.aio.ServicerContext) -> ProtocolError | None:
         """Why a call may not proceed (before its body is read), or None."""
         if self.token is not None and not bearer_matches(context.invocation_metadata(), self.token):
-            return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong job token (authorization: Bearer ...)"
+            return Unauthenticated("missing or wrong job token (authorization: Bearer ...)")
         if self.service.draining and method != "Exchange":
-            return grpc.StatusCode.UNAVAILABLE, "shard is shutting down"
+            return ShuttingDown("shard is shutting down")
         return None
 
     async def run(self, method: str, context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[Any]]) -> Any:
         refused = self.refusal(method, context)
         if refused is not None:
-            self.log.warning(f"refused:{method}", "%s refused from %s: %s", method, context.peer(), refused[1])
-            await context.abort(*refused)
+            self.log.warning(f"refused:{method}", "%s refused from %s: %s", method, context.peer(), refused.message)
+            await context.abort(*grpc_status(refused))
         # Abort after the except blocks, not inside them: an exception raised there would chain
         # the caught one, whose traceback holds the request (up to 8 MiB) in a reference cycle
         # that only the cyclic GC frees, so a flood of bad calls would grow memory.
         try:
             return await call()
-        except PushRejected as exc:
-            code, message = exc.code, exc.message
+        except ProtocolError as exc:
+            code, message = grpc_status(exc)
             self.log.warning(f"rejected:{method}", "%s from %s: %s: %s", method, context.peer(), code.name, message)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise  # the client went away, or the service aborted with its own status
         except Exception as exc:  # noqa: BLE001 - a bug must not become a traceback per message
-            code, message = grpc.StatusCode.INTERNAL, f"shard error in {method}: {type(exc).__name__}"
+            code, message = grpc_status(InternalError(f"shard error in {method}: {type(exc).__name__}"))
             self.log.warning(f"error:{method}", "%s from %s: unexpected %r", method, context.peer(), exc)
             log.debug("traceback", exc_info=True)
         await context.abort(code, message)

@@ -1,101 +1,47 @@
-"""Where data enters the shard: the gRPC ParameterServer service (Register + Exchange streams).
+"""Where data enters the shard: the gRPC ParameterServer service, mapping each call to the
+session (session.py), the blob store (blobs.py) or the codec schedule (aggregator.py).
 
-One Exchange stream per node. Its reader reassembles pushed chunks into block payloads (the size
-is checked against the layout before a byte is buffered) and hands each complete block to the
-Aggregator as a task, so reading goes on while blocks are summed. Its writer sends the results.
-A bad push ends only that node's stream with a status naming the problem; nothing it sent has
-touched any accumulator.
+    Register   checks and admission (admission.py): join, restart or refuse
+    Exchange   one stream per member: its pushes are reassembled (reassembly.py) and each whole
+               block is summed in a task of its own, so reading goes on; results go out through
+               the member's NodeStream (stream.py)
+    PutBlob, GetBlob, SetCodecs, Probe
+
+A bad push ends only that member's stream, with the status errors.py and rpc.STATUS_CODES give
+it; nothing it sent has touched any accumulator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 import grpc
 
 from .. import __version__
-from ..kernels.wire import HEADER_SIZE
-from ..layout import LayoutError, first_difference, layout_hash, validate_layout
 from ..transport import chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
-from .aggregator import Aggregator, PushRejected, RoundFailure
-from .blobs import BlobError, BlobStore, BlobUpload
+from .admission import MAX_ID_CHARS, Refuse, Restart, admit, check_registration
+from .blobs import BlobStore, BlobUpload
 from .budget import ByteBudget
 from .config import ServerConfig
+from .errors import (BadRequest, Conflict, Forbidden, InternalError, NotMember, ProtocolError, SessionEnded,
+                     ShuttingDown, StreamAborted, TimedOut, shown)
 from .metrics import ShardMetrics
-from .rpc import read_message
+from .reassembly import InflightPushes, PushAssembler
+from .rpc import grpc_status, read_message
+from .session import Session
+from .stream import NodeStream, result_messages
 
 __all__ = ["ParameterServerService"]
 
 log = logging.getLogger(__name__)
 
-_STOP = object()  # queue sentinel: end the node's stream
-
-
-class _WriterStalled(Exception):
-    """The client stopped reading: end its stream with the error set on it."""
-MAX_ID_CHARS = 256  # node and job ids: they appear in messages, metrics and gRPC status details
-MAX_BLOB_WAIT_S = 3600.0  # GetBlob: a waiter holds a call slot, so its wait is bounded
 FIRST_MESSAGE_TIMEOUT_S = 30.0  # a stream that opens and says nothing holds a call slot
 MAX_PROBE_BYTES = 1 << 30  # auto mode probes with tens of MiB
-_BLOB_STATUS = {"exists": grpc.StatusCode.ALREADY_EXISTS, "full": grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "timeout": grpc.StatusCode.DEADLINE_EXCEEDED, "key": grpc.StatusCode.INVALID_ARGUMENT,
-                "chunk": grpc.StatusCode.INVALID_ARGUMENT}
-WITHHELD = "(details withheld: this shard does not authenticate callers; see docs/security.md)"
-
-
-@dataclass(eq=False)
-class _NodeStream:
-    node_id: str
-    member: int = 0
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    error: PushRejected | None = None
-    queued_bytes: int = 0  # result bytes waiting for this client to read them
-    push_tasks: set[asyncio.Task] = field(default_factory=set)  # its pushes still being summed
-    stopping: bool = False
-
-    def stop(self, error: PushRejected | None = None) -> None:
-        """End the stream (the writer sends what is queued first), with ``error`` if none yet."""
-        self.error = self.error or error
-        if not self.stopping:
-            self.stopping = True
-            self.queue.put_nowait(_STOP)
-
-
-@dataclass(eq=False)
-class _Session:
-    layout: ps_pb2.Layout
-    layout_hash: str
-    num_nodes: int
-    aggregator: Aggregator
-    job_id: str = ""
-    nodes: dict[str, set[int]] = field(default_factory=dict)  # node id -> members registered
-    streams: dict[tuple[str, int], _NodeStream] = field(default_factory=dict)
-    # streams that pushed each (block, round), so the result goes back exactly there
-    pushers: dict[tuple[int, int], list[_NodeStream]] = field(default_factory=dict)
-    active: set[tuple[str, int]] = field(default_factory=set)  # members that opened a stream
-    last_activity: float = field(default_factory=time.monotonic)
-    # result bytes one stream may have waiting: a client reads a block's result before pushing
-    # the block's next round, so two rounds of every block (a resend on top) is already generous
-    result_cap: int = 0
-    ended: str | None = None  # why the session ended (the first reason given)
-    # which member of each node pushed each block, and in which round: one local rank per block
-    pushed_by: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
-    # proof of membership, handed out by Register: a stranger cannot act on the session
-    session_id: str = field(default_factory=lambda: secrets.token_hex(16))
-
-    def is_member(self, node: str, member: int, session_id: str) -> bool:
-        return member in self.nodes.get(node, ()) and secrets.compare_digest(session_id, self.session_id)
-
-    def started(self, node: str, member: int) -> bool:
-        """Has this member of a node begun training (so a new Register means it restarted)?"""
-        return (node, member) in self.active or node in self.aggregator.pushed_nodes()
 
 
 class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
@@ -103,69 +49,42 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.config = config
         self.executor = executor
         self.metrics = metrics
-        self.budget = ByteBudget(config.max_inflight_bytes)
-        self.session: _Session | None = None
+        self.session: Session | None = None
         self.draining = False
-        self.pending_pushes = 0  # blocks being received or summed, not yet in a round's count
+        self.inflight = InflightPushes(config.max_inflight_bytes, metrics.inflight_bytes)
         self.blobs = BlobStore(config.max_inflight_bytes)
         # uploads of blobs reserve from their own budget: a stalled or huge PutBlob (it needs no
         # session) can delay other broadcasts, never gradient traffic
         self.blob_budget = ByteBudget(config.max_inflight_bytes)
-        self._push_tasks: set[asyncio.Task] = set()
-        self._last_ended: _Session | None = None  # its members learn why on their next Hello
+        self._push_tasks: set[asyncio.Task] = set()  # holds them: the event loop keeps tasks weakly
+        self._last_ended: Session | None = None  # replaced or shut down last: its members learn why
         self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
 
-    def _detail(self, text: str) -> str:
-        """``text`` (may name the job, tensors, shapes) for a shard whose callers proved they
-        belong to the job; withheld otherwise, so a stranger learns nothing of the model."""
-        return text if self.config.authenticates else WITHHELD
+    @property
+    def budget(self) -> ByteBudget:
+        """Bytes of pushed blocks held (being received or summed)."""
+        return self.inflight.budget
+
+    @property
+    def pending_pushes(self) -> int:
+        """Blocks being received or summed, not yet in a round's count."""
+        return self.inflight.count
 
     # ---- Register -------------------------------------------------------------------------------
 
     async def Register(self, request: ps_pb2.RegisterRequest, context: grpc.aio.ServicerContext
                        ) -> ps_pb2.RegisterResponse:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "shard is shutting down")
-        node = request.node_id
-        if not node:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
-        if len(node) > MAX_ID_CHARS or len(request.job_id) > MAX_ID_CHARS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"node_id ({len(node)} chars) and job_id ({len(request.job_id)} chars) must "
-                                f"be at most {MAX_ID_CHARS} characters")
-        if request.num_nodes < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_nodes must be >= 1")
-        try:
-            validate_layout(request.layout)
-        except LayoutError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad layout from {node}: {exc}")
-        digest = layout_hash(request.layout)
-        if digest != request.layout_hash:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"layout_hash {request.layout_hash[:12]}… does not match the layout "
-                                f"sent ({digest[:12]}…): client and server disagree on hashing")
-        if request.layout.num_shards != self.config.num_shards:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"layout is sharded for {request.layout.num_shards} shards, this shard "
-                                f"was started with --num-shards {self.config.num_shards}")
-        too_big = self._memory_refusal(request.layout)
-        if too_big is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_big)
+        digest = check_registration(request, self.config)
+        match admit(self.session, request, in_flight=self.rounds_in_flight(), now=time.monotonic(),
+                    authenticated=self.config.authenticates):
+            case Refuse(error):
+                raise error
+            case Restart(reason):
+                self._start_session(request, digest, reason)
         session = self.session
-        busy: list[bool] = []
-        if self._starts_new_session(session, request, context_message := [], busy):
-            if session is not None:
-                self._end_session(session, grpc.StatusCode.ABORTED, context_message[0])
-            session = self._new_session(request, digest)
-        elif context_message:
-            # busy with another job: UNAVAILABLE, so the client keeps retrying until it is free
-            code = grpc.StatusCode.UNAVAILABLE if busy else grpc.StatusCode.FAILED_PRECONDITION
-            await context.abort(code, context_message[0])
-        session.last_activity = time.monotonic()
-        session.nodes.setdefault(node, set()).add(request.member)
-        session.aggregator.known_nodes.add(node)
-        owned = sorted(b.block_id for b in session.layout.blocks if b.shard == self.config.shard_index)
-        log.info("node %s registered (%d/%d nodes, %d blocks owned)", node, len(session.nodes),
+        session.join(request.node_id, request.member)
+        owned = sorted(session.aggregator.blocks)
+        log.info("node %s registered (%d/%d nodes, %d blocks owned)", request.node_id, len(session.nodes),
                  session.num_nodes, len(owned))
         return ps_pb2.RegisterResponse(
             shard_index=self.config.shard_index, num_shards=self.config.num_shards, block_ids=owned,
@@ -174,195 +93,64 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             session_id=session.session_id, instance_id=self.instance_id,
         )
 
-    def _memory_refusal(self, layout: ps_pb2.Layout) -> str | None:
-        """Why this shard cannot hold a layout's blocks within its memory limits, or None."""
-        owned = [b for b in layout.blocks if b.shard == self.config.shard_index]
-        largest = max((HEADER_SIZE + 4 * b.numel for b in owned), default=0)
-        if largest > self.config.max_inflight_bytes:
-            return (f"a block of {largest} bytes (fp32) exceeds this shard's in-flight budget of "
-                    f"{self.config.max_inflight_bytes} bytes (--max-inflight-mb): use smaller blocks")
-        state = 4 * sum(b.numel for b in owned) * (2 if self.config.error_feedback else 1)
-        if state > self.config.max_model_bytes:
-            return (f"the layout needs {state} bytes of fp32 state on this shard, more than its "
-                    f"--max-model-mb of {self.config.max_model_bytes} bytes: use more shards")
-        return None
-
-    def _starts_new_session(self, session: _Session | None, request: ps_pb2.RegisterRequest,
-                            message: list[str], busy: list[bool]) -> bool:
-        """Decide whether a Register joins the current session, starts a new one (True; message
-        says why the old one ends) or is refused (False with a message)."""
-        node, job = request.node_id, request.job_id
-        if session is None or session.aggregator.failed is not None:
-            message.append("session reset after failure")
-            return True
-        idle = not session.streams and not self.rounds_in_flight()
-        if job != session.job_id:
-            if idle:
-                message.append(f"job {job!r} replaces finished job {session.job_id!r}")
-                return True
-            which = f" ({session.job_id!r})" if self.config.authenticates else ""  # a stranger must not learn it
-            message.append(f"shard is busy with another job{which}, {len(session.streams)} nodes connected; "
-                           f"this job must wait or use other shards")
-            busy.append(True)
-            return False
-        diff = first_difference(session.layout, request.layout)
-        if request.member in session.nodes.get(node, ()):
-            if session.started(node, request.member) or diff is not None:
-                # the process restarted, so the job did: start over at round 0
-                message.append(f"session reset: node {node} member {request.member} registered again")
-                return True
-            return False  # a retried Register: idempotent
-        if node in session.nodes and diff is None and request.num_nodes == session.num_nodes:
-            return False  # another local rank of a known node
-        if diff is not None and not job and idle and time.monotonic() - session.last_activity > 10.0:
-            message.append("a new job (no job id) replaces an idle session")
-            return True
-        if diff is not None:
-            message.append(f"node {node} declares a different model layout than the session's: {self._detail(diff)}")
-        elif request.num_nodes != session.num_nodes:
-            message.append(f"node {node} says num_nodes={request.num_nodes}, the session has {session.num_nodes}")
-        elif len(session.nodes) >= session.num_nodes:
-            message.append(f"node {node} would be node {len(session.nodes) + 1} of a session of "
-                           f"{session.num_nodes} nodes: {sorted(session.nodes)}")
-        return False
-
-    def _new_session(self, request: ps_pb2.RegisterRequest, digest: str) -> _Session:
-        owned = [b for b in request.layout.blocks if b.shard == self.config.shard_index]
-        holder: list[_Session] = []
-        aggregator = Aggregator(
-            owned, request.num_nodes, self.executor,
-            on_result=lambda block, rnd, data: self._broadcast(holder[0], block, rnd, data),
-            on_failure=lambda failure: self._on_failure(holder[0], failure),
-            round_timeout_s=self.config.round_timeout_s,
-            error_feedback=self.config.error_feedback, metrics=self.metrics,
-        )
-        layout = ps_pb2.Layout()
-        layout.CopyFrom(request.layout)
-        session = _Session(layout, digest, request.num_nodes, aggregator, job_id=request.job_id,
-                           result_cap=2 * sum(HEADER_SIZE + 4 * b.numel for b in owned) + (1 << 20))
-        holder.append(session)
-        self.session = session
+    def _start_session(self, request: ps_pb2.RegisterRequest, digest: str, reason: str) -> None:
+        if self.session is not None:
+            self.session.end(StreamAborted(reason))
+            self._last_ended = self.session
         self.blobs.clear()  # a new session starts with no blobs: none from another job or run
-        log.info("new session: %d tensors, %d blocks (%d here), %d nodes, layout %s",
-                 len(layout.tensors), len(layout.blocks), len(owned), request.num_nodes, digest[:12])
-        return session
-
-    def _end_session(self, session: _Session, code: grpc.StatusCode, reason: str) -> None:
-        session.aggregator.close()
-        # a member registered there but not yet streaming learns why its session is gone (the
-        # first reason: "reset after failure" must not hide the failure itself)
-        session.ended = session.ended or reason
-        self._last_ended = session
-        if session is self.session:
-            self.blobs.clear()
-        for stream in session.streams.values():
-            stream.stop(PushRejected(code, reason))
-
-    # ---- results and failures -------------------------------------------------------------------
-
-    def _broadcast(self, session: _Session, block_id: int, round_: int, data: bytes) -> None:
-        """Send a result to the stream of every node that pushed it (one per node)."""
-        messages = _pull_messages(block_id, round_, data)
-        streams = session.pushers.pop((block_id, round_), [])
-        for stream in streams:
-            self._send(session, stream, messages, len(data))
-        self.metrics.bytes_out.inc(len(data) * len(streams))
-
-    def _send(self, session: _Session, stream: _NodeStream, messages: list, nbytes: int) -> None:
-        """Queue messages for a stream's writer, unless its client has stopped reading: one client
-        that never reads must not grow the shard's memory without bound."""
-        if stream.queued_bytes + nbytes > session.result_cap:
-            stream.stop(PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"node {stream.node_id} member {stream.member} is not reading its results "
-                                     f"({stream.queued_bytes} bytes waiting)"))
-            return
-        stream.queued_bytes += nbytes
-        stream.queue.put_nowait((messages, nbytes))
-
-    def _on_failure(self, session: _Session, failure: RoundFailure) -> None:
-        error = ps_pb2.ExchangeResponse(error=ps_pb2.RoundError(
-            round=failure.round, block_id=failure.block_id, message=failure.message,
-            missing_nodes=list(failure.missing_nodes)))
-        for stream in session.streams.values():
-            stream.queue.put_nowait(([error], 0))
-        self._end_session(session, grpc.StatusCode.ABORTED, failure.message)
+        self.session = session = Session(request, digest, self.config, self.executor, self.blobs, self.metrics)
+        log.info("new session: %d tensors, %d blocks (%d here), %d nodes, layout %s", len(session.layout.tensors),
+                 len(session.layout.blocks), len(session.aggregator.blocks), session.num_nodes, digest[:12])
 
     # ---- Exchange -------------------------------------------------------------------------------
 
     async def Exchange(self, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         first = await _first_message(context, ps_pb2.ExchangeRequest)
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
-        node, member, session = first.hello.node_id, first.hello.member, self.session
-        if session is None or not session.is_member(node, member, first.hello.session_id):
-            last = self._last_ended
-            ended = self._detail(last.ended) if last is not None and member in last.nodes.get(node, ()) else None
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"node {node!r} member {member}: its session ended ({ended}); register again"
-                                if ended else
-                                f"node {node!r} has not registered with this shard (push before Register)")
-        if first.hello.layout_hash != session.layout_hash:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"node {node}: layout hash {first.hello.layout_hash[:12]}… is not the "
-                                f"session's {session.layout_hash[:12]}… (register again)")
-        if session.aggregator.failed is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"session failed: {session.aggregator.failed.message}")
-        stream = _NodeStream(node, member)
-        old = session.streams.get((node, member))
-        if old is not None:  # a reconnect replaces the old stream, also for results still due
-            old.stop(PushRejected(grpc.StatusCode.ABORTED,
-                                  f"replaced by a newer stream of node {node} member {member} (a reconnect)"))
-            for waiting in session.pushers.values():
-                waiting[:] = [stream if s is old else s for s in waiting]
-        session.streams[(node, member)] = stream
-        session.active.add((node, member))
-        session.last_activity = time.monotonic()
+            raise BadRequest("the first message must be a Hello")
+        session = self._session_of(first.hello)
+        stream = session.open_stream(first.hello.node_id, first.hello.member)
         self.metrics.connected_nodes.inc()
         reader = asyncio.create_task(self._read_pushes(context, session, stream))
         try:
-            while True:
-                item = await stream.queue.get()
-                if item is _STOP:
-                    break
-                messages, nbytes = item
-                for message in messages:
-                    try:  # gRPC flow control holds a write until the client reads
-                        await asyncio.wait_for(context.write(message), self.config.round_timeout_s)
-                    except asyncio.TimeoutError:
-                        stream.error = stream.error or PushRejected(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"node {node} member {member} has not read its results for "
-                            f"{self.config.round_timeout_s:g}s ({stream.queued_bytes} bytes waiting)")
-                        log.warning("node %s member %d stopped reading: %s", node, member, stream.error.message)
-                        raise _WriterStalled from None
-                stream.queued_bytes -= nbytes
-        except _WriterStalled:
-            while not stream.queue.empty():  # the client will never read these: free them now
-                stream.queue.get_nowait()
-            stream.queued_bytes = 0
+            await stream.write_results(context.write, self.config.round_timeout_s)
         finally:
             reader.cancel()
             self.metrics.connected_nodes.dec()
-            if session.streams.get((node, member)) is stream:
-                del session.streams[(node, member)]
-            session.last_activity = time.monotonic()
+            session.close_stream(stream)
         if stream.error is not None:
-            await context.abort(stream.error.code, stream.error.message)
+            await context.abort(*grpc_status(stream.error))
 
-    async def _read_pushes(self, context: grpc.aio.ServicerContext, session: _Session,
-                           stream: _NodeStream) -> None:
-        partial: dict[int, _Assembly] = {}
+    def _session_of(self, hello: ps_pb2.Hello) -> Session:
+        """The session a Hello may open a stream in; raises why not."""
+        node, member, session = hello.node_id, hello.member, self.session
+        if session is None or not session.is_member(node, member, hello.session_id):
+            # its members learn why their session ended: the one replaced last, or this one
+            last = session if session is not None and session.ended is not None else self._last_ended
+            if last is not None and member in last.nodes.get(node, ()):
+                raise NotMember(f"node {node!r} member {member}: its session ended "
+                                f"({shown(last.ended, self.config.authenticates)}); register again")
+            raise NotMember(f"node {node!r} has not registered with this shard (push before Register)")
+        if hello.layout_hash != session.layout_hash:
+            raise Conflict(f"node {node}: layout hash {hello.layout_hash[:12]}… is not the "
+                           f"session's {session.layout_hash[:12]}… (register again)")
+        if session.failed is not None:
+            raise SessionEnded(f"session failed: {session.failed.message}")
+        return session
+
+    async def _read_pushes(self, context: grpc.aio.ServicerContext, session: Session, stream: NodeStream) -> None:
+        assembler = PushAssembler(self.inflight, self.config.round_timeout_s)
         cancelled = False
         try:
             while True:
-                request = await self._next_push(context, stream, partial)
+                request = await assembler.next_message(lambda: read_message(context, ps_pb2.ExchangeRequest))
                 if request is grpc.aio.EOF:
                     break
                 if request.WhichOneof("kind") != "push":
-                    raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "expected a PushChunk after Hello")
+                    raise BadRequest("expected a PushChunk after Hello")
                 chunk = request.push
-                payload = await self._assemble(session, partial, chunk)
+                self._check_push(session, chunk)
+                payload = await assembler.add(chunk, session.aggregator.allowed_sizes)
                 if payload is not None:
                     # Summed in its own task so this stream keeps reading. Never cancelled: a
                     # push that has been read is always summed and its budget released.
@@ -373,20 +161,15 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         except asyncio.CancelledError:
             cancelled = True  # the writer is gone: nothing more can reach this client
             raise
-        except PushRejected as exc:
-            stream.error = stream.error or exc  # the first cause (say, "replaced by a newer stream") stands
-            self.metrics.push(stream.node_id, "rejected")
-            log.warning("node %s: %s", stream.node_id, exc.message)
+        except ProtocolError as exc:
+            stream.fail(self._rejected(stream, exc))  # the first cause ("replaced by a newer stream") stands
         except grpc.aio.AioRpcError:
             pass  # the client went away; nothing to tell it
         except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
             log.exception("node %s: unexpected error reading pushes", stream.node_id)
-            stream.error = stream.error or PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
+            stream.fail(InternalError(f"shard error: {exc!r}"))
         finally:
-            for assembly in partial.values():
-                self.budget.release(assembly.total)
-                self.pending_pushes -= 1
-            self._update_inflight()
+            assembler.abandon()
             if stream.push_tasks and not cancelled:
                 # results of pushes already read (say, the one completing a round while the shard
                 # drains) go out before the stream ends: the client's gradient is in them
@@ -395,189 +178,71 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # a client half-closes only when it has everything it waits for)
             stream.stop()
 
-    async def _next_push(self, context: grpc.aio.ServicerContext, stream: _NodeStream,
-                         partial: dict[int, _Assembly]):
-        """The next message; a client that stops halfway through a block's chunks holds part of
-        the shard's memory budget, so it gets the round timeout to continue, not forever."""
-        if not partial:
-            return await read_message(context, ps_pb2.ExchangeRequest)
-        # A block's upload has one deadline in total, not per chunk: a client trickling one byte
-        # per chunk must not hold the block's memory forever.
-        (block_id, a), = partial.items()
-        left = a.deadline - time.monotonic()
+    def _rejected(self, stream: NodeStream, error: ProtocolError) -> ProtocolError:
+        """Count and log a refused push; the error, without the traceback that would keep the
+        stream's frames (and the pushed bytes) alive."""
+        self.metrics.push(stream.node_id, "rejected")
+        log.warning("node %s: %s", stream.node_id, error.message)
+        return error.with_traceback(None)
+
+    def _check_push(self, session: Session, chunk: ps_pb2.PushChunk) -> None:
+        if session.failed is not None or session is not self.session:
+            raise SessionEnded("session is no longer active")
+        if self.draining and session.aggregator.opens_round(chunk.block_id, chunk.round):
+            raise ShuttingDown("shard is shutting down; no new rounds")
+
+    async def _push(self, session: Session, stream: NodeStream, chunk: ps_pb2.PushChunk, payload: bytes) -> None:
         try:
-            return await asyncio.wait_for(read_message(context, ps_pb2.ExchangeRequest), max(left, 0.0))
-        except asyncio.TimeoutError:
-            raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"sent {a.filled} of {a.total} bytes of block {block_id} round {a.round} "
-                               f"in {self.config.round_timeout_s:g}s; a block must arrive whole within the "
-                               f"round timeout") from None
-
-    async def _assemble(self, session: _Session, partial: dict[int, _Assembly],
-                        chunk: ps_pb2.PushChunk) -> bytes | None:
-        """Add a chunk to its block; return the payload once complete."""
-        if session.aggregator.failed is not None or session is not self.session:
-            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, "session is no longer active")
-        if self.draining and session.aggregator.next_round(chunk.block_id) == chunk.round and not \
-                session.aggregator.blocks[chunk.block_id].pushed:
-            raise PushRejected(grpc.StatusCode.UNAVAILABLE, "shard is shutting down; no new rounds")
-        assembly = partial.get(chunk.block_id)
-        if assembly is None and partial:
-            # a block's chunks come contiguously (the client holds its stream for a whole block), so
-            # a stream holds at most one block's reservation while it waits for budget: no deadlock
-            (other, a), = partial.items()
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {chunk.block_id}: chunk arrived while block {other} has {a.filled} of "
-                               f"{a.total} bytes; a stream must send one block's chunks contiguously")
-        if assembly is None:
-            sizes = session.aggregator.allowed_sizes(chunk.block_id, chunk.round)  # rejects unknown ids
-            if chunk.total_bytes not in sizes:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
-                                   f"says {sizes[0]} (or {sizes[1]} uncompressed)")
-            expected = chunk.total_bytes
-            # Reserve the whole block up front: a block holds all of its budget or none, so
-            # streams that each hold part of the budget can never wait on each other forever.
-            try:
-                await asyncio.wait_for(self.budget.acquire(expected), 2 * self.config.round_timeout_s)
-            except asyncio.TimeoutError:
-                raise PushRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"block {chunk.block_id}: the shard's memory budget ({self.budget.capacity} "
-                                   f"bytes) stayed full for {2 * self.config.round_timeout_s:g}s") from None
-            assembly = partial[chunk.block_id] = _Assembly(chunk.round, expected,
-                                                           deadline=time.monotonic() + self.config.round_timeout_s)
-            self.pending_pushes += 1
-            self._update_inflight()
-        if chunk.round != assembly.round or chunk.total_bytes != assembly.total or chunk.offset != assembly.filled:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {chunk.block_id}: chunk (round {chunk.round}, offset {chunk.offset}, "
-                               f"total {chunk.total_bytes}) does not continue round {assembly.round} at "
-                               f"offset {assembly.filled} of {assembly.total}")
-        n = len(chunk.data)
-        if n == 0 or assembly.filled + n > assembly.total:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block {chunk.block_id}: chunk of {n} bytes at offset {chunk.offset} "
-                               f"overruns the block's {assembly.total} bytes")
-        assembly.add(chunk.data)
-        if assembly.filled < assembly.total:
-            return None
-        del partial[chunk.block_id]
-        return assembly.payload()
-
-    async def _push(self, session: _Session, stream: _NodeStream, chunk: ps_pb2.PushChunk,
-                    payload: bytes) -> None:
-        key = (chunk.block_id, chunk.round)
-        pushers = session.pushers.setdefault(key, [])
-        pushers.append(stream)  # before push(): the last push completes the round inside it
-        claim_key, by, claim = (chunk.block_id, stream.node_id), None, None
-
-        def forget() -> None:
-            if stream in pushers:
-                pushers.remove(stream)
-            if not pushers and session.pushers.get(key) is pushers:
-                del session.pushers[key]
-
-        try:
-            by = session.pushed_by.get(claim_key)
-            if by is not None and by[0] == chunk.round and by[1] != stream.member:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"block {chunk.block_id} round {chunk.round} was already pushed by member "
-                                   f"{by[1]} of node {stream.node_id}: one local rank pushes each block")
-            # claimed before the first await, so two members racing cannot both get past the check
-            session.pushed_by[claim_key] = claim = (chunk.round, stream.member)
-            outcome = await session.aggregator.push(stream.node_id, chunk.block_id, chunk.round, payload)
-            if not outcome.accepted and outcome.resend is None:
-                # a retry of a push already summed, its round still open: the result is due to this
-                # stream alone (the one that pushed first may be gone, replaced by a reconnect)
-                pushers[:] = [s for s in pushers if (s.node_id, s.member) != (stream.node_id, stream.member)]
-                pushers.append(stream)
-            elif not outcome.accepted:
-                forget()  # the round is over: the result goes back with the resend below
-        except Exception as exc:  # noqa: BLE001 - any failure ends this node's stream, clearly
-            forget()
-            if claim is not None and session.pushed_by.get(claim_key) == claim:
-                if by is None:  # our push did not count: another member may still push the block
-                    del session.pushed_by[claim_key]
-                else:
-                    session.pushed_by[claim_key] = by
-            if not isinstance(exc, PushRejected):
+            outcome = await session.aggregator.push(stream.node_id, stream.member, chunk.block_id, chunk.round,
+                                                    payload)
+        except Exception as exc:  # noqa: BLE001 - any failure ends this member's stream, clearly
+            if not isinstance(exc, ProtocolError):
                 log.exception("node %s: unexpected error in push", stream.node_id)
-                exc = PushRejected(grpc.StatusCode.INTERNAL, f"shard error: {exc!r}")
-            self.metrics.push(stream.node_id, "rejected")
-            log.warning("node %s: %s", stream.node_id, exc.message)
-            stream.stop(exc)
+                exc = InternalError(f"shard error: {exc!r}")
+            stream.stop(self._rejected(stream, exc))
             return
         finally:
-            self.budget.release(len(payload))
-            self.pending_pushes -= 1
-            self._update_inflight()
+            self.inflight.release(len(payload))
         self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
-        if outcome.resend is not None:
-            self._send(session, stream, _pull_messages(chunk.block_id, chunk.round, outcome.resend),
-                       len(outcome.resend))
-
-    def _update_inflight(self) -> None:
-        self.metrics.inflight_bytes.set(self.budget.used)
+        if outcome.resend is not None:  # a retry of the round just finished: its result again
+            stream.send(result_messages(chunk.block_id, chunk.round, outcome.resend), len(outcome.resend))
 
     # ---- blobs (broadcasts) ---------------------------------------------------------------------
 
-    def _member_refusal(self, node: str, member: int, session_id: str) -> str | None:
-        """Why a caller may not touch the session's blobs or settings, or None for a member."""
+    def _blob_writer(self, node: str, member: int, session_id: str) -> Session:
+        """The session whose blobs a caller may write: a member's alone."""
         session = self.session
         if session is None or not session.is_member(node, member, session_id):
-            return (f"node {node[:MAX_ID_CHARS]!r} member {member} is not a member of this shard's current "
-                    f"session (register first; a session's blobs and settings are its members' alone)")
-        return None
+            raise Forbidden(f"node {node[:MAX_ID_CHARS]!r} member {member} is not a member of this shard's current "
+                            f"session (register first; a session's blobs and settings are its members' alone)")
+        return session
 
     async def PutBlob(self, context: grpc.aio.ServicerContext) -> ps_pb2.PutBlobResponse:
         first = await _first_message(context, ps_pb2.BlobChunk)
         if first is grpc.aio.EOF:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT, "PutBlob stream carried no chunk")
-        refusal = self._member_refusal(first.node_id, first.member, first.session_id)
-        if refusal is not None:
-            raise PushRejected(grpc.StatusCode.PERMISSION_DENIED, refusal)
-        session, key, total = self.session, first.key, first.total_bytes
-        problem = self.blobs.admission(key, total)
-        if problem is not None:
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT if problem.kind == "key"
-                               else grpc.StatusCode.RESOURCE_EXHAUSTED, str(problem))
-        # bounded memory for concurrent puts: a stalled or huge PutBlob can delay other
-        # broadcasts, never gradient traffic
-        await self.blob_budget.acquire(total)
+            raise BadRequest("PutBlob stream carried no chunk")
+        session = self._blob_writer(first.node_id, first.member, first.session_id)
+        self.blobs.admit(first.key, first.total_bytes)
+
+        async def next_chunk() -> ps_pb2.BlobChunk | None:
+            chunk = await read_message(context, ps_pb2.BlobChunk)
+            return None if chunk is grpc.aio.EOF else chunk
+
+        upload = BlobUpload(first.key, first.total_bytes, self.config.round_timeout_s)
+        await self.blob_budget.acquire(upload.total)
         try:
-            upload = BlobUpload(key, total, deadline=time.monotonic() + self.config.round_timeout_s)
-            chunk = first
-            while chunk is not grpc.aio.EOF:
-                upload.add(chunk)  # raises BlobError naming what is wrong with the chunk
-                left = upload.deadline - time.monotonic()
-                try:
-                    chunk = await asyncio.wait_for(read_message(context, ps_pb2.BlobChunk), max(left, 0.0))
-                except asyncio.TimeoutError:
-                    raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       f"blob {key!r}: {upload.filled} of {total} bytes arrived within "
-                                       f"{self.config.round_timeout_s:g}s") from None
+            data = await upload.receive(first, next_chunk)
             if session is not self.session:
-                raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION, "the session ended during the upload")
-            self.blobs.put(key, upload.data(), writer=(first.node_id, first.member))
-        except BlobError as exc:
-            raise PushRejected(_BLOB_STATUS[exc.kind], str(exc)) from None
+                raise SessionEnded("the session ended during the upload")
+            self.blobs.put(upload.key, data, writer=(first.node_id, first.member))
         finally:
-            self.blob_budget.release(total)
+            self.blob_budget.release(upload.total)
         return ps_pb2.PutBlobResponse()
 
     async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext) -> None:
-        session = self.session
-        if session is None or not secrets.compare_digest(request.session_id, session.session_id):
-            raise PushRejected(grpc.StatusCode.PERMISSION_DENIED,
-                               "not a member of this shard's current session (register first)")
-        timeout_s = request.timeout_s or 60.0
-        if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_BLOB_WAIT_S):
-            raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"timeout_s must be finite, in (0, {MAX_BLOB_WAIT_S:g}], got {timeout_s!r}")
-        try:
-            data, (node, member) = await self.blobs.get(request.key, timeout_s)
-        except BlobError as exc:
-            raise PushRejected(_BLOB_STATUS[exc.kind], str(exc)) from None
+        if self.session is None or not self.session.proves(request.session_id):
+            raise Forbidden("not a member of this shard's current session (register first)")
+        data, (node, member) = await self.blobs.get(request.key, request.timeout_s or 60.0)
         for off, piece in chunks(data):
             await context.write(ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off, data=piece,
                                                  node_id=node, member=member))
@@ -587,11 +252,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     async def SetCodecs(self, request: ps_pb2.SetCodecsRequest, context: grpc.aio.ServicerContext
                         ) -> ps_pb2.SetCodecsResponse:
         session = self.session
-        if session is None or request.node_id not in session.nodes or \
-                not secrets.compare_digest(request.session_id, session.session_id):
-            raise PushRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"node {request.node_id[:MAX_ID_CHARS]!r} is not a member of this shard's "
-                               f"current session (register first)")
+        if session is None or request.node_id not in session.nodes or not session.proves(request.session_id):
+            raise NotMember(f"node {request.node_id[:MAX_ID_CHARS]!r} is not a member of this shard's "
+                            f"current session (register first)")
         mine = [(b.block_id, b.codec) for b in request.blocks if b.block_id in session.aggregator.blocks]
         session.aggregator.set_codecs(request.from_round, mine)
         if mine:
@@ -605,9 +268,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         while chunk is not grpc.aio.EOF:  # read and dropped: memory stays one chunk
             total += len(chunk.data)
             if total > MAX_PROBE_BYTES:
-                raise PushRejected(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"a link probe sends at most {MAX_PROBE_BYTES} bytes")
-            chunk = await asyncio.wait_for(read_message(context, ps_pb2.ProbeChunk), self.config.round_timeout_s)
+                raise BadRequest(f"a link probe sends at most {MAX_PROBE_BYTES} bytes")
+            try:
+                chunk = await asyncio.wait_for(read_message(context, ps_pb2.ProbeChunk), self.config.round_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimedOut(f"the link probe paused for {self.config.round_timeout_s:g}s") from None
         return ps_pb2.ProbeResponse(bytes=total)
 
     # ---- shutdown -------------------------------------------------------------------------------
@@ -615,28 +280,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     def rounds_in_flight(self) -> int:
         session = self.session
         in_rounds = 0 if session is None else session.aggregator.rounds_in_flight()
-        return in_rounds + self.pending_pushes
+        return in_rounds + self.inflight.count
 
     def close_streams(self, reason: str) -> None:
         if self.session is not None:
-            self._end_session(self.session, grpc.StatusCode.UNAVAILABLE, reason)
-
-
-@dataclass(eq=False)
-class _Assembly:
-    round: int
-    total: int  # also the bytes reserved in the budget for it
-    deadline: float = math.inf  # time.monotonic() by which the last chunk must have arrived
-    filled: int = 0
-    parts: list[bytes] = field(default_factory=list)
-
-    def add(self, data: bytes) -> None:
-        self.parts.append(data)
-        self.filled += len(data)
-
-    def payload(self) -> bytes:
-        # One chunk: no copy. Several: one join (cheaper than growing a bytearray chunk by chunk).
-        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+            self.session.end(ShuttingDown(reason))
+            self._last_ended = self.session
 
 
 async def _first_message(context: grpc.aio.ServicerContext, cls: type):
@@ -644,12 +293,4 @@ async def _first_message(context: grpc.aio.ServicerContext, cls: type):
     try:
         return await asyncio.wait_for(read_message(context, cls), FIRST_MESSAGE_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise PushRejected(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g}s of opening the stream") from None
-
-
-def _pull_messages(block_id: int, round_: int, data: bytes) -> list[ps_pb2.ExchangeResponse]:
-    """Chunk one result into messages built once and written to every node's stream."""
-    return [ps_pb2.ExchangeResponse(pull=ps_pb2.PullChunk(round=round_, block_id=block_id, total_bytes=len(data),
-                                                          offset=off, data=piece))
-            for off, piece in chunks(data)]
+        raise TimedOut(f"no first message within {FIRST_MESSAGE_TIMEOUT_S:g}s of opening the stream") from None

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from ..envparse import env_int
 from ..security import ChannelSecurity, CredentialError
 from .errors import ConfigError
 
@@ -90,13 +91,7 @@ class WorkerConfig:
         env = os.environ if env is None else env
 
         def num(name: str, default: int) -> int:
-            value = env.get(name, "")
-            if value == "":
-                return default
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{name}={value!r} is not an integer") from None
+            return env_int(env, name, default, error=ConfigError)
 
         local_rank, local_size = num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", 1)
         if "CGX_PS_NODE_RANK" in env or "CGX_PS_NUM_NODES" in env:

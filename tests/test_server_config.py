@@ -1,0 +1,63 @@
+"""A shard's settings: one place for defaults, environment variables and flags (server/config.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cgx_ps import cli
+from cgx_ps.server.config import SETTINGS, ServerConfig, flag_defaults, shard_flags
+
+
+def test_every_field_has_one_environment_variable_and_flag() -> None:
+    assert set(SETTINGS) == {f.name for f in dataclasses.fields(ServerConfig)}
+    assert len({s.env for s in SETTINGS.values()}) == len({s.flag for s in SETTINGS.values()}) == len(SETTINGS)
+
+
+def test_from_env_reads_the_variables_over_the_defaults() -> None:
+    assert ServerConfig.from_env({}) == ServerConfig(metrics_port=9400)  # deployed shards serve metrics
+    config = ServerConfig.from_env({"CGX_PS_PORT": "7001", "CGX_PS_MAX_INFLIGHT_MB": "2.5", "CGX_PS_NUM_SHARDS": "4",
+                                    "CGX_PS_SHARD_INDEX": "3", "CGX_PS_ERROR_FEEDBACK": "1", "CGX_PS_TOKEN_FILE": "",
+                                    "CGX_PS_TLS_CERT": "c.pem", "CGX_PS_TLS_KEY": "k.pem", "CGX_PS_LOG_LEVEL": "DEBUG"})
+    assert (config.port, config.max_inflight_bytes, config.num_shards, config.shard_index) == (7001, 5 << 19, 4, 3)
+    assert config.error_feedback and config.token_file is None and config.tls_cert == "c.pem"
+    assert config.log_level == "DEBUG"
+    assert ServerConfig.from_env({"CGX_PS_ERROR_FEEDBACK": "false"}).error_feedback is False
+    # overrides are field values, applied before validation (the index is valid for 2 shards only)
+    assert ServerConfig.from_env({"CGX_PS_SHARD_INDEX": "1"}, num_shards=2).shard_index == 1
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"CGX_PS_PORT": "x"}, "CGX_PS_PORT='x' is not an integer"),
+    ({"CGX_PS_ROUND_TIMEOUT": "soon"}, "CGX_PS_ROUND_TIMEOUT='soon' is not a number"),
+    ({"CGX_PS_SHARD_INDEX": "2", "CGX_PS_NUM_SHARDS": "2"}, "shard_index must be in 0..1, got 2"),
+    ({"CGX_PS_LOG_LEVEL": "LOUD"}, "log_level must be one of"),
+    ({"CGX_PS_TLS_CERT": "c.pem"}, "TLS needs both"),
+])
+def test_bad_settings_are_named(env: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerConfig.from_env(env)
+
+
+def test_the_cli_takes_its_defaults_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("CGX_PS_ROUND_TIMEOUT", "7.5")
+    monkeypatch.setenv("CGX_PS_MAX_MODEL_MB", "64")
+    args = cli.build_parser().parse_args(["server", "--port", "0"])
+    assert (args.round_timeout, args.max_model_mb, args.port) == (7.5, 64.0, 0)
+    config = ServerConfig.from_flags(vars(args))
+    assert config == ServerConfig.from_env(port=0) and config.max_model_bytes == 64 << 20
+    monkeypatch.setenv("CGX_PS_KERNEL_THREADS", "many")
+    with pytest.raises(SystemExit, match="CGX_PS_KERNEL_THREADS='many' is not an integer"):
+        cli.build_parser()
+
+
+def test_a_cluster_passes_its_settings_to_every_shard() -> None:
+    args = cli.build_parser().parse_args(["cluster", "--error-feedback", "--max-inflight-mb", "3", "--tls-cert", "c",
+                                          "--tls-key", "k", "--token-file", "t"])
+    argv = shard_flags(vars(args), skip=("token_file",))
+    shard = cli.build_parser().parse_args(["server", *argv])
+    config = ServerConfig.from_flags(vars(shard))
+    assert config.error_feedback and config.max_inflight_bytes == 3 << 20 and config.tls_key == "k"
+    assert "--token-file" not in argv and "--port" not in argv  # the cluster sets those per shard
+    assert flag_defaults({})["max_inflight_bytes"] == 1024.0  # flags in MiB, fields in bytes
