@@ -71,9 +71,6 @@ def test_at_most_one_log_line_per_bad_call(report: FuzzReport) -> None:
 
 
 @slow
-@pytest.mark.xfail(strict=False, reason="racy (strict test: test_the_gate_aborts_once_when_the_client_is_gone): "
-                                        "a refusal sent after the client's deadline passed (the shard was busy) "
-                                        "makes the gate abort twice; grpc logs a traceback")
 def test_no_traceback_in_the_log(report: FuzzReport) -> None:
     assert report.log.tracebacks == 0, report.summary()
 
@@ -84,17 +81,11 @@ def test_no_call_ends_unknown(report: FuzzReport) -> None:
 
 
 @slow
-@pytest.mark.xfail(strict=True, reason="Probe stalled past the round timeout ends INTERNAL (uncaught TimeoutError, "
-                                       "service.py Probe); a non-ASCII session_id ends INTERNAL (TypeError from "
-                                       "secrets.compare_digest, service.py GetBlob/SetCodecs/_Session.is_member)")
 def test_no_call_ends_internal(report: FuzzReport) -> None:
     assert report.codes["INTERNAL"] == 0, report.summary()
 
 
 @slow
-@pytest.mark.xfail(strict=True, reason="refusals echo unbounded request fields into the status (Hello.node_id in "
-                                       "service.py Exchange, tensor names via layout.py validate_layout and "
-                                       "first_difference): the client gets RESOURCE_EXHAUSTED instead")
 def test_no_status_echoes_the_request(report: FuzzReport) -> None:
     assert report.oversized_details == 0, report.summary()
 
@@ -138,8 +129,6 @@ async def stream_status(call) -> tuple[grpc.StatusCode, str]:
     return await status_of(read_all())
 
 
-@pytest.mark.xfail(strict=True, reason="service.py Probe: asyncio.wait_for(read_message(...), round_timeout_s) "
-                                       "raises TimeoutError, which the gate turns into INTERNAL")
 async def test_a_probe_that_stalls_past_the_round_timeout_ends_deadline_exceeded(shard) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
         call = channel.stream_unary("/cgx_ps.v1.ParameterServer/Probe")(metadata=METADATA, timeout=5)
@@ -168,8 +157,6 @@ async def call_with_session_id(stub, method: str, session_id: str) -> tuple[grpc
     return await stream_status(call)
 
 
-@pytest.mark.xfail(strict=True, reason="secrets.compare_digest raises TypeError on non-ASCII str (service.py "
-                                       "_Session.is_member, GetBlob, SetCodecs): INTERNAL instead of a refusal")
 @pytest.mark.parametrize("method", ["GetBlob", "SetCodecs", "PutBlob", "Exchange"])
 async def test_a_non_ascii_session_id_is_refused_like_any_wrong_one(shard, method: str) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
@@ -188,9 +175,6 @@ def with_tensor_name(layout: ps_pb2.Layout, name: str) -> ps_pb2.Layout:
     return copy
 
 
-@pytest.mark.xfail(strict=True, reason="the refusal quotes the request's field in full (service.py Exchange: "
-                                       "node {node!r}; layout.py validate_layout and first_difference: tensor "
-                                       "names): over 16 KiB the client gets RESOURCE_EXHAUSTED, not the reason")
 @pytest.mark.parametrize("what", ["hello-node-id", "invalid-layout-tensor-name", "other-layout-tensor-name"])
 async def test_a_refusal_does_not_echo_a_huge_field(shard, what: str) -> None:
     huge = "a" + "x" * 100_000
@@ -234,9 +218,6 @@ class ContextOfAGoneClient:
         raise cygrpc.ExecuteBatchError('Failed "execute_batch"')
 
 
-@pytest.mark.xfail(strict=True, reason="rpc.py _Gate.run: the ExecuteBatchError of the service's failed abort is "
-                                       "caught as unexpected and aborted again (INTERNAL); grpc then logs "
-                                       "'Abort already called!' with a 12-line traceback (9-10 times in 10,000 cases)")
 async def test_the_gate_aborts_once_when_the_client_is_gone() -> None:
     context = ContextOfAGoneClient()
 
@@ -251,9 +232,6 @@ async def test_the_gate_aborts_once_when_the_client_is_gone() -> None:
     assert context.aborts == 1
 
 
-@pytest.mark.xfail(strict=True, reason="service.py SetCodecs / aggregator.py set_codecs handle each of a request's "
-                                       "entries (~20 us each, metrics included) on the event loop: 100,000 entries "
-                                       "(1.3 MB) hold every other call of the shard for ~2 s")
 async def test_a_huge_setcodecs_request_does_not_hold_the_shard(shard) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)

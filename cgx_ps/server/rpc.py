@@ -58,14 +58,24 @@ STATUS_CODES: dict[type[ProtocolError], grpc.StatusCode] = {
 }
 
 
+# Status details travel in HTTP/2 trailers, which gRPC clients cap at 16 KiB: a reason that
+# quotes a hostile request's field (an 800 kB node id, a tensor name) would arrive as an
+# unrelated RESOURCE_EXHAUSTED. Every message is clipped here, in the one place all pass.
+MAX_DETAILS_CHARS = 1024
+
+
+def clip(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters, clipped)"
+
+
 def grpc_status(error: ProtocolError) -> tuple[grpc.StatusCode, str]:
     """The status code and details ``error`` travels as: the table's code for its class, or for
     the nearest base class in it (a blob store error is also a BadRequest, a TimedOut...)."""
     for cls in type(error).__mro__:
         code = STATUS_CODES.get(cls)
         if code is not None:
-            return code, error.message
-    return grpc.StatusCode.INTERNAL, error.message  # a class missing from the table is a bug
+            return code, clip(error.message)
+    return grpc.StatusCode.INTERNAL, clip(error.message)  # a class missing from the table is a bug
 
 
 class RateLimitedLog:
@@ -143,13 +153,21 @@ class _Gate:
         except ProtocolError as exc:
             code, message = grpc_status(exc)
             self.log.warning(f"rejected:{method}", "%s from %s: %s: %s", method, context.peer(), code.name, message)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise  # the client went away, or the service aborted with its own status
+        except (asyncio.CancelledError, grpc.aio.AbortError, _ExecuteBatchError):
+            # the client went away, or the service aborted with its own status; an abort that
+            # failed because the client is gone must not be answered by a second abort (gRPC
+            # logs "Abort already called!" with a traceback for that)
+            raise
         except Exception as exc:  # noqa: BLE001 - a bug must not become a traceback per message
             code, message = grpc_status(InternalError(f"shard error in {method}: {type(exc).__name__}"))
             self.log.warning(f"error:{method}", "%s from %s: unexpected %r", method, context.peer(), exc)
             log.debug("traceback", exc_info=True)
         await context.abort(code, message)
+
+
+# What a service's own context.abort raises when the call has already ended (private to grpc,
+# stable since grpc.aio exists; looked up so a rename degrades to "caught as unexpected").
+_ExecuteBatchError = getattr(getattr(grpc, "_cython").cygrpc, "ExecuteBatchError", asyncio.CancelledError)
 
 
 def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | None) -> None:

@@ -255,6 +255,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if session is None or request.node_id not in session.nodes or not session.proves(request.session_id):
             raise NotMember(f"node {request.node_id[:MAX_ID_CHARS]!r} is not a member of this shard's "
                             f"current session (register first)")
+        if len(request.blocks) > len(session.layout.blocks) or \
+                len({b.block_id for b in request.blocks}) != len(request.blocks):
+            # bounded work on the event loop: one entry per block of the layout, at most
+            raise BadRequest(f"SetCodecs lists {len(request.blocks)} entries for a layout of "
+                             f"{len(session.layout.blocks)} blocks; each block at most once")
         mine = [(b.block_id, b.codec) for b in request.blocks if b.block_id in session.aggregator.blocks]
         session.aggregator.set_codecs(request.from_round, mine)
         if mine:
