@@ -408,6 +408,21 @@ def test_blob_keys_count_against_the_capacity():
     assert store.used <= store.capacity
 
 
+def test_uploads_and_stored_blobs_share_one_capacity():
+    """Before: the store and the uploads each had the in-flight cap, and a blob was joined from
+    its chunks (2x): a member could hold ~3x the cap. Now the total never exceeds the capacity."""
+    store = BlobStore(capacity=1000)
+    store.put("stored", b"x" * 400, ("node-0", 0))
+    held = store.reserve("uploading", 500)  # an upload still arriving
+    with pytest.raises(BlobError, match="exceeds the shard's blob capacity"):
+        store.reserve("another", 100)  # 406 + 509 + 107 > 1000
+    store.clear()  # a new session: stored blobs go, the upload's reservation stays until it ends
+    assert store.used == held
+    store.put("uploading", b"y" * 500, ("node-0", 0), reserved=held)
+    assert store.used == held  # the reservation became the stored blob, not counted twice
+    assert store.used <= store.capacity
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

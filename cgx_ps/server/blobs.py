@@ -2,8 +2,9 @@
 
 Used for broadcasts (initial parameters, optimizer state). Blobs belong to the current session:
 the store is cleared when a session starts or ends, each blob remembers the member that wrote
-it (readers accept only their root rank's), and keys and data both count against a capacity,
-so a misbehaving client cannot exhaust the shard's memory. The shard never interprets a blob's
+it (readers accept only their root rank's), and keys, data and uploads still arriving all count
+against one capacity, so a misbehaving member cannot hold more than that: an upload reserves its
+size before its first byte is kept, and is assembled in place (no second copy to join). The shard never interprets a blob's
 bytes; workers parse them with a format that cannot execute code (cgx_ps/worker/blobformat.py).
 """
 
@@ -55,7 +56,10 @@ class BlobUpload:
     total: int
     timeout_s: float = math.inf
     filled: int = 0
-    parts: list[bytes] = field(default_factory=list)
+    buffer: bytearray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.buffer = bytearray(self.total)  # reserved in the store before this is created
 
     async def receive(self, first: Any, read: Callable[[], Awaitable[Any]]) -> bytes:
         """The blob's bytes: ``first`` (a ps_pb2.BlobChunk), then the chunks ``read`` returns
@@ -83,19 +87,19 @@ class BlobUpload:
             problem = f"chunk of {len(chunk.data)} bytes at offset {self.filled} overruns total_bytes={self.total}"
         if problem is not None:
             raise BadBlob(f"blob {self.key!r}: {problem}")
-        self.parts.append(chunk.data)
+        self.buffer[self.filled: self.filled + len(chunk.data)] = chunk.data
         self.filled += len(chunk.data)
 
-    def data(self) -> bytes:
+    def data(self) -> bytearray:
         if self.filled != self.total:
             raise BadBlob(f"blob {self.key!r}: stream ended at {self.filled} of {self.total} bytes")
-        return b"".join(self.parts)
+        return self.buffer  # stored as it is: the store never mutates it
 
 
 class BlobStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.used = 0  # key and data bytes
+        self.used = 0  # key and data bytes, stored or reserved by uploads still arriving
         self._blobs: dict[str, tuple[bytes, Writer]] = {}
         self._ready: dict[str, asyncio.Event] = {}
         self._waiting: dict[str, int] = {}  # GetBlob calls waiting per key
@@ -111,15 +115,29 @@ class BlobStore:
             raise BlobStoreFull(f"blob {key!r} of {total} bytes exceeds the shard's blob capacity "
                                 f"({self.used} of {self.capacity} bytes used)")
 
-    def put(self, key: str, data: bytes, writer: Writer) -> None:
+    def reserve(self, key: str, total: int) -> int:
+        """Hold room for an upload before its bytes arrive; returns the bytes reserved, to give
+        back with ``release`` (whether or not the upload was stored)."""
+        self.admit(key, total)
+        cost = self._cost(key, total)
+        self.used += cost
+        return cost
+
+    def release(self, reserved: int) -> None:
+        self.used -= reserved
+
+    def put(self, key: str, data: bytes | bytearray, writer: Writer, reserved: int = 0) -> None:
+        """Store a blob; ``reserved`` bytes held by its upload become the stored blob's."""
         old = self._blobs.get(key)
         if old is not None:
             if old != (data, writer):
                 raise BlobKeyTaken(f"blob {key!r} already holds different bytes")
-            return  # a retried put
-        self.admit(key, len(data))
+            self.release(reserved)  # a retried put: the first copy stays
+            return
+        if not reserved:
+            reserved = self.reserve(key, len(data))
         self._blobs[key] = (data, writer)
-        self.used += self._cost(key, len(data))
+        self.used += self._cost(key, len(data)) - reserved
         self._event(key).set()
 
     async def get(self, key: str, timeout_s: float) -> tuple[bytes, Writer]:
@@ -146,8 +164,9 @@ class BlobStore:
                     self._ready.pop(key, None)
 
     def clear(self) -> None:
+        # uploads still arriving keep their reservations: they release them when they end
+        self.used -= sum(self._cost(k, len(data)) for k, (data, _) in self._blobs.items())
         self._blobs.clear()
-        self.used = 0
         # Forget fired events; waiters on unfired ones keep waiting for the new session's put.
         self._ready = {k: e for k, e in self._ready.items() if not e.is_set()}
 

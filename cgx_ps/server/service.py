@@ -53,9 +53,6 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self.draining = False
         self.inflight = InflightPushes(config.max_inflight_bytes, metrics.inflight_bytes)
         self.blobs = BlobStore(config.max_inflight_bytes)
-        # uploads of blobs reserve from their own budget: a stalled or huge PutBlob (it needs no
-        # session) can delay other broadcasts, never gradient traffic
-        self.blob_budget = ByteBudget(config.max_inflight_bytes)
         self._push_tasks: set[asyncio.Task] = set()  # holds them: the event loop keeps tasks weakly
         self._last_ended: Session | None = None  # replaced or shut down last: its members learn why
         self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
@@ -222,21 +219,23 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         if first is grpc.aio.EOF:
             raise BadRequest("PutBlob stream carried no chunk")
         session = self._blob_writer(first.node_id, first.member, first.session_id)
-        self.blobs.admit(first.key, first.total_bytes)
 
         async def next_chunk() -> ps_pb2.BlobChunk | None:
             chunk = await read_message(context, ps_pb2.BlobChunk)
             return None if chunk is grpc.aio.EOF else chunk
 
-        upload = BlobUpload(first.key, first.total_bytes, self.config.round_timeout_s)
-        await self.blob_budget.acquire(upload.total)
+        # Room in the store first (refused when full: uploads and stored blobs share one
+        # capacity, so blobs never hold more than it, and gradient traffic never waits on them).
+        reserved = self.blobs.reserve(first.key, first.total_bytes)
         try:
+            upload = BlobUpload(first.key, first.total_bytes, self.config.round_timeout_s)
             data = await upload.receive(first, next_chunk)
             if session is not self.session:
                 raise SessionEnded("the session ended during the upload")
-            self.blobs.put(upload.key, data, writer=(first.node_id, first.member))
+            self.blobs.put(upload.key, data, writer=(first.node_id, first.member), reserved=reserved)
+            reserved = 0
         finally:
-            self.blob_budget.release(upload.total)
+            self.blobs.release(reserved)
         return ps_pb2.PutBlobResponse()
 
     async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext) -> None:
