@@ -72,6 +72,14 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
+def _add_shard_list_options(p: argparse.ArgumentParser) -> None:
+    # Read at run time (cgx_ps.wait_for_shards.resolve), so the environment the command runs in counts.
+    p.add_argument("--servers", default=None,
+                   help="shard addresses host:port,... or a template with {i} (default: env CGX_PS_SERVERS)")
+    p.add_argument("--num-shards", default=None,
+                   help="shard count, expands a {i} template (default: env CGX_PS_NUM_SHARDS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cgx-ps", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -123,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     codec = sub.add_parser("codec-demo", help="encode a random gradient: sizes, error and speed")
     codec.add_argument("--numel", type=int, default=25_000_000)
     codec.add_argument("--bucket-size", type=int, default=1024)
+
+    wait = sub.add_parser("wait-for-shards", help="wait until every shard is SERVING (health service; no token)",
+                          description="Wait until every shard answers SERVING on the gRPC health service. "
+                                      "TLS from CGX_PS_TLS_CA/CERT/KEY/SERVER_NAME, as workers. Exit status: 0 "
+                                      "all SERVING, 1 timeout, 2 bad configuration.")
+    _add_shard_list_options(wait)
+    wait.add_argument("--timeout", type=float, default=1800.0,
+                      help="seconds to wait in all before failing (default %(default)s)")
+    wait.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default %(default)s)")
     return parser
 
 
@@ -144,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .codec_demo import run_codec_demo
 
         return run_codec_demo(args)
+    if args.command == "wait-for-shards":
+        from .wait_for_shards import run_wait_for_shards
+
+        return run_wait_for_shards(args)
     raise AssertionError(args.command)
 
 

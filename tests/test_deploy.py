@@ -1,4 +1,5 @@
-"""Offline checks of deploy/: the kustomize overlays, the images and the init-container script.
+"""Offline checks of deploy/: the kustomize overlays, the images and the workers' init container
+(`cgx-ps wait-for-shards`).
 
 Every overlay is rendered with the real kustomize (`kubectl kustomize`, or a standalone
 `kustomize build`; without either the rendering tests skip) from a copy of deploy/ in which
@@ -65,7 +66,9 @@ def _load_by_path(name: str, path: Path):
     return module
 
 
-wfs = _load_by_path("cgx_ps_deploy_wait_for_shards", DEPLOY / "wait_for_shards.py")
+from cgx_ps import wait_for_shards as wfs  # noqa: E402 - the init container's command, `cgx-ps wait-for-shards`
+from cgx_ps.addresses import servers_from_env  # noqa: E402
+from cgx_ps.security import ChannelSecurity  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -550,7 +553,7 @@ def test_workers_derive_shard_addresses_from_the_same_count(rel):
         env = container_env(rel, c, downward)
         assert env["CGX_PS_NUM_SHARDS"] == cfg["CGX_PS_NUM_SHARDS"]
         assert "{i}" in env["CGX_PS_SERVERS"], "use the {i} template, not a hand-written list"
-        assert wfs.shard_addresses(env) == expected
+        assert list(servers_from_env(env)) == expected
     worker = container(job, "worker")
     node_rank = [e for e in worker["env"] if e["name"] == "CGX_PS_NODE_RANK"]
     assert node_rank and node_rank[0]["valueFrom"]["fieldRef"]["fieldPath"] == NODE_RANK_FIELD
@@ -676,7 +679,8 @@ def test_job_shape(rel):
     limit = parse_quantity(container(job, "worker")["resources"]["limits"]["memory"])
     assert parse_quantity(shm[0]["emptyDir"]["sizeLimit"]) < limit, "/dev/shm counts against the memory limit"
     init = container(job, "wait-for-shards", init=True)
-    assert init["command"][:2] == ["python", "/app/deploy/wait_for_shards.py"]
+    assert "command" not in init, "the image's entrypoint (the cgx-ps CLI) runs `cgx-ps wait-for-shards`"
+    assert init_args(init).command == "wait-for-shards"
 
 
 # ---------------------------------------------------------------------------------------
@@ -1122,7 +1126,7 @@ def test_tls_files_are_cert_manager_secrets_mounted_read_only(rel):
             assert usage in certs[vol["secret"]["secretName"]]["spec"]["usages"], (c["name"], var)
             assert readable_only_by_the_pod_user(owner, vol)
         if owner is job:
-            wfs.ChannelSecurity.from_env(env)   # the workers' own checks of the combination
+            ChannelSecurity.from_env(env)   # the workers' own checks of the combination
 
 
 @pytest.mark.parametrize("rel", TLS_DIRS)
@@ -1151,7 +1155,7 @@ def test_certificate_names_cover_every_shard_address(rel):
     checked = 0
     for c in all_containers(job):
         env = container_env(rel, c, DOWNWARD)
-        addresses = wfs.shard_addresses(env)
+        addresses = servers_from_env(env)
         assert len(addresses) == int(cfg["CGX_PS_NUM_SHARDS"])
         for address in addresses:
             host = address.rsplit(":", 1)[0]
@@ -1162,18 +1166,35 @@ def test_certificate_names_cover_every_shard_address(rel):
 
 
 # ---------------------------------------------------------------------------------------
-# wait_for_shards.py (the workers' init container)
+# `cgx-ps wait-for-shards` (the workers' init container)
+
+
+def init_args(init: dict, *extra: str):
+    """The init container's arguments (the image's entrypoint is the cgx-ps CLI), parsed by
+    the real CLI, with ``extra`` appended."""
+    from cgx_ps import cli
+
+    argv = dockerfile_entrypoint(DEPLOY / "Dockerfile") + list(init["args"]) + list(extra)
+    assert argv[0] == "cgx-ps"
+    return cli.build_parser().parse_args(argv[1:])
+
+
+def wait_main(env: dict[str, str], *argv: str) -> int:
+    from cgx_ps import cli
+
+    return wfs.run_wait_for_shards(cli.build_parser().parse_args(["wait-for-shards", *argv]), env=env)
 
 
 def test_shard_addresses():
-    assert wfs.shard_addresses({"CGX_PS_SERVERS": "s-{i}.s:7070", "CGX_PS_NUM_SHARDS": "3"}) == [
-        "s-0.s:7070", "s-1.s:7070", "s-2.s:7070"]
-    assert wfs.shard_addresses({"CGX_PS_SERVERS": "a:1, b:2"}) == ["a:1", "b:2"]
-    with pytest.raises(ValueError):
-        wfs.shard_addresses({"CGX_PS_SERVERS": "a:1,b:2", "CGX_PS_NUM_SHARDS": "3"})
-    with pytest.raises(ValueError):
-        wfs.shard_addresses({"CGX_PS_SERVERS": "s-{i}:1"})
-    assert wfs.main([], env={}) == 2
+    assert servers_from_env({"CGX_PS_SERVERS": "s-{i}.s:7070", "CGX_PS_NUM_SHARDS": "3"}) == (
+        "s-0.s:7070", "s-1.s:7070", "s-2.s:7070")
+    assert servers_from_env({"CGX_PS_SERVERS": "a:1, b:2"}) == ("a:1", "b:2")
+    for bad in ({"CGX_PS_SERVERS": "a:1,b:2", "CGX_PS_NUM_SHARDS": "3"}, {"CGX_PS_SERVERS": "s-{i}:1"},
+                {"CGX_PS_SERVERS": "nohostport"}, {}):
+        with pytest.raises(ValueError):
+            servers_from_env(bad)
+    assert wait_main({}) == 2
+    assert wait_main({}, "--servers", "a:1,b:2", "--num-shards", "3") == 2
 
 
 @pytest.fixture
@@ -1215,6 +1236,29 @@ def test_wait_for_shards_times_out_on_a_missing_shard(health_server):
     assert wfs.wait([address, "127.0.0.1:1"], timeout=1, interval=0.2, rpc_timeout=0.3,
                     log=lines.append) is False
     assert "127.0.0.1:1 (UNAVAILABLE)" in lines[-1]
+
+
+def test_wait_for_shards_command_as_the_init_container_runs_it(health_server):
+    """The CLI in a process of its own: exit 0 once SERVING, 1 naming the missing shard on
+    timeout, and no torch imported (the init container's memory limit is 256 MiB)."""
+    address, servicer, health_pb2 = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    init = container(worker_job("base"), "wait-for-shards", init=True)
+    script = ("import sys; from cgx_ps.cli import main; rc = main(sys.argv[1:]); "
+              "assert 'torch' not in sys.modules, 'wait-for-shards imported torch'; sys.exit(rc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
+
+    def run(servers: str) -> subprocess.CompletedProcess:
+        args = [*init["args"], "--timeout", "2", "--interval", "0.2"]
+        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
+                              env={**env, "CGX_PS_SERVERS": servers})
+
+    ok = run(address)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"{address} is SERVING" in ok.stdout
+    late = run(f"{address},127.0.0.1:1")
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert "still waiting for 127.0.0.1:1 (UNAVAILABLE)" in late.stdout.splitlines()[-1]
 
 
 @pytest.fixture
@@ -1275,24 +1319,24 @@ def test_wait_for_shards_speaks_mtls_like_the_workers(tls_health_server, pki, tm
     env = materialize(container_env(rel, init, DOWNWARD), tmp_path / "pod", pki["worker"])
     env["CGX_PS_SERVERS"] = tls_health_server
     env.pop("CGX_PS_NUM_SHARDS")
-    assert wfs.main(["--timeout", "10", "--interval", "0.2"], env=env) == 0
+    assert wfs.run_wait_for_shards(init_args(init, "--timeout", "10", "--interval", "0.2"), env=env) == 0
 
     quiet = dict(timeout=0.6, interval=0.2, rpc_timeout=0.5, log=lambda s: None)
-    security = wfs.ChannelSecurity.from_env(env)
+    security = ChannelSecurity.from_env(env)
     assert wfs.wait([tls_health_server], security=security, **quiet)
-    no_client_cert = wfs.ChannelSecurity(tls_ca=env["CGX_PS_TLS_CA"], server_name=env["CGX_PS_TLS_SERVER_NAME"])
+    no_client_cert = ChannelSecurity(tls_ca=env["CGX_PS_TLS_CA"], server_name=env["CGX_PS_TLS_SERVER_NAME"])
     assert not wfs.wait([tls_health_server], security=no_client_cert, **quiet)
     assert not wfs.wait([tls_health_server], **quiet)                       # plaintext
     # The dialled name is not in the certificate, and gRPC refuses a "*.cgx-ps-shard" wildcard
     # (one label after the star): hence CGX_PS_TLS_SERVER_NAME.
     for name in ("cgx-ps-shard-0.cgx-ps-shard", "cgx-ps-shard.other"):
-        other = wfs.ChannelSecurity.from_env({**env, "CGX_PS_TLS_SERVER_NAME": name})
+        other = ChannelSecurity.from_env({**env, "CGX_PS_TLS_SERVER_NAME": name})
         assert not wfs.wait([tls_health_server], security=other, **quiet), name
     assert not grpc_name_matches("cgx-ps-shard-0.cgx-ps-shard", ["*.cgx-ps-shard"])
     assert grpc_name_matches("cgx-ps-shard-0.cgx-ps-shard.ns.svc", ["*.cgx-ps-shard.ns.svc"])
     # A half-configured client certificate is a configuration error (exit 2), by name.
-    assert wfs.main(["--timeout", "1"], env={**env, "CGX_PS_TLS_KEY": ""}) == 2
-    assert wfs.main(["--timeout", "1"], env={**env, "CGX_PS_TLS_CA": str(tmp_path / "missing.crt")}) == 2
+    assert wait_main({**env, "CGX_PS_TLS_KEY": ""}, "--timeout", "1") == 2
+    assert wait_main({**env, "CGX_PS_TLS_CA": str(tmp_path / "missing.crt")}, "--timeout", "1") == 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -1376,9 +1420,9 @@ def test_real_shard_with_the_tls_manifest_environment(tmp_path, pki):
         init = container(worker_job(rel), "wait-for-shards", init=True)
         worker_env = materialize(container_env(rel, init, DOWNWARD), tmp_path / "worker", pki["worker"])
         grpc_address = f"127.0.0.1:{ports['port']}"
-        assert wfs.wait([grpc_address], timeout=20, security=wfs.ChannelSecurity.from_env(worker_env), **quiet)
+        assert wfs.wait([grpc_address], timeout=20, security=ChannelSecurity.from_env(worker_env), **quiet)
         assert not wfs.wait([grpc_address], timeout=1, **quiet)   # no plaintext on the gRPC port
-        no_client_cert = wfs.ChannelSecurity(tls_ca=worker_env["CGX_PS_TLS_CA"],
+        no_client_cert = ChannelSecurity(tls_ca=worker_env["CGX_PS_TLS_CA"],
                                              server_name=worker_env["CGX_PS_TLS_SERVER_NAME"])
         assert not wfs.wait([grpc_address], timeout=1, security=no_client_cert, **quiet)
         stop_within_grace(proc, env, sts)
