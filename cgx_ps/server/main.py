@@ -21,6 +21,7 @@ from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService
+from .status import ShardStatus
 from .tls import ReloadingServerCredentials
 
 __all__ = ["ShardServer", "run_server", "config_from_args", "setup_logging"]
@@ -56,6 +57,7 @@ class ShardServer:
         # Kernel work (decode-accumulate, re-encode) runs here; the kernels release the GIL.
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cgx-shard")
         self.service = ParameterServerService(config, self.executor, self.metrics)
+        self.status = ShardStatus(self.service)  # the Status RPC and session gauges
         self.health = health.aio.HealthServicer()
         # Read at start so a bad file stops the shard with a message naming it.
         self.token = read_token(config.token_file).encode() if config.token_file else None
@@ -79,7 +81,7 @@ class ShardServer:
 
     async def start(self) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        add_parameter_server(server, self.service, self.token)
+        add_parameter_server(server, self.service, self.token, status=self.status)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = self._bind(server, self.config.port, secure=True)
         if self.config.health_port >= 0:
@@ -133,6 +135,7 @@ class ShardServer:
             self._metrics_httpd.server_close()
         self.executor.shutdown(wait=True)
         log.info("stopped")
+        self.status.close()
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
