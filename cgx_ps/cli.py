@@ -132,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--numel", type=int, default=25_000_000)
     codec.add_argument("--bucket-size", type=int, default=1024)
 
+    status = sub.add_parser("status", help="one line per shard: health, session, rounds, bytes/s, last error",
+                            description="Ask every shard how it is doing: health (open health service), then "
+                                        "the Status RPC with the job token and TLS from the environment, as "
+                                        "workers (CGX_PS_TOKEN_FILE, CGX_PS_TLS_*). Exit status: 0 all shards "
+                                        "SERVING and answering, 1 otherwise, 2 bad configuration.")
+    _add_shard_list_options(status)
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2 when given) until Ctrl-C")
+    status.add_argument("--json", action="store_true", help="one JSON object per refresh instead of a table")
+    status.add_argument("--sample", type=float, default=1.0,
+                        help="without --watch: seconds between the two samples that give the rates; 0: one "
+                             "sample, no rates (default %(default)s)")
+    status.add_argument("--timeout", type=float, default=3.0, help="seconds per call (default %(default)s)")
+
     wait = sub.add_parser("wait-for-shards", help="wait until every shard is SERVING (health service; no token)",
                           description="Wait until every shard answers SERVING on the gRPC health service. "
                                       "TLS from CGX_PS_TLS_CA/CERT/KEY/SERVER_NAME, as workers. Exit status: 0 "
@@ -161,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .codec_demo import run_codec_demo
 
         return run_codec_demo(args)
+    if args.command == "status":
+        from .status import run_status
+
+        return run_status(args)
     if args.command == "wait-for-shards":
         from .wait_for_shards import run_wait_for_shards
 

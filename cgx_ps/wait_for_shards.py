@@ -26,21 +26,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from .addresses import parse_servers
 from .security import ChannelSecurity, CredentialError
 
-__all__ = ["health_status", "resolve", "run_wait_for_shards", "wait"]
+__all__ = ["check_health", "health_status", "resolve", "run_wait_for_shards", "wait"]
 
 PLAINTEXT = ChannelSecurity()
 
 
+def check_health(channel: grpc.Channel, rpc_timeout: float) -> tuple[str, str]:
+    """(overall health status name, "") — SERVING, NOT_SERVING, ... — or, when it could not be
+    read, (the gRPC status code name, its details): UNAVAILABLE when nothing listens, ..."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                          timeout=rpc_timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), ""
+    except grpc.RpcError as err:
+        if hasattr(err, "code"):
+            return err.code().name, err.details() or ""
+        return "UNKNOWN", str(err)
+
+
 def health_status(address: str, rpc_timeout: float, security: ChannelSecurity = PLAINTEXT) -> str:
-    """The shard's overall health status name (SERVING, NOT_SERVING, ...), or the gRPC status
-    code name that says why it could not be read (UNAVAILABLE: nothing listens, ...)."""
+    """The shard's health status name, or the gRPC status code name saying why it is unknown."""
     try:
         with security.sync_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=rpc_timeout)
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    except grpc.RpcError as err:
-        return err.code().name if hasattr(err, "code") else str(err)
+            return check_health(channel, rpc_timeout)[0]
     except CredentialError as err:  # e.g. a certificate file replaced mid-read
         return f"credentials: {err}"
 
