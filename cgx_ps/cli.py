@@ -22,7 +22,7 @@ DEFAULT_PORT = 7070
 DEFAULT_METRICS_PORT = 9400
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int | None) -> int | None:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
@@ -93,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this shard's index (env CGX_PS_SHARD_INDEX; default %(default)s)")
     server.add_argument("--num-shards", type=int, default=_env_int("CGX_PS_NUM_SHARDS", 1),
                         help="total shards (env CGX_PS_NUM_SHARDS; default %(default)s)")
-    server.add_argument("--metrics-port", type=int,
-                        default=_env_int("CGX_PS_METRICS_PORT", DEFAULT_METRICS_PORT),
-                        help="Prometheus metrics HTTP port, -1 disables "
-                             "(env CGX_PS_METRICS_PORT; default %(default)s)")
+    server.add_argument("--metrics-port", type=int, default=_env_int("CGX_PS_METRICS_PORT", None),
+                        help=f"Prometheus metrics HTTP port, -1 disables, 0 picks a free one (env "
+                             f"CGX_PS_METRICS_PORT; default {DEFAULT_METRICS_PORT} + --shard-index, so shards "
+                             f"started on one host do not collide)")
     server.add_argument("--metrics-host", default=os.environ.get("CGX_PS_METRICS_HOST", ""),
                         help="address the metrics listen on (env CGX_PS_METRICS_HOST; default: --host)")
     server.add_argument("--health-port", type=int, default=_env_int("CGX_PS_HEALTH_PORT", -1),
@@ -162,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "server":
         from .server.main import run_server
 
+        if args.metrics_port is None:
+            args.metrics_port = DEFAULT_METRICS_PORT + args.shard_index
         return run_server(args)
     if args.command == "cluster":
         from .server.cluster import run_cluster

@@ -1,0 +1,98 @@
+"""The `cgx-ps` command as a new user meets it: real processes, exit codes and what they print."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import TOKEN_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env_without_cgx_ps(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
+    env.update(extra)
+    return env
+
+
+def cgx_ps(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cgx_ps.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env_without_cgx_ps(**env), cwd=ROOT)
+
+
+@contextlib.contextmanager
+def server(tmp_path: Path, *args: str):
+    """`cgx-ps server ... --port-file`: yields (process, the ports it reports) once it serves."""
+    port_file = tmp_path / f"ports-{time.monotonic_ns()}.json"
+    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1",
+                             "--token-file", TOKEN_FILE, "--kernel-threads", "1", "--port-file", str(port_file),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env_without_cgx_ps())
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "shard did not start in 60 s"
+            time.sleep(0.05)
+        yield proc, json.loads(port_file.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def one_error_line(res: subprocess.CompletedProcess) -> str:
+    """The process failed with exactly one line of its own (gRPC's C core may add its own)."""
+    assert res.returncode == 2, res.stdout + res.stderr
+    out = res.stdout + res.stderr
+    assert "Traceback" not in out, out
+    ours = [line for line in out.splitlines() if "logger=cgx_ps" in line]
+    assert len(ours) == 1, out
+    return ours[0]
+
+
+# ---- shards started by hand on one host ------------------------------------------------------------
+
+
+def test_shards_started_by_hand_on_one_host_get_their_own_metrics_ports(tmp_path):
+    """Before: both shards defaulted to metrics port 9400 and the second died with a traceback.
+    Now the default is 9400 + the shard index (here 5 and 6, to stay clear of other users)."""
+    if not (port_is_free(9405) and port_is_free(9406)):
+        pytest.skip("ports 9405/9406 are in use on this machine")
+    with server(tmp_path, "--port", "0", "--shard-index", "5", "--num-shards", "7") as (_, a), \
+            server(tmp_path, "--port", "0", "--shard-index", "6", "--num-shards", "7") as (_, b):
+        assert (a["metrics_port"], b["metrics_port"]) == (9405, 9406)
+    help_text = cgx_ps("server", "--help").stdout
+    assert "default 9400 + --shard-index" in " ".join(help_text.split())
+
+
+def test_a_port_in_use_is_one_line_naming_the_port_and_the_flag(tmp_path):
+    with server(tmp_path, "--port", "0", "--metrics-port", "0") as (_, ports):
+        # gRPC sets SO_REUSEPORT by default: a second shard on the port used to start and share it
+        same_grpc = cgx_ps("server", "--host", "127.0.0.1", "--port", str(ports["port"]), "--metrics-port", "-1",
+                           "--token-file", TOKEN_FILE, timeout=60)
+        line = one_error_line(same_grpc)
+        assert f"cannot bind 127.0.0.1:{ports['port']}" in line and "choose another --port" in line
+        same_metrics = cgx_ps("server", "--host", "127.0.0.1", "--port", "0", "--metrics-port",
+                              str(ports["metrics_port"]), "--token-file", TOKEN_FILE, timeout=60)
+        line = one_error_line(same_metrics)
+        assert f"127.0.0.1:{ports['metrics_port']}" in line and "--metrics-port" in line
