@@ -938,6 +938,48 @@ def test_worker_egress_component_allows_only_shards_and_dns():
     assert_only_workers_reach_the_shards_grpc_port(rel)
 
 
+GRAFANA_COMPONENT = "optional/grafana"
+
+
+@pytest.mark.parametrize("base", ["cpu-local", "cpu-local-tls"])
+def test_grafana_component_provisions_the_dashboard_and_worker_metrics(base):
+    """The dashboard as a ConfigMap the Grafana sidecar picks up, and the workers' exporter
+    (tests/test_dashboard.py checks the dashboard's queries against the code)."""
+    tree = render_tree()
+    test_overlay = tree / "overlays" / f"_test-grafana-{base}"
+    test_overlay.mkdir(exist_ok=True)
+    (test_overlay / "kustomization.yaml").write_text(
+        f"resources: [../{base}]\ncomponents: [../../{GRAFANA_COMPONENT}]\n")
+    rel = f"overlays/_test-grafana-{base}"
+    _renders[rel] = kustomize_build(test_overlay)
+    for obj in render(rel):
+        if not is_custom_resource(obj):
+            kubernetes_validate.validate(obj, MIN_K8S, strict=True)
+    # the dashboard: labelled for the sidecar, a stable name, the committed JSON verbatim
+    board = one(rel, "ConfigMap", "cgx-ps-grafana-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    committed = (DEPLOY / GRAFANA_COMPONENT / "cgx-ps-dashboard.json").read_text()
+    assert board["data"] == {"cgx-ps-dashboard.json": committed}
+    assert json.loads(committed)["uid"] == "cgx-ps"
+    # the workers' exporter: one port number, from cgx-ps-config, in the env, the port and the annotation
+    job = worker_job(rel)
+    port = int(config(rel)["CGX_PS_WORKER_METRICS_PORT"])
+    worker = container(job, "worker")
+    assert container_env(rel, worker, DOWNWARD)["CGX_PS_WORKER_METRICS_PORT"] == str(port)
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"metrics": port}
+    ann = job["spec"]["template"]["metadata"]["annotations"]
+    assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == \
+        ("true", str(port), "/metrics")
+    assert port not in (int(config(rel)["CGX_PS_PORT"]), int(config(rel)["CGX_PS_METRICS_PORT"]), 29500)
+    # only the monitoring namespace reaches it, and the shards' policy is unchanged
+    p = peers(rel)
+    metrics_port = worker["ports"][0]
+    allowed = {name for name in p if admits(rel, "Ingress", p["worker"], p[name], metrics_port)}
+    assert allowed == {"monitoring"}, allowed
+    assert not admits(rel, "Ingress", p["worker"], p["monitoring"], HTTPS_PORT)
+    assert_only_workers_reach_the_shards_grpc_port(rel)
+
+
 def test_docs_describe_the_security_setup():
     docs = (REPO / "docs" / "deploy.md").read_text()
     for needle in (f"create secret generic {TOKEN_SECRET}", "=".join(MONITORING_LABEL),
