@@ -1,8 +1,10 @@
-"""The ``cgx-ps`` command line: long-running shards, a local cluster, and the demo.
+"""The cgx-ps command line: shards, a local cluster, a look at running shards, and the demo.
 
-    cgx-ps server  --port 7070 --shard-index 0 --num-shards 2     one shard (one process)
-    cgx-ps cluster --shards 2                                      N local shards, Ctrl-C stops all
     cgx-ps demo    --workers 2 --shards 2 [--local-ranks 1]        shards + workers train a model
+    cgx-ps cluster --shards 2                                      N local shards, Ctrl-C stops all
+    cgx-ps server  --port 7070 --shard-index 0 --num-shards 2     one shard (one process)
+    cgx-ps status  [--watch] [--json]                              one line per shard (CGX_PS_SERVERS)
+    cgx-ps wait-for-shards --timeout 600                           until every shard is SERVING
     cgx-ps codec-demo                                              codec sizes, error and speed
 
 Every option that a deployment sets has an environment variable (CGX_PS_*), so Kubernetes
@@ -69,7 +71,7 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
                           help="PEM CA bundle: require client certificates it signed, mutual TLS "
                                "(env CGX_PS_TLS_CLIENT_CA)")
     p.add_argument("--log-level", default=os.environ.get("CGX_PS_LOG_LEVEL", "INFO"),
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(env CGX_PS_LOG_LEVEL; default %(default)s)")
 
 
 def _add_shard_list_options(p: argparse.ArgumentParser) -> None:
@@ -81,7 +83,9 @@ def _add_shard_list_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cgx-ps", description=__doc__.split("\n")[0])
+    summary, _, rest = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(prog="cgx-ps", description=summary, epilog=rest,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     server = sub.add_parser("server", help="run one parameter-server shard")
@@ -107,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_options(server)
 
     cluster = sub.add_parser("cluster", help="run N local shard processes until Ctrl-C/SIGTERM")
-    cluster.add_argument("--shards", type=int, default=2)
-    cluster.add_argument("--host", default="127.0.0.1")
+    cluster.add_argument("--shards", type=int, default=2, help="shard processes (default %(default)s)")
+    cluster.add_argument("--host", default="127.0.0.1",
+                         help="address the shards bind (default %(default)s: this machine only)")
     cluster.add_argument("--base-port", type=int, default=DEFAULT_PORT,
                          help="shard i listens on base-port + i (default %(default)s)")
     cluster.add_argument("--metrics-base-port", type=int, default=-1,
@@ -121,16 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--local-ranks", type=int, default=1,
                       help="workers per node: they reduce through shared memory first, and each node pushes "
                            "every block once (must divide --workers; default %(default)s)")
-    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--epochs", type=int, default=8, help="passes over the training data (default %(default)s)")
     demo.add_argument("--batch-size", type=int, default=32, help="per worker")
     demo.add_argument("--compression", default="4bit",
                       help="fp32, fp16, Nbit (N in 1..8) or adaptive (default %(default)s)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="data order and initial weights (default %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
 
     codec = sub.add_parser("codec-demo", help="encode a random gradient: sizes, error and speed")
-    codec.add_argument("--numel", type=int, default=25_000_000)
-    codec.add_argument("--bucket-size", type=int, default=1024)
+    codec.add_argument("--numel", type=int, default=25_000_000,
+                       help="elements of the random gradient (default %(default)s: a 100 MB fp32 tensor)")
+    codec.add_argument("--bucket-size", type=int, default=1024,
+                       help="elements per max-min bucket (default %(default)s)")
 
     status = sub.add_parser("status", help="one line per shard: health, session, rounds, bytes/s, last error",
                             description="Ask every shard how it is doing: health (open health service), then "
@@ -158,7 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)  # a first try with no arguments: the overview, not a usage error
+        return 2
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handler (e.g. while importing)
+        print(f"cgx-ps {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "server":
         from .server.main import run_server
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -98,6 +99,81 @@ def test_a_port_in_use_is_one_line_naming_the_port_and_the_flag(tmp_path):
                               str(ports["metrics_port"]), "--token-file", TOKEN_FILE, timeout=60)
         line = one_error_line(same_metrics)
         assert f"127.0.0.1:{ports['metrics_port']}" in line and "--metrics-port" in line
+
+
+# ---- first contact: help, cluster ------------------------------------------------------------------
+
+
+def test_first_contact_help():
+    """`cgx-ps` alone shows the overview with examples (not just "COMMAND is required"), and
+    every option of every command says what it does."""
+    from cgx_ps.cli import build_parser
+
+    bare = cgx_ps()
+    assert bare.returncode == 2
+    for command in ("demo", "cluster", "server", "status", "wait-for-shards", "codec-demo"):
+        assert f"cgx-ps {command}" in bare.stderr, command
+    assert "``" not in bare.stderr  # no reStructuredText leaking into the terminal
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"cgx-ps {name} {'/'.join(action.option_strings)}: no help text"
+
+
+def cluster_process(*args: str) -> subprocess.Popen:
+    """`cgx-ps cluster` in a process group of its own, with Ctrl-C handled as in a terminal (a
+    test runner started in the background may hand its children SIGINT ignored)."""
+    return subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_cluster_with_a_port_in_use_says_so_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = cgx_ps("cluster", "--shards", "1", "--base-port", str(port), "--kernel-threads", "1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert f"cannot bind 127.0.0.1:{port}" in res.stderr
+    assert "cgx-ps cluster: shard 0 exited with code 2 during startup" in res.stderr
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_ctrl_c_stops_the_cluster_without_a_traceback(when):
+    """Ctrl-C reaches the whole foreground process group: the cluster and its shards."""
+    proc = cluster_process("--shards", "2", "--base-port", "0", "--kernel-threads", "1")
+    try:
+        if when == "starting":  # the shards are importing, not yet serving
+            deadline = time.monotonic() + 60
+            while len(children(proc.pid)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+        else:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "then `cgx-ps status` shows them" in line:
+                    break
+            assert any("2 shards serving" in line for line in lines), "".join(lines)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in out, out
+    if when == "starting" and "shards serving" not in out:  # (a fast machine may have finished)
+        assert proc.returncode == 130, out
+    else:
+        assert proc.returncode == 0, out
 
 
 # ---- the demo from a wheel installed without extras ---------------------------------------------------
