@@ -168,6 +168,18 @@ async def test_probe_names_shards_listed_out_of_order():
         await b.stop(drain=False)
 
 
+async def test_a_draining_shard_is_not_ok():
+    server = await start()
+    try:
+        await server.health.enter_graceful_shutdown()  # what SIGTERM does first
+        server.service.draining = True
+        (report,) = await asyncio.to_thread(probe_all, [f"127.0.0.1:{server.port}"], SECURITY)
+        assert report.health == "NOT_SERVING" and report.status.draining and not report.ok
+        assert "draining" in render_table([report]).splitlines()[1]
+    finally:
+        await server.stop(drain=False)
+
+
 # ---- the command, as a user runs it ------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
     service.py     gRPC entry point: Register, Exchange streams, chunk reassembly, backpressure
     aggregator.py  per-block rounds: dequantize-accumulate, re-quantize once, timeouts
     main.py        the process: uvloop, health, metrics, graceful drain
+    status.py      the Status RPC (`cgx-ps status`) and the session gauges
     cluster.py     several local shard processes (development, demo, tests)
 """
 
