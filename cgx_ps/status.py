@@ -49,7 +49,6 @@ class ShardReport:
     health_detail: str = ""  # why DOWN
     status: ps_pb2.StatusResponse | None = None
     problems: list[str] = field(default_factory=list)  # what stops this shard from being OK
-    sampled_at: float = 0.0  # time.monotonic() of this sample
     # per second over the shard's clock since the previous sample of the same instance
     rates: dict[str, float] = field(default_factory=dict)
 
@@ -60,15 +59,14 @@ class ShardReport:
 
 def probe(index: int, address: str, security: ChannelSecurity, num_shards: int, timeout: float = 3.0) -> ShardReport:
     """One sample of one shard: health, then Status."""
-    report = ShardReport(index, address, "DOWN", sampled_at=time.monotonic())
+    report = ShardReport(index, address, "DOWN")
     try:
         with security.sync_channel(address) as channel:
-            health, detail = check_health(channel, timeout)
-            if health in ("SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", "UNKNOWN"):
-                report.health = health
-            else:  # no answer at all: report the gRPC code and its details
-                report.health_detail = f"{health}: {detail}" if detail else health
+            health, error = check_health(channel, timeout)
+            if error:  # no answer at all: the gRPC code and its details say why
+                report.health_detail = f"{health}: {error}"
                 return report
+            report.health = health
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             report.status = stub.Status(ps_pb2.StatusRequest(), metadata=security.metadata(), timeout=timeout)
     except CredentialError as exc:

@@ -33,15 +33,16 @@ PLAINTEXT = ChannelSecurity()
 
 def check_health(channel: grpc.Channel, rpc_timeout: float) -> tuple[str, str]:
     """(overall health status name, "") — SERVING, NOT_SERVING, ... — or, when it could not be
-    read, (the gRPC status code name, its details): UNAVAILABLE when nothing listens, ..."""
+    read, (the gRPC status code name, its details, never empty): UNAVAILABLE when nothing
+    listens, ..."""
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                           timeout=rpc_timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), ""
     except grpc.RpcError as err:
         if hasattr(err, "code"):
-            return err.code().name, err.details() or ""
-        return "UNKNOWN", str(err)
+            return err.code().name, err.details() or "no details"
+        return "UNKNOWN", str(err) or "no details"
 
 
 def health_status(address: str, rpc_timeout: float, security: ChannelSecurity = PLAINTEXT) -> str:
