@@ -1,8 +1,10 @@
-"""The ``cgx-ps`` command line: long-running shards, a local cluster, and the demo.
+"""The cgx-ps command line: shards, a local cluster, a look at running shards, and the demo.
 
-    cgx-ps server  --port 7070 --shard-index 0 --num-shards 2     one shard (one process)
-    cgx-ps cluster --shards 2                                      N local shards, Ctrl-C stops all
     cgx-ps demo    --workers 2 --shards 2 [--local-ranks 1]        shards + workers train a model
+    cgx-ps cluster --shards 2                                      N local shards, Ctrl-C stops all
+    cgx-ps server  --port 7070 --shard-index 0 --num-shards 2     one shard (one process)
+    cgx-ps status  [--watch] [--json]                              one line per shard (CGX_PS_SERVERS)
+    cgx-ps wait-for-shards --timeout 600                           until every shard is SERVING
     cgx-ps codec-demo                                              codec sizes, error and speed
 
 Every option that a deployment sets has an environment variable (CGX_PS_*), so Kubernetes
@@ -37,12 +39,24 @@ def _add_server_options(p: argparse.ArgumentParser, *, per_shard: bool) -> None:
             group.add_argument(s.flag, action="store_true", default=defaults[name], help=f"{s.help} (env {s.env})")
         else:
             default = "; default %(default)s" if defaults[name] != "" else ""
-            group.add_argument(s.flag, type=s.kind, default=defaults[name], choices=s.choices or None,
+            # an int setting with no default (the metrics port: 9400 + the shard index) is None
+            value = None if defaults[name] == "" and s.kind is not str else defaults[name]
+            group.add_argument(s.flag, type=s.kind, default=value, choices=s.choices or None,
                                help=f"{s.help} (env {s.env}{default})")
 
 
+def _add_shard_list_options(p: argparse.ArgumentParser) -> None:
+    # Read at run time (cgx_ps.wait_for_shards.resolve), so the environment the command runs in counts.
+    p.add_argument("--servers", default=None,
+                   help="shard addresses host:port,... or a template with {i} (default: env CGX_PS_SERVERS)")
+    p.add_argument("--num-shards", default=None,
+                   help="shard count, expands a {i} template (default: env CGX_PS_NUM_SHARDS)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cgx-ps", description=__doc__.split("\n")[0])
+    summary, _, rest = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(prog="cgx-ps", description=summary, epilog=rest,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     server = sub.add_parser("server", help="run one parameter-server shard")
@@ -51,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the bound gRPC and metrics ports here as JSON once serving")
 
     cluster = sub.add_parser("cluster", help="run N local shard processes until Ctrl-C/SIGTERM")
-    cluster.add_argument("--shards", type=int, default=2)
-    cluster.add_argument("--host", default="127.0.0.1")
+    cluster.add_argument("--shards", type=int, default=2, help="shard processes (default %(default)s)")
+    cluster.add_argument("--host", default="127.0.0.1",
+                         help="address the shards bind (default %(default)s: this machine only)")
     cluster.add_argument("--base-port", type=int, default=DEFAULT_PORT,
                          help="shard i listens on base-port + i (default %(default)s)")
     cluster.add_argument("--metrics-base-port", type=int, default=-1,
@@ -65,21 +80,58 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--local-ranks", type=int, default=1,
                       help="workers per node: they reduce through shared memory first, and each node pushes "
                            "every block once (must divide --workers; default %(default)s)")
-    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--epochs", type=int, default=8, help="passes over the training data (default %(default)s)")
     demo.add_argument("--batch-size", type=int, default=32, help="per worker")
     demo.add_argument("--compression", default="4bit",
                       help="fp32, fp16, Nbit (N in 1..8) or adaptive (default %(default)s)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="data order and initial weights (default %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
 
     codec = sub.add_parser("codec-demo", help="encode a random gradient: sizes, error and speed")
-    codec.add_argument("--numel", type=int, default=25_000_000)
-    codec.add_argument("--bucket-size", type=int, default=1024)
+    codec.add_argument("--numel", type=int, default=25_000_000,
+                       help="elements of the random gradient (default %(default)s: a 100 MB fp32 tensor)")
+    codec.add_argument("--bucket-size", type=int, default=1024,
+                       help="elements per max-min bucket (default %(default)s)")
+
+    status = sub.add_parser("status", help="one line per shard: health, session, rounds, bytes/s, last error",
+                            description="Ask every shard how it is doing: health (open health service), then "
+                                        "the Status RPC with the job token and TLS from the environment, as "
+                                        "workers (CGX_PS_TOKEN_FILE, CGX_PS_TLS_*). Exit status: 0 all shards "
+                                        "SERVING and answering, 1 otherwise, 2 bad configuration.")
+    _add_shard_list_options(status)
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2 when given) until Ctrl-C")
+    status.add_argument("--json", action="store_true", help="one JSON object per refresh instead of a table")
+    status.add_argument("--sample", type=float, default=1.0,
+                        help="without --watch: seconds between the two samples that give the rates; 0: one "
+                             "sample, no rates (default %(default)s)")
+    status.add_argument("--timeout", type=float, default=3.0, help="seconds per call (default %(default)s)")
+
+    wait = sub.add_parser("wait-for-shards", help="wait until every shard is SERVING (health service; no token)",
+                          description="Wait until every shard answers SERVING on the gRPC health service. "
+                                      "TLS from CGX_PS_TLS_CA/CERT/KEY/SERVER_NAME, as workers. Exit status: 0 "
+                                      "all SERVING, 1 timeout, 2 bad configuration.")
+    _add_shard_list_options(wait)
+    wait.add_argument("--timeout", type=float, default=1800.0,
+                      help="seconds to wait in all before failing (default %(default)s)")
+    wait.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default %(default)s)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)  # a first try with no arguments: the overview, not a usage error
+        return 2
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handler (e.g. while importing)
+        print(f"cgx-ps {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "server":
         from .server.main import run_server
 
@@ -96,6 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .codec_demo import run_codec_demo
 
         return run_codec_demo(args)
+    if args.command == "status":
+        from .status import run_status
+
+        return run_status(args)
+    if args.command == "wait-for-shards":
+        from .wait_for_shards import run_wait_for_shards
+
+        return run_wait_for_shards(args)
     raise AssertionError(args.command)
 
 

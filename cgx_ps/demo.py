@@ -1,14 +1,18 @@
 """``cgx-ps demo``: local shards plus worker processes training a real model, end to end.
 
 Starts ``--shards`` shard processes and ``--workers`` worker processes running
-``examples/train.py`` (digits classification, data bundled with scikit-learn), shows a progress
-bar with per-step compression stats from rank 0, and ends with a summary: accuracy, bytes sent
-versus fp32, step time, and whether every replica ended with bit-identical parameters.
+``cgx_ps/examples/train.py`` (digits classification, data bundled with scikit-learn), shows a
+progress bar with per-step compression stats from rank 0, and ends with a summary: accuracy,
+bytes sent versus fp32, step time, and whether every replica ended with bit-identical parameters.
+
+The extras (``pip install 'cgx-ps[demo]'``) are optional: without scikit-learn the workers train
+on synthetic data of the digits' shape, without tqdm progress is printed as plain lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -20,14 +24,18 @@ from pathlib import Path
 
 from .server.cluster import LocalCluster
 
-__all__ = ["run_demo", "find_example"]
+__all__ = ["run_demo"]
+
+TRAIN_MODULE = "cgx_ps.examples.train"
+_EXTRAS = "pip install 'cgx-ps[demo]'"
 
 
-def find_example() -> Path:
-    script = Path(__file__).resolve().parents[1] / "examples" / "train.py"
-    if not script.exists():
-        raise SystemExit(f"cgx-ps demo: {script} not found; the demo runs from a source checkout")
-    return script
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _worker_env(rank: int, workers: int, local: int, cluster: LocalCluster, job_id: str) -> dict[str, str]:
@@ -40,28 +48,33 @@ def _worker_env(rank: int, workers: int, local: int, cluster: LocalCluster, job_
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    try:
-        import sklearn  # noqa: F401
-        from tqdm import tqdm
-    except ImportError as exc:
-        raise SystemExit(f"cgx-ps demo needs the demo extras: pip install 'cgx-ps[demo]' ({exc})") from None
     local = getattr(args, "local_ranks", 1)
     if local < 1 or args.workers % local:
         raise SystemExit(f"cgx-ps demo: --local-ranks {local} must divide --workers {args.workers}")
-    script = find_example()
+    data, tqdm = "digits", None
+    if not _importable("sklearn"):  # the extras are optional: the demo runs without them
+        data = "synthetic"
+        print(f"cgx-ps demo: scikit-learn is not installed, so the workers train on synthetic data of the "
+              f"digits' shape ({_EXTRAS} for the real digits)", flush=True)
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print(f"cgx-ps demo: tqdm is not installed: progress as plain lines ({_EXTRAS} for a bar)", flush=True)
     logs = tempfile.mkdtemp(prefix="cgx-ps-demo-")
     nodes = f" as {args.workers // local} nodes of {local}" if local > 1 else ""
     print(f"cgx-ps demo: {args.shards} shards, {args.workers} workers{nodes}, compression {args.compression}, "
           f"{args.epochs} epochs (logs in {logs})", flush=True)
     t_start = time.perf_counter()
     with LocalCluster(args.shards, extra_args=["--log-level", "WARNING"], log_dir=logs) as cluster:
-        cmd = [sys.executable, str(script), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-               "--compression", args.compression, "--seed", str(args.seed), "--json"]
+        cmd = [sys.executable, "-m", TRAIN_MODULE, "--epochs", str(args.epochs), "--batch-size",
+               str(args.batch_size), "--compression", args.compression, "--seed", str(args.seed), "--data", data,
+               "--json"]
         job_id = f"demo-{uuid.uuid4().hex[:8]}"
         procs = [subprocess.Popen(cmd, env=_worker_env(r, args.workers, local, cluster, job_id), text=True,
                                   stdout=subprocess.PIPE, stderr=open(Path(logs) / f"worker{r}.log", "w"))
                  for r in range(args.workers)]
-        summaries = _follow(procs, tqdm, args.no_progress)
+        summaries = _follow(procs, tqdm)
         codes = [p.wait() for p in procs]
     if any(codes):
         failed = [r for r, c in enumerate(codes) if c]
@@ -73,8 +86,9 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow(procs: list[subprocess.Popen], tqdm, plain: bool) -> list[dict]:
-    """Stream rank 0's step lines into a progress bar; collect every rank's final summary."""
+def _follow(procs: list[subprocess.Popen], tqdm) -> list[dict]:
+    """Stream rank 0's step lines into a progress bar (plain lines if ``tqdm`` is None); collect
+    every rank's final summary."""
     summaries: list[dict] = []
     bar = None
     for line in procs[0].stdout:
@@ -87,7 +101,7 @@ def _follow(procs: list[subprocess.Popen], tqdm, plain: bool) -> list[dict]:
         ratio = event["fp32_bytes"] / max(event["bytes"], 1)
         info = (f"loss {event['loss']:.3f} | sent {event['bytes'] / 1e3:.0f} kB ({ratio:.1f}x < fp32) | "
                 f"step {event['step_s'] * 1e3:.0f} ms, comm exposed {event['exposed_s'] * 1e3:.0f} ms")
-        if plain:
+        if tqdm is None:
             if event["step"] % 20 == 0 or event["step"] == event["total_steps"]:
                 print(f"step {event['step']}/{event['total_steps']} {info}", flush=True)
             continue

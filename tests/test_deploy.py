@@ -1,4 +1,5 @@
-"""Offline checks of deploy/: the kustomize overlays, the images and the init-container script.
+"""Offline checks of deploy/: the kustomize overlays, the images and the workers' init container
+(`cgx-ps wait-for-shards`).
 
 Every overlay is rendered with the real kustomize (`kubectl kustomize`, or a standalone
 `kustomize build`; without either the rendering tests skip) from a copy of deploy/ in which
@@ -65,7 +66,9 @@ def _load_by_path(name: str, path: Path):
     return module
 
 
-wfs = _load_by_path("cgx_ps_deploy_wait_for_shards", DEPLOY / "wait_for_shards.py")
+from cgx_ps import wait_for_shards as wfs  # noqa: E402 - the init container's command, `cgx-ps wait-for-shards`
+from cgx_ps.addresses import servers_from_env  # noqa: E402
+from cgx_ps.security import ChannelSecurity  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -550,7 +553,7 @@ def test_workers_derive_shard_addresses_from_the_same_count(rel):
         env = container_env(rel, c, downward)
         assert env["CGX_PS_NUM_SHARDS"] == cfg["CGX_PS_NUM_SHARDS"]
         assert "{i}" in env["CGX_PS_SERVERS"], "use the {i} template, not a hand-written list"
-        assert wfs.shard_addresses(env) == expected
+        assert list(servers_from_env(env)) == expected
     worker = container(job, "worker")
     node_rank = [e for e in worker["env"] if e["name"] == "CGX_PS_NODE_RANK"]
     assert node_rank and node_rank[0]["valueFrom"]["fieldRef"]["fieldPath"] == NODE_RANK_FIELD
@@ -622,7 +625,7 @@ def test_grace_period_exceeds_drain_timeout(rel):
 
 
 # ---------------------------------------------------------------------------------------
-# the worker command: torchrun + examples/train.py
+# the worker command: torchrun + the example training script
 
 
 def _torchrun_args(rel: str):
@@ -641,15 +644,15 @@ def test_worker_command_is_one_torchrun_per_node(rel):
     assert targs.standalone
     assert str(targs.nproc_per_node) == config(rel)["GPUS_PER_NODE"]
     assert targs.training_script == "/app/examples/train.py"
-    # The image puts the repository's examples/ at /app/examples.
+    # The image puts the package's example script at /app/examples/train.py.
     copies = [rest.split() for word, rest in dockerfile_instructions(DEPLOY / "Dockerfile") if word == "COPY"]
-    assert ["examples", "/app/examples"] in copies
+    assert ["cgx_ps/examples/train.py", "/app/examples/train.py"] in copies
 
 
 @pytest.mark.parametrize("rel", RENDER_DIRS)
 def test_worker_args_parse_with_the_training_script(rel):
     targs, env = _torchrun_args(rel)
-    script = REPO / "examples" / Path(targs.training_script).name
+    script = REPO / "cgx_ps" / "examples" / Path(targs.training_script).name
     assert script.is_file(), f"{script} does not exist (the Job runs it)"
     module = _load_by_path("cgx_ps_example_train", script)
     args = module.build_parser().parse_args(targs.training_script_args)
@@ -676,7 +679,8 @@ def test_job_shape(rel):
     limit = parse_quantity(container(job, "worker")["resources"]["limits"]["memory"])
     assert parse_quantity(shm[0]["emptyDir"]["sizeLimit"]) < limit, "/dev/shm counts against the memory limit"
     init = container(job, "wait-for-shards", init=True)
-    assert init["command"][:2] == ["python", "/app/deploy/wait_for_shards.py"]
+    assert "command" not in init, "the image's entrypoint (the cgx-ps CLI) runs `cgx-ps wait-for-shards`"
+    assert init_args(init).command == "wait-for-shards"
 
 
 # ---------------------------------------------------------------------------------------
@@ -803,12 +807,14 @@ def test_dockerfile_is_pinned_and_non_root(dockerfile):
     text = path.read_text()
     assert "--constraint /tmp/constraints.txt" in text
     # Everything the build copies from the context exists and passes the .dockerignore.
-    ignore = (DEPLOY / f"{dockerfile}.dockerignore").read_text().split()
+    allowed = [w[1:].rstrip("/") for w in (DEPLOY / f"{dockerfile}.dockerignore").read_text().split()
+               if w.startswith("!")]
     for word, rest in ins:
         if word == "COPY" and not rest.startswith("--from"):
             for src in rest.split()[:-1]:
                 assert (REPO / src).exists(), f"{dockerfile}: COPY {src}: missing in the repository"
-                assert f"!{src}" in ignore, f"{dockerfile}.dockerignore excludes {src}"
+                assert any(src == a or src.startswith(a + "/") for a in allowed), \
+                    f"{dockerfile}.dockerignore excludes {src}"
 
 
 def test_cupy_only_in_the_gpu_image():
@@ -931,6 +937,48 @@ def test_worker_egress_component_allows_only_shards_and_dns():
                if admits(rel, "Egress", worker, p[name], port)}
     assert allowed == {("shard", "grpc"), ("dns", "dns")}, allowed
     # The ingress side is the base's.
+    assert_only_workers_reach_the_shards_grpc_port(rel)
+
+
+GRAFANA_COMPONENT = "optional/grafana"
+
+
+@pytest.mark.parametrize("base", ["cpu-local", "cpu-local-tls"])
+def test_grafana_component_provisions_the_dashboard_and_worker_metrics(base):
+    """The dashboard as a ConfigMap the Grafana sidecar picks up, and the workers' exporter
+    (tests/test_dashboard.py checks the dashboard's queries against the code)."""
+    tree = render_tree()
+    test_overlay = tree / "overlays" / f"_test-grafana-{base}"
+    test_overlay.mkdir(exist_ok=True)
+    (test_overlay / "kustomization.yaml").write_text(
+        f"resources: [../{base}]\ncomponents: [../../{GRAFANA_COMPONENT}]\n")
+    rel = f"overlays/_test-grafana-{base}"
+    _renders[rel] = kustomize_build(test_overlay)
+    for obj in render(rel):
+        if not is_custom_resource(obj):
+            kubernetes_validate.validate(obj, MIN_K8S, strict=True)
+    # the dashboard: labelled for the sidecar, a stable name, the committed JSON verbatim
+    board = one(rel, "ConfigMap", "cgx-ps-grafana-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    committed = (DEPLOY / GRAFANA_COMPONENT / "cgx-ps-dashboard.json").read_text()
+    assert board["data"] == {"cgx-ps-dashboard.json": committed}
+    assert json.loads(committed)["uid"] == "cgx-ps"
+    # the workers' exporter: one port number, from cgx-ps-config, in the env, the port and the annotation
+    job = worker_job(rel)
+    port = int(config(rel)["CGX_PS_WORKER_METRICS_PORT"])
+    worker = container(job, "worker")
+    assert container_env(rel, worker, DOWNWARD)["CGX_PS_WORKER_METRICS_PORT"] == str(port)
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"metrics": port}
+    ann = job["spec"]["template"]["metadata"]["annotations"]
+    assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == \
+        ("true", str(port), "/metrics")
+    assert port not in (int(config(rel)["CGX_PS_PORT"]), int(config(rel)["CGX_PS_METRICS_PORT"]), 29500)
+    # only the monitoring namespace reaches it, and the shards' policy is unchanged
+    p = peers(rel)
+    metrics_port = worker["ports"][0]
+    allowed = {name for name in p if admits(rel, "Ingress", p["worker"], p[name], metrics_port)}
+    assert allowed == {"monitoring"}, allowed
+    assert not admits(rel, "Ingress", p["worker"], p["monitoring"], HTTPS_PORT)
     assert_only_workers_reach_the_shards_grpc_port(rel)
 
 
@@ -1122,7 +1170,7 @@ def test_tls_files_are_cert_manager_secrets_mounted_read_only(rel):
             assert usage in certs[vol["secret"]["secretName"]]["spec"]["usages"], (c["name"], var)
             assert readable_only_by_the_pod_user(owner, vol)
         if owner is job:
-            wfs.ChannelSecurity.from_env(env)   # the workers' own checks of the combination
+            ChannelSecurity.from_env(env)   # the workers' own checks of the combination
 
 
 @pytest.mark.parametrize("rel", TLS_DIRS)
@@ -1151,7 +1199,7 @@ def test_certificate_names_cover_every_shard_address(rel):
     checked = 0
     for c in all_containers(job):
         env = container_env(rel, c, DOWNWARD)
-        addresses = wfs.shard_addresses(env)
+        addresses = servers_from_env(env)
         assert len(addresses) == int(cfg["CGX_PS_NUM_SHARDS"])
         for address in addresses:
             host = address.rsplit(":", 1)[0]
@@ -1162,18 +1210,35 @@ def test_certificate_names_cover_every_shard_address(rel):
 
 
 # ---------------------------------------------------------------------------------------
-# wait_for_shards.py (the workers' init container)
+# `cgx-ps wait-for-shards` (the workers' init container)
+
+
+def init_args(init: dict, *extra: str):
+    """The init container's arguments (the image's entrypoint is the cgx-ps CLI), parsed by
+    the real CLI, with ``extra`` appended."""
+    from cgx_ps import cli
+
+    argv = dockerfile_entrypoint(DEPLOY / "Dockerfile") + list(init["args"]) + list(extra)
+    assert argv[0] == "cgx-ps"
+    return cli.build_parser().parse_args(argv[1:])
+
+
+def wait_main(env: dict[str, str], *argv: str) -> int:
+    from cgx_ps import cli
+
+    return wfs.run_wait_for_shards(cli.build_parser().parse_args(["wait-for-shards", *argv]), env=env)
 
 
 def test_shard_addresses():
-    assert wfs.shard_addresses({"CGX_PS_SERVERS": "s-{i}.s:7070", "CGX_PS_NUM_SHARDS": "3"}) == [
-        "s-0.s:7070", "s-1.s:7070", "s-2.s:7070"]
-    assert wfs.shard_addresses({"CGX_PS_SERVERS": "a:1, b:2"}) == ["a:1", "b:2"]
-    with pytest.raises(ValueError):
-        wfs.shard_addresses({"CGX_PS_SERVERS": "a:1,b:2", "CGX_PS_NUM_SHARDS": "3"})
-    with pytest.raises(ValueError):
-        wfs.shard_addresses({"CGX_PS_SERVERS": "s-{i}:1"})
-    assert wfs.main([], env={}) == 2
+    assert servers_from_env({"CGX_PS_SERVERS": "s-{i}.s:7070", "CGX_PS_NUM_SHARDS": "3"}) == (
+        "s-0.s:7070", "s-1.s:7070", "s-2.s:7070")
+    assert servers_from_env({"CGX_PS_SERVERS": "a:1, b:2"}) == ("a:1", "b:2")
+    for bad in ({"CGX_PS_SERVERS": "a:1,b:2", "CGX_PS_NUM_SHARDS": "3"}, {"CGX_PS_SERVERS": "s-{i}:1"},
+                {"CGX_PS_SERVERS": "nohostport"}, {}):
+        with pytest.raises(ValueError):
+            servers_from_env(bad)
+    assert wait_main({}) == 2
+    assert wait_main({}, "--servers", "a:1,b:2", "--num-shards", "3") == 2
 
 
 @pytest.fixture
@@ -1215,6 +1280,29 @@ def test_wait_for_shards_times_out_on_a_missing_shard(health_server):
     assert wfs.wait([address, "127.0.0.1:1"], timeout=1, interval=0.2, rpc_timeout=0.3,
                     log=lines.append) is False
     assert "127.0.0.1:1 (UNAVAILABLE)" in lines[-1]
+
+
+def test_wait_for_shards_command_as_the_init_container_runs_it(health_server):
+    """The CLI in a process of its own: exit 0 once SERVING, 1 naming the missing shard on
+    timeout, and no torch imported (the init container's memory limit is 256 MiB)."""
+    address, servicer, health_pb2 = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    init = container(worker_job("base"), "wait-for-shards", init=True)
+    script = ("import sys; from cgx_ps.cli import main; rc = main(sys.argv[1:]); "
+              "assert 'torch' not in sys.modules, 'wait-for-shards imported torch'; sys.exit(rc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
+
+    def run(servers: str) -> subprocess.CompletedProcess:
+        args = [*init["args"], "--timeout", "2", "--interval", "0.2"]
+        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
+                              env={**env, "CGX_PS_SERVERS": servers})
+
+    ok = run(address)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"{address} is SERVING" in ok.stdout
+    late = run(f"{address},127.0.0.1:1")
+    assert late.returncode == 1, late.stdout + late.stderr
+    assert "still waiting for 127.0.0.1:1 (UNAVAILABLE)" in late.stdout.splitlines()[-1]
 
 
 @pytest.fixture
@@ -1275,24 +1363,24 @@ def test_wait_for_shards_speaks_mtls_like_the_workers(tls_health_server, pki, tm
     env = materialize(container_env(rel, init, DOWNWARD), tmp_path / "pod", pki["worker"])
     env["CGX_PS_SERVERS"] = tls_health_server
     env.pop("CGX_PS_NUM_SHARDS")
-    assert wfs.main(["--timeout", "10", "--interval", "0.2"], env=env) == 0
+    assert wfs.run_wait_for_shards(init_args(init, "--timeout", "10", "--interval", "0.2"), env=env) == 0
 
     quiet = dict(timeout=0.6, interval=0.2, rpc_timeout=0.5, log=lambda s: None)
-    security = wfs.ChannelSecurity.from_env(env)
+    security = ChannelSecurity.from_env(env)
     assert wfs.wait([tls_health_server], security=security, **quiet)
-    no_client_cert = wfs.ChannelSecurity(tls_ca=env["CGX_PS_TLS_CA"], server_name=env["CGX_PS_TLS_SERVER_NAME"])
+    no_client_cert = ChannelSecurity(tls_ca=env["CGX_PS_TLS_CA"], server_name=env["CGX_PS_TLS_SERVER_NAME"])
     assert not wfs.wait([tls_health_server], security=no_client_cert, **quiet)
     assert not wfs.wait([tls_health_server], **quiet)                       # plaintext
     # The dialled name is not in the certificate, and gRPC refuses a "*.cgx-ps-shard" wildcard
     # (one label after the star): hence CGX_PS_TLS_SERVER_NAME.
     for name in ("cgx-ps-shard-0.cgx-ps-shard", "cgx-ps-shard.other"):
-        other = wfs.ChannelSecurity.from_env({**env, "CGX_PS_TLS_SERVER_NAME": name})
+        other = ChannelSecurity.from_env({**env, "CGX_PS_TLS_SERVER_NAME": name})
         assert not wfs.wait([tls_health_server], security=other, **quiet), name
     assert not grpc_name_matches("cgx-ps-shard-0.cgx-ps-shard", ["*.cgx-ps-shard"])
     assert grpc_name_matches("cgx-ps-shard-0.cgx-ps-shard.ns.svc", ["*.cgx-ps-shard.ns.svc"])
     # A half-configured client certificate is a configuration error (exit 2), by name.
-    assert wfs.main(["--timeout", "1"], env={**env, "CGX_PS_TLS_KEY": ""}) == 2
-    assert wfs.main(["--timeout", "1"], env={**env, "CGX_PS_TLS_CA": str(tmp_path / "missing.crt")}) == 2
+    assert wait_main({**env, "CGX_PS_TLS_KEY": ""}, "--timeout", "1") == 2
+    assert wait_main({**env, "CGX_PS_TLS_CA": str(tmp_path / "missing.crt")}, "--timeout", "1") == 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -1376,9 +1464,9 @@ def test_real_shard_with_the_tls_manifest_environment(tmp_path, pki):
         init = container(worker_job(rel), "wait-for-shards", init=True)
         worker_env = materialize(container_env(rel, init, DOWNWARD), tmp_path / "worker", pki["worker"])
         grpc_address = f"127.0.0.1:{ports['port']}"
-        assert wfs.wait([grpc_address], timeout=20, security=wfs.ChannelSecurity.from_env(worker_env), **quiet)
+        assert wfs.wait([grpc_address], timeout=20, security=ChannelSecurity.from_env(worker_env), **quiet)
         assert not wfs.wait([grpc_address], timeout=1, **quiet)   # no plaintext on the gRPC port
-        no_client_cert = wfs.ChannelSecurity(tls_ca=worker_env["CGX_PS_TLS_CA"],
+        no_client_cert = ChannelSecurity(tls_ca=worker_env["CGX_PS_TLS_CA"],
                                              server_name=worker_env["CGX_PS_TLS_SERVER_NAME"])
         assert not wfs.wait([grpc_address], timeout=1, security=no_client_cert, **quiet)
         stop_within_grace(proc, env, sts)

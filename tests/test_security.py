@@ -93,7 +93,7 @@ async def status_of(coro) -> tuple[grpc.StatusCode, str]:
 async def raw_calls(channel: grpc.aio.Channel, payload: bytes, metadata) -> dict[str, tuple[grpc.StatusCode, str]]:
     """Every ParameterServer method called with raw bytes (no client-side serializer)."""
     out = {}
-    for name in ("Register", "SetCodecs"):
+    for name in ("Register", "SetCodecs", "Status"):
         out[name] = await status_of(channel.unary_unary(SERVICE + name)(payload, metadata=metadata, timeout=5))
     out["GetBlob"] = await status_of(channel.unary_stream(SERVICE + "GetBlob")(payload, metadata=metadata, timeout=5))
     for name in ("PutBlob", "Probe"):
@@ -534,6 +534,7 @@ async def test_a_draining_shard_takes_no_new_calls():
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         statuses = await raw_calls(channel, b"", METADATA)
     del statuses["Exchange"]  # streams finish the rounds in flight
+    assert statuses.pop("Status")[0] == grpc.StatusCode.OK  # `cgx-ps status` can see the shard drain
     assert {code for code, _ in statuses.values()} == {grpc.StatusCode.UNAVAILABLE}, statuses
 
 

@@ -141,7 +141,7 @@ def test_update_matches_reference_and_replicas_identical(cluster, tmp_path, comp
 
 
 def run_example(cluster, world: int, compression: str, epochs: int) -> list[dict]:
-    results = run_workers(ROOT / "examples/train.py", world, cluster.addresses,
+    results = run_workers(ROOT / "cgx_ps/examples/train.py", world, cluster.addresses,
                           lambda r: ["--compression", compression, "--epochs", str(epochs), "--json"])
     summaries = []
     for r, res in enumerate(results):

@@ -14,6 +14,7 @@
     metrics.py     Prometheus metrics of one shard
     tls.py         server TLS whose certificate files may be rotated under a running shard
     main.py        the process: uvloop, health, metrics, graceful drain
+    status.py      the Status RPC (`cgx-ps status`) and the session gauges
     cluster.py     several local shard processes (development, demo, tests)
 """
 

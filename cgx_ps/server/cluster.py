@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..security import new_token_file
 from .config import shard_flags
@@ -57,7 +58,9 @@ class LocalCluster:
             env["CGX_PS_TOKEN_FILE"] = self.token_file
         return env
 
-    def start(self) -> "LocalCluster":
+    def start(self, abort: Callable[[], bool] = lambda: False) -> "LocalCluster":
+        """Start every shard and wait until each serves; ``abort()`` true (polled) stops them all
+        and raises RuntimeError."""
         files = []
         for i in range(self.shards):
             port = self.base_port + i if self.base_port else 0
@@ -73,6 +76,9 @@ class LocalCluster:
         deadline = time.monotonic() + self.startup_timeout_s
         for i, (proc, port_file) in enumerate(zip(self.procs, files)):
             while not port_file.exists():
+                if abort():
+                    self.stop()
+                    raise RuntimeError("start-up interrupted")
                 if proc.poll() is not None:
                     self.stop()
                     raise RuntimeError(f"shard {i} exited with code {proc.returncode} during startup")
@@ -114,28 +120,43 @@ def run_cluster(args: argparse.Namespace) -> int:
     extra = shard_flags(vars(args), skip=("token_file",))
     cluster = LocalCluster(args.shards, args.host, args.base_port, args.metrics_base_port, extra,
                            token_file=args.token_file or None)
-    stopping = False
+    received: list[int] = []  # signals that ask us to stop
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        received.append(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cluster.start()
-    exports = " ".join(f"{k}={v}" for k, v in cluster.worker_env().items())
-    print(f"cgx-ps cluster: {args.shards} shards serving; for the workers: export {exports}", flush=True)
     try:
-        while not stopping:
+        cluster.start(abort=lambda: bool(received))
+    except (RuntimeError, TimeoutError) as exc:  # the shard printed its own reason above
+        if received:  # Ctrl-C during start-up: the shards got it too
+            return 130
+        print(f"cgx-ps cluster: {exc} (its reason is above; shard i uses port --base-port + i, "
+              f"here {args.base_port} on); stopped the others", file=sys.stderr)
+        return 1
+    exports = " ".join(f"{k}={v}" for k, v in cluster.worker_env().items())
+    print(f"cgx-ps cluster: {args.shards} shards serving; for the workers: export {exports}\n"
+          f"cgx-ps cluster: then `cgx-ps status` shows them, one line each; Ctrl-C stops them", flush=True)
+    try:
+        while not received:
             dead = [i for i, p in enumerate(cluster.procs) if p.poll() is not None]
-            if dead:
+            if dead and not received:
                 print(f"cgx-ps cluster: shard(s) {dead} exited; stopping the rest", file=sys.stderr)
                 cluster.stop()
                 return 1
             time.sleep(0.2)
     finally:
-        codes = cluster.stop() if not all(p.poll() is not None for p in cluster.procs) else \
-            [p.returncode for p in cluster.procs]
+        if received[:1] == [signal.SIGINT]:
+            # A terminal's Ctrl-C reached the shards too (the whole process group): let them finish
+            # draining. A SIGTERM now could land after a shard's drain, when its handler is gone,
+            # and kill it with -15 although it stopped cleanly.
+            deadline = time.monotonic() + args.drain_timeout + 5
+            while any(p.poll() is None for p in cluster.procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        codes = cluster.stop()  # SIGTERM to those still running (all of them after a SIGTERM to us)
+    if 130 in codes:
+        return 130  # Ctrl-C while they were starting
     return 0 if all(c == 0 for c in codes) else 1
 
 

@@ -86,12 +86,13 @@ class ServerConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "ServerConfig":
         """The environment's settings over the defaults, then ``overrides`` (field values)."""
         values = flag_defaults(os.environ if env is None else env)
-        return cls(**{**{name: _field_value(name, v) for name, v in values.items()}, **overrides})
+        fields = {name: _field_value(name, v) for name, v in values.items()}
+        return cls(**_deployed_metrics_port({**fields, **overrides}))
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> "ServerConfig":
         """From the CLI's parsed flags (``vars(args)``), whose defaults came from ``flag_defaults``."""
-        return cls(**{name: _field_value(name, flags[s.dest]) for name, s in SETTINGS.items()})
+        return cls(**_deployed_metrics_port({name: _field_value(name, flags[s.dest]) for name, s in SETTINGS.items()}))
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,11 @@ SETTINGS: dict[str, Setting] = {
     "shard_index": Setting("CGX_PS_SHARD_INDEX", "--shard-index", "this shard's index", int, per_shard=True),
     "num_shards": Setting("CGX_PS_NUM_SHARDS", "--num-shards", "total shards", int, per_shard=True),
     # Tests run many shards on one host: one built in code serves no metrics unless asked.
-    "metrics_port": Setting("CGX_PS_METRICS_PORT", "--metrics-port", "Prometheus metrics HTTP port, -1 disables",
-                            int, per_shard=True, deployed=DEFAULT_METRICS_PORT),
+    # A deployed shard serves metrics on 9400 + its index unless told otherwise (cli.py), so
+    # shards started by hand on one host do not collide.
+    "metrics_port": Setting("CGX_PS_METRICS_PORT", "--metrics-port", "Prometheus metrics HTTP port, -1 disables, "
+                            f"0 picks a free one; default {DEFAULT_METRICS_PORT} + --shard-index", int,
+                            per_shard=True, deployed=""),
     "metrics_host": Setting("CGX_PS_METRICS_HOST", "--metrics-host",
                             "address the metrics listen on; empty: the --host address", per_shard=True),
     "health_port": Setting("CGX_PS_HEALTH_PORT", "--health-port", "plaintext port serving only the gRPC health "
@@ -181,7 +185,17 @@ def shard_flags(flags: Mapping[str, Any], skip: tuple[str, ...] = ()) -> list[st
     return argv
 
 
+def _deployed_metrics_port(fields: dict[str, Any]) -> dict[str, Any]:
+    """A shard told no metrics port serves on 9400 + its index: shards started by hand on one
+    host (``cgx-ps server --shard-index i`` each) then do not collide."""
+    if fields.get("metrics_port") is None:
+        fields["metrics_port"] = DEFAULT_METRICS_PORT + fields.get("shard_index", 0)
+    return fields
+
+
 def _field_value(name: str, flag_value: Any) -> Any:
+    if flag_value is None or (flag_value == "" and SETTINGS[name].kind is not str):
+        return None  # not given, and no default of its own (the metrics port)
     if flag_value == "" and _DEFAULTS[name] is None:
         return None  # an empty path or address: not set
     unit = SETTINGS[name].unit

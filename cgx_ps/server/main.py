@@ -21,11 +21,17 @@ from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService
+from .status import ShardStatus
 from .tls import ReloadingServerCredentials
 
 __all__ = ["ShardServer", "run_server", "setup_logging"]
 
 log = logging.getLogger("cgx_ps.server")
+
+# gRPC servers set SO_REUSEPORT by default, so a second shard started on a port already in use
+# did not fail: both listened and the kernel split connections between them, sending a worker's
+# blocks to a shard that does not own them. Exclusive ports make that a start-up error.
+_EXCLUSIVE_PORT = [("grpc.so_reuseport", 0)]
 
 
 def is_loopback(host: str) -> bool:
@@ -56,6 +62,7 @@ class ShardServer:
         # Kernel work (decode-accumulate, re-encode) runs here; the kernels release the GIL.
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cgx-shard")
         self.service = ParameterServerService(config, self.executor, self.metrics)
+        self.status = ShardStatus(self.service)  # the Status RPC and session gauges
         self.health = health.aio.HealthServicer()
         # Read at start so a bad file stops the shard with a message naming it.
         self.token = read_token(config.token_file).encode() if config.token_file else None
@@ -69,25 +76,31 @@ class ShardServer:
         self._health_server: grpc.aio.Server | None = None
         self._metrics_httpd = None
 
-    def _bind(self, server: grpc.aio.Server, port: int, secure: bool) -> int:
+    def _bind(self, server: grpc.aio.Server, port: int, secure: bool, flag: str) -> int:
         address = f"{self.config.host}:{port}"
-        bound = (server.add_secure_port(address, self.tls.credentials) if secure and self.tls is not None
-                 else server.add_insecure_port(address))
+        try:
+            bound = (server.add_secure_port(address, self.tls.credentials) if secure and self.tls is not None
+                     else server.add_insecure_port(address))
+        except RuntimeError:  # grpcio raises this, not OSError, for a port in use
+            bound = 0
         if bound == 0:
-            raise OSError(f"cannot bind {address}: is another process (another shard?) using the port?")
+            raise OSError(f"cannot bind {address}: the port is in use or the address is not this host's "
+                          f"(another shard on it?); choose another {flag}")
         return bound
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS, maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        add_parameter_server(server, self.service, self.token)
+        server = grpc.aio.server(options=GRPC_OPTIONS + _EXCLUSIVE_PORT,
+                                 maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
+        add_parameter_server(server, self.service, self.token, status=self.status)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = self._bind(server, self.config.port, secure=True)
+        self.port = self._bind(server, self.config.port, secure=True, flag="--port")
         if self.config.health_port >= 0:
             # Kubelet gRPC probes speak plaintext: with TLS on, they get a port of their own that
             # serves the health service and nothing else.
-            self._health_server = grpc.aio.server(maximum_concurrent_rpcs=16)
+            self._health_server = grpc.aio.server(options=_EXCLUSIVE_PORT, maximum_concurrent_rpcs=16)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
-            self.health_port = self._bind(self._health_server, self.config.health_port, secure=False)
+            self.health_port = self._bind(self._health_server, self.config.health_port, secure=False,
+                                          flag="--health-port")
         if self.config.metrics_port >= 0:
             host = self.config.metrics_host or self.config.host
             try:
@@ -133,6 +146,7 @@ class ShardServer:
             self._metrics_httpd.server_close()
         self.executor.shutdown(wait=True)
         log.info("stopped")
+        self.status.close()
 
 
 class _ShardFilter(logging.Filter):

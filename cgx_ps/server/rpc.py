@@ -6,7 +6,7 @@ this order, before the service sees it:
 1. the job token (``authorization: Bearer ...``, constant-time) when the shard has one:
    UNAUTHENTICATED before a byte of the body is parsed;
 2. draining: a shard shutting down takes no new calls (UNAVAILABLE), except Exchange streams,
-   which finish the rounds in flight;
+   which finish the rounds in flight, and Status, which says so;
 3. parsing: a malformed message is INVALID_ARGUMENT, never UNKNOWN with a traceback.
 
 A refusal is a domain error (errors.py); STATUS_CODES, the one table from those errors to gRPC
@@ -136,7 +136,7 @@ class _Gate:
         """Why a call may not proceed (before its body is read), or None."""
         if self.token is not None and not bearer_matches(context.invocation_metadata(), self.token):
             return Unauthenticated("missing or wrong job token (authorization: Bearer ...)")
-        if self.service.draining and method != "Exchange":
+        if self.service.draining and method not in ("Exchange", "Status"):
             return ShuttingDown("shard is shutting down")
         return None
 
@@ -170,16 +170,17 @@ class _Gate:
 _ExecuteBatchError = getattr(getattr(grpc, "_cython").cygrpc, "ExecuteBatchError", asyncio.CancelledError)
 
 
-def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | None) -> None:
-    """Register ``service`` (a ParameterServerService) behind the gate."""
+def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | None, status: Any = None) -> None:
+    """Register ``service`` (a ParameterServerService) behind the gate, and ``status`` (a
+    ShardStatus, cgx_ps/server/status.py) for the Status method."""
     gate = _Gate(service, token)
     def serialize(message: Message) -> bytes:
         return message.SerializeToString()
 
-    def unary(method: str, request_cls: type[Message]) -> Handler:
+    def unary(method: str, request_cls: type[Message], target: Any = service) -> Handler:
         async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             return await gate.run(method, context,
-                                  lambda: getattr(service, method)(parse_message(request_cls, raw), context))
+                                  lambda: getattr(target, method)(parse_message(request_cls, raw), context))
         return handler
 
     def streaming(method: str) -> Handler:
@@ -200,4 +201,7 @@ def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | N
         "PutBlob": grpc.stream_unary_rpc_method_handler(streaming("PutBlob"), response_serializer=serialize),
         "Probe": grpc.stream_unary_rpc_method_handler(streaming("Probe"), response_serializer=serialize),
     }
+    if status is not None:
+        handlers["Status"] = grpc.unary_unary_rpc_method_handler(unary("Status", ps_pb2.StatusRequest, status),
+                                                                 response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

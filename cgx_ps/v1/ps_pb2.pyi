@@ -14,11 +14,24 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP16: _ClassVar[Codec]
     CODEC_BF16: _ClassVar[Codec]
     CODEC_MAXMIN: _ClassVar[Codec]
+
+class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
+    SESSION_STATE_NONE: _ClassVar[SessionState]
+    SESSION_STATE_ACTIVE: _ClassVar[SessionState]
+    SESSION_STATE_IDLE: _ClassVar[SessionState]
+    SESSION_STATE_FAILED: _ClassVar[SessionState]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
 CODEC_MAXMIN: Codec
+SESSION_STATE_UNSPECIFIED: SessionState
+SESSION_STATE_NONE: SessionState
+SESSION_STATE_ACTIVE: SessionState
+SESSION_STATE_IDLE: SessionState
+SESSION_STATE_FAILED: SessionState
 
 class CodecSettings(_message.Message):
     __slots__ = ("codec", "bits", "bucket_size", "stochastic")
@@ -251,3 +264,59 @@ class ProbeResponse(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "server_version", "instance_id", "uptime_s", "draining", "session_state", "job_id", "num_nodes", "nodes_registered", "members_registered", "streams_open", "blocks_owned", "rounds_completed", "idle_s", "rounds_total", "rounds_failed", "bytes_in", "bytes_out", "pushes_rejected", "inflight_bytes", "max_inflight_bytes", "last_error", "last_error_age_s")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_STATE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NODES_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_OWNED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    server_version: str
+    instance_id: str
+    uptime_s: float
+    draining: bool
+    session_state: SessionState
+    job_id: str
+    num_nodes: int
+    nodes_registered: int
+    members_registered: int
+    streams_open: int
+    blocks_owned: int
+    rounds_completed: int
+    idle_s: float
+    rounds_total: int
+    rounds_failed: int
+    bytes_in: int
+    bytes_out: int
+    pushes_rejected: int
+    inflight_bytes: int
+    max_inflight_bytes: int
+    last_error: str
+    last_error_age_s: float
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., session_state: _Optional[_Union[SessionState, str]] = ..., job_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., nodes_registered: _Optional[int] = ..., members_registered: _Optional[int] = ..., streams_open: _Optional[int] = ..., blocks_owned: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., idle_s: _Optional[float] = ..., rounds_total: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_age_s: _Optional[float] = ...) -> None: ...

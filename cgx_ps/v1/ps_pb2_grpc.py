@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeChunk.SerializeToString,
                 response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/cgx_ps.v1.ParameterServer/Status',
+                request_serializer=cgx__ps_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
+                response_deserializer=cgx__ps_dot_v1_dot_ps__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -107,6 +112,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +150,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeChunk.FromString,
                     response_serializer=cgx__ps_dot_v1_dot_ps__pb2.ProbeResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=cgx__ps_dot_v1_dot_ps__pb2.StatusRequest.FromString,
+                    response_serializer=cgx__ps_dot_v1_dot_ps__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +319,33 @@ class ParameterServer:
             '/cgx_ps.v1.ParameterServer/Probe',
             cgx__ps_dot_v1_dot_ps__pb2.ProbeChunk.SerializeToString,
             cgx__ps_dot_v1_dot_ps__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cgx_ps.v1.ParameterServer/Status',
+            cgx__ps_dot_v1_dot_ps__pb2.StatusRequest.SerializeToString,
+            cgx__ps_dot_v1_dot_ps__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

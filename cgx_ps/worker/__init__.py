@@ -12,6 +12,7 @@ data-parallel training against the cgx-ps shards.
     config.py     the job from the environment        layout.py   blocks from sorted names
     optimizer.py  hooks, block buffers, step()          engine.py   the communication thread
     client.py     one shard connection                 broadcast.py  root -> all via shard 0
+    metrics.py    optional Prometheus exporter (CGX_PS_WORKER_METRICS_PORT), fed by step()
 """
 
 from .blobformat import BlobFormatError

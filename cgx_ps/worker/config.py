@@ -24,8 +24,9 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from ..addresses import check_address, servers_from_env
 from ..envparse import env_int
-from ..security import ChannelSecurity, CredentialError
+from ..security import ChannelSecurity
 from .errors import ConfigError
 
 __all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS"]
@@ -71,9 +72,10 @@ class WorkerConfig:
             if not ok:
                 raise ConfigError(message)
         for address in self.servers:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ConfigError(f"shard address {address!r} is not host:port (from CGX_PS_SERVERS)")
+            try:
+                check_address(address)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
     @property
     def node_id(self) -> str:
@@ -105,25 +107,15 @@ class WorkerConfig:
         try:
             security = ChannelSecurity.from_env(env)
             security.check()  # a missing or malformed file fails here, named
-        except CredentialError as exc:
+            servers = tuple(overrides["servers"]) if "servers" in overrides else servers_from_env(env)
+        except ValueError as exc:  # CredentialError is one
             raise ConfigError(str(exc)) from None
         config = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
                      node_rank=node_rank, num_nodes=num_nodes,
-                     servers=_servers(env.get("CGX_PS_SERVERS", ""), env.get("CGX_PS_NUM_SHARDS", "")),
+                     servers=servers,
                      connect_timeout_s=float(env.get("CGX_PS_CONNECT_TIMEOUT", 60.0)),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
                      security=security)
         return replace(config, **overrides) if overrides else config
 
-
-def _servers(spec: str, num_shards: str) -> tuple[str, ...]:
-    spec = spec.strip()
-    if "{i}" in spec:
-        if not num_shards.isdigit() or int(num_shards) < 1:
-            raise ConfigError(f"CGX_PS_SERVERS={spec!r} is a template: set CGX_PS_NUM_SHARDS to the shard count")
-        return tuple(spec.format(i=i) for i in range(int(num_shards)))
-    servers = tuple(s.strip() for s in spec.split(",") if s.strip())
-    if num_shards.isdigit() and servers and int(num_shards) != len(servers):
-        raise ConfigError(f"CGX_PS_SERVERS lists {len(servers)} shards but CGX_PS_NUM_SHARDS={num_shards}")
-    return servers

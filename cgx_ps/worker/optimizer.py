@@ -37,6 +37,7 @@ from .errors import CgxPsError, ConfigError
 from .autotune import Tuner
 from .intranode import NodeReducer
 from .layout import DEFAULT_BLOCK_BYTES, Compression, TensorInfo, build_layout
+from .metrics import after_step as _export_step_metrics
 from .runtime import engine_for_layout
 
 __all__ = ["DistributedOptimizer", "StepStats"]
@@ -313,6 +314,7 @@ class _DistributedMixin:
         self._cgx_synchronized = False
         if self._cgx_tuner is not None:
             self._cgx_tuner.after_step(self._cgx_step)
+        _export_step_metrics(self._cgx_stats, self._cgx_tuner.history if self._cgx_tuner else ())
         self._cgx_step += 1
         return result
 

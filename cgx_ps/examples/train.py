@@ -1,10 +1,11 @@
 """Compressed data-parallel training with cgx-ps: the script to copy.
 
-Classifies scikit-learn's bundled handwritten digits (no download) with an MLP. Run one process
-per GPU/CPU worker, for example on each node:
+Classifies scikit-learn's bundled handwritten digits (no download) with an MLP; without
+scikit-learn, ``--data synthetic`` trains on generated data of the same shape. Run one process per
+GPU/CPU worker, for example on each node:
 
     CGX_PS_SERVERS=host0:7070,host1:7070 CGX_PS_NODE_RANK=0 CGX_PS_NUM_NODES=2 \\
-        torchrun --standalone --nproc-per-node=1 examples/train.py --compression 4bit
+        torchrun --standalone --nproc-per-node=1 -m cgx_ps.examples.train --compression 4bit
 
 or let `cgx-ps demo` start shards and workers on this machine. The lines marked "cgx" are all
 that differs from single-process training.
@@ -34,16 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--data", choices=["digits", "synthetic"], default="digits",
+                   help="digits: scikit-learn's handwritten digits; synthetic: 10 Gaussian classes of the same "
+                        "shape, for a machine without scikit-learn (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON line per step (for cgx-ps demo)")
     return p
 
 
-def load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits as sk_digits
+def load_data(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1797 examples of 64 features in 10 classes, split 1437 / 360 (the same on every rank)."""
+    if kind == "digits":
+        from sklearn.datasets import load_digits
 
-    data = sk_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target)
+        data = load_digits()
+        x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+        y = torch.tensor(data.target)
+    else:  # a class is a random centre plus noise: learnable, but not in one step
+        g = torch.Generator().manual_seed(1234)
+        y = torch.arange(1797) % 10
+        x = (torch.rand(10, 64, generator=g)[y] + 0.35 * torch.randn(1797, 64, generator=g)).clamp(0, 1)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     test, train = order[:360], order[360:]
     return x[train], y[train], x[test], y[test]
@@ -54,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = cgx.init()                                                    # cgx
     torch.manual_seed(args.seed + config.rank)  # different init per rank: the broadcast fixes it
-    x_train, y_train, x_test, y_test = load_digits(args.seed)
+    x_train, y_train, x_test, y_test = load_data(args.data, args.seed)
     mine = torch.arange(config.rank, len(y_train), config.world_size)      # this rank's shard
     x_train, y_train = x_train[mine], y_train[mine]
 

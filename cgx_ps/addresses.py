@@ -1,0 +1,45 @@
+"""Where the shards are: CGX_PS_SERVERS, read one way by everyone who dials them.
+
+    CGX_PS_SERVERS     "host:port,host:port" (index = shard index), or one template with {i}
+    CGX_PS_NUM_SHARDS  the shard count: expands the template; must match a list's length
+
+Workers (``cgx_ps.worker.config``), ``cgx-ps status`` and ``cgx-ps wait-for-shards`` (the
+workers' init container on Kubernetes) all read the list here, so a template that works for
+one works for all. Pure string handling: importing this pulls in nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+__all__ = ["check_address", "parse_servers", "servers_from_env"]
+
+
+def check_address(address: str) -> None:
+    """ValueError unless ``address`` is host:port (host may be a name, an IP or [IPv6])."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"shard address {address!r} is not host:port (from CGX_PS_SERVERS)")
+
+
+def parse_servers(spec: str, num_shards: str = "") -> tuple[str, ...]:
+    """The addresses ``spec`` (CGX_PS_SERVERS) names, checked; ValueError naming the variable."""
+    spec, num_shards = spec.strip(), num_shards.strip()
+    if "{i}" in spec:
+        if not num_shards.isdigit() or int(num_shards) < 1:
+            raise ValueError(f"CGX_PS_SERVERS={spec!r} is a template: set CGX_PS_NUM_SHARDS to the shard count")
+        # replace, not str.format: other braces in a name are not ours to interpret
+        servers = tuple(spec.replace("{i}", str(i)) for i in range(int(num_shards)))
+    else:
+        servers = tuple(s.strip() for s in spec.split(",") if s.strip())
+        if num_shards.isdigit() and servers and int(num_shards) != len(servers):
+            raise ValueError(f"CGX_PS_SERVERS lists {len(servers)} shards but CGX_PS_NUM_SHARDS={num_shards}")
+    if not servers:
+        raise ValueError("no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)")
+    for address in servers:
+        check_address(address)
+    return servers
+
+
+def servers_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
+    return parse_servers(env.get("CGX_PS_SERVERS", ""), env.get("CGX_PS_NUM_SHARDS", ""))

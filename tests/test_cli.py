@@ -1,0 +1,223 @@
+"""The `cgx-ps` command as a new user meets it: real processes, exit codes and what they print."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from support import TOKEN_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env_without_cgx_ps(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
+    env.update(extra)
+    return env
+
+
+def cgx_ps(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cgx_ps.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env_without_cgx_ps(**env), cwd=ROOT)
+
+
+@contextlib.contextmanager
+def server(tmp_path: Path, *args: str):
+    """`cgx-ps server ... --port-file`: yields (process, the ports it reports) once it serves."""
+    port_file = tmp_path / f"ports-{time.monotonic_ns()}.json"
+    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1",
+                             "--token-file", TOKEN_FILE, "--kernel-threads", "1", "--port-file", str(port_file),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env_without_cgx_ps())
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "shard did not start in 60 s"
+            time.sleep(0.05)
+        yield proc, json.loads(port_file.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def one_error_line(res: subprocess.CompletedProcess) -> str:
+    """The process failed with exactly one line of its own (gRPC's C core may add its own)."""
+    assert res.returncode == 2, res.stdout + res.stderr
+    out = res.stdout + res.stderr
+    assert "Traceback" not in out, out
+    ours = [line for line in out.splitlines() if "logger=cgx_ps" in line]
+    assert len(ours) == 1, out
+    return ours[0]
+
+
+# ---- shards started by hand on one host ------------------------------------------------------------
+
+
+def test_shards_started_by_hand_on_one_host_get_their_own_metrics_ports(tmp_path):
+    """Before: both shards defaulted to metrics port 9400 and the second died with a traceback.
+    Now the default is 9400 + the shard index (here 5 and 6, to stay clear of other users)."""
+    if not (port_is_free(9405) and port_is_free(9406)):
+        pytest.skip("ports 9405/9406 are in use on this machine")
+    with server(tmp_path, "--port", "0", "--shard-index", "5", "--num-shards", "7") as (_, a), \
+            server(tmp_path, "--port", "0", "--shard-index", "6", "--num-shards", "7") as (_, b):
+        assert (a["metrics_port"], b["metrics_port"]) == (9405, 9406)
+    help_text = cgx_ps("server", "--help").stdout
+    assert "default 9400 + --shard-index" in " ".join(help_text.split())
+
+
+def test_a_port_in_use_is_one_line_naming_the_port_and_the_flag(tmp_path):
+    with server(tmp_path, "--port", "0", "--metrics-port", "0") as (_, ports):
+        # gRPC sets SO_REUSEPORT by default: a second shard on the port used to start and share it
+        same_grpc = cgx_ps("server", "--host", "127.0.0.1", "--port", str(ports["port"]), "--metrics-port", "-1",
+                           "--token-file", TOKEN_FILE, timeout=60)
+        line = one_error_line(same_grpc)
+        assert f"cannot bind 127.0.0.1:{ports['port']}" in line and "choose another --port" in line
+        same_metrics = cgx_ps("server", "--host", "127.0.0.1", "--port", "0", "--metrics-port",
+                              str(ports["metrics_port"]), "--token-file", TOKEN_FILE, timeout=60)
+        line = one_error_line(same_metrics)
+        assert f"127.0.0.1:{ports['metrics_port']}" in line and "--metrics-port" in line
+
+
+# ---- first contact: help, cluster ------------------------------------------------------------------
+
+
+def test_first_contact_help():
+    """`cgx-ps` alone shows the overview with examples (not just "COMMAND is required"), and
+    every option of every command says what it does."""
+    from cgx_ps.cli import build_parser
+
+    bare = cgx_ps()
+    assert bare.returncode == 2
+    for command in ("demo", "cluster", "server", "status", "wait-for-shards", "codec-demo"):
+        assert f"cgx-ps {command}" in bare.stderr, command
+    assert "``" not in bare.stderr  # no reStructuredText leaking into the terminal
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"cgx-ps {name} {'/'.join(action.option_strings)}: no help text"
+
+
+def cluster_process(*args: str) -> subprocess.Popen:
+    """`cgx-ps cluster` in a process group of its own, with Ctrl-C handled as in a terminal (a
+    test runner started in the background may hand its children SIGINT ignored)."""
+    return subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_cluster_with_a_port_in_use_says_so_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = cgx_ps("cluster", "--shards", "1", "--base-port", str(port), "--kernel-threads", "1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert f"cannot bind 127.0.0.1:{port}" in res.stderr
+    assert "cgx-ps cluster: shard 0 exited with code 2 during startup" in res.stderr
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_ctrl_c_stops_the_cluster_without_a_traceback(when):
+    """Ctrl-C reaches the whole foreground process group: the cluster and its shards."""
+    proc = cluster_process("--shards", "2", "--base-port", "0", "--kernel-threads", "1")
+    try:
+        if when == "starting":  # the shards are importing, not yet serving
+            deadline = time.monotonic() + 60
+            while len(children(proc.pid)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+        else:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "then `cgx-ps status` shows them" in line:
+                    break
+            assert any("2 shards serving" in line for line in lines), "".join(lines)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in out, out
+    if when == "starting" and "shards serving" not in out:  # (a fast machine may have finished)
+        assert proc.returncode == 130, out
+    else:
+        assert proc.returncode == 0, out
+
+
+# ---- the demo from a wheel installed without extras ---------------------------------------------------
+
+
+def build_wheel(tmp_path: Path) -> Path:
+    """The wheel of this checkout, built from a copy (so the build leaves nothing in the tree)."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "build", "*.egg-info",
+                                                             "dist", "benchmarks", "tests", "deploy", "docs"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = (tmp_path / "dist").glob("cgx_ps-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_demo_from_a_wheel_without_the_extras(tmp_path):
+    """`pip install cgx-ps` (no [demo] extras), then `cgx-ps demo`: before, it stopped asking for
+    scikit-learn and tqdm, and then for a source checkout (the training script was not in the
+    wheel). Now it trains on synthetic data with plain progress lines."""
+    wheel = build_wheel(tmp_path)
+    assert "cgx_ps/examples/train.py" in zipfile.ZipFile(wheel).namelist()
+    site = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                          str(site), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # This interpreter has the extras: modules that fail to import stand in for their absence.
+    missing = tmp_path / "missing"
+    for name in ("sklearn", "tqdm"):
+        (missing / name).mkdir(parents=True)
+        (missing / name / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\")\n")
+    env = env_without_cgx_ps(PYTHONPATH=f"{missing}{os.pathsep}{site}")
+    where = subprocess.run([sys.executable, "-c", "import cgx_ps; print(cgx_ps.__file__)"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr  # the installed copy, not this tree
+    res = subprocess.run([str(site / "bin" / "cgx-ps"), "demo", "--workers", "2", "--shards", "1", "--epochs", "2"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "scikit-learn is not installed, so the workers train on synthetic data" in res.stdout
+    assert "tqdm is not installed: progress as plain lines" in res.stdout
+    assert "step 20/" in res.stdout and "Traceback" not in res.stdout + res.stderr
+    summary = res.stdout.split("\nsummary\n", 1)[1]
+    accuracy = float(summary.split("test accuracy", 1)[1].split("%")[0])
+    assert accuracy > 80.0, summary  # synthetic classes are learnable: ~10% by chance
+    assert "replicas identical   yes" in summary

@@ -1,0 +1,252 @@
+"""`cgx-ps status` and the shard's Status RPC: real shards on port 0 with a job token, real
+clients training rounds, and the real CLI in a process of its own, judged by its exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from cgx_ps.kernels import Codec, encode
+from cgx_ps.server import ServerConfig, ShardServer
+from cgx_ps.status import ShardReport, _add_rates, probe_all, render_table
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from support import METADATA, SECURITY, TOKEN_FILE
+
+LAYOUT = build_layout([TensorInfo("w", (64, 64)), TensorInfo("v", (32, 100))], 1, Compression(bits=None),
+                      block_bytes=8 << 10)
+STATUS = "/cgx_ps.v1.ParameterServer/Status"
+
+
+async def start(**kw) -> ShardServer:
+    config = dict(host="127.0.0.1", port=0, metrics_port=0, round_timeout_s=5.0, kernel_threads=1,
+                  token_file=TOKEN_FILE)
+    config.update(kw)
+    server = ShardServer(ServerConfig(**config))
+    await server.start()
+    return server
+
+
+async def status_of(server: ShardServer, metadata=METADATA) -> ps_pb2.StatusResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        return await ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), metadata=metadata,
+                                                                     timeout=5)
+
+
+async def train(server: ShardServer, rounds: int, job: str = "job-7", nodes: int = 2,
+                security=SECURITY) -> list[ShardClient]:
+    clients = [ShardClient(f"127.0.0.1:{server.port}", f"node-{i}", nodes, LAYOUT, connect_timeout_s=5,
+                           job_id=job, security=security) for i in range(nodes)]
+    for c in clients:
+        await c.connect()
+    for round_ in range(rounds):
+        await asyncio.gather(*[c.exchange(b.block_id, round_, encode(torch.ones(b.numel), Codec.FP32).to_bytes())
+                               for c in clients for b in LAYOUT.blocks])
+    return clients
+
+
+def scrape(server: ShardServer) -> dict[str, list]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+async def test_status_reports_the_session_and_agrees_with_the_metrics():
+    server = await start()
+    try:
+        before = await status_of(server)
+        assert before.session_state == ps_pb2.SESSION_STATE_NONE and before.instance_id == server.service.instance_id
+        clients = await train(server, rounds=3)
+        s = await status_of(server)
+        assert s.session_state == ps_pb2.SESSION_STATE_ACTIVE
+        assert s.job_id == "job-7"  # the caller proved it belongs to the job
+        assert (s.num_nodes, s.nodes_registered, s.members_registered, s.streams_open) == (2, 2, 2, 2)
+        assert s.blocks_owned == len(LAYOUT.blocks) and s.rounds_completed == 3
+        assert s.rounds_total == 3 * len(LAYOUT.blocks) and s.rounds_failed == 0
+        fp32 = sum(len(encode(torch.ones(b.numel), Codec.FP32).to_bytes()) for b in LAYOUT.blocks)
+        assert s.bytes_in == 3 * 2 * fp32 and s.bytes_out == s.bytes_in
+        assert s.max_inflight_bytes == server.config.max_inflight_bytes and s.inflight_bytes == 0
+        assert s.uptime_s > before.uptime_s and not s.draining
+        assert "session_id" not in ps_pb2.StatusResponse.DESCRIPTOR.fields_by_name  # proof of membership
+        # the same numbers Prometheus scrapes, plus the session gauges served from the same state
+        metrics = scrape(server)
+        assert metrics["cgx_ps_bytes_in"][0].value == s.bytes_in
+        assert metrics["cgx_ps_max_inflight_bytes"][0].value == s.max_inflight_bytes
+        states = {x.labels["state"]: x.value for x in metrics["cgx_ps_session_state"]}
+        assert states == {"none": 0, "active": 1, "idle": 0, "failed": 0}
+        assert metrics["cgx_ps_session_rounds_completed"][0].value == 3
+        assert metrics["cgx_ps_session_nodes"][0].value == 2
+        for c in clients:
+            await c.close()
+        await asyncio.sleep(0.2)
+        assert (await status_of(server)).session_state == ps_pb2.SESSION_STATE_IDLE
+    finally:
+        await server.stop(drain=False)
+
+
+async def test_status_names_the_last_error_and_a_failed_round():
+    server = await start(round_timeout_s=0.5)
+    try:
+        clients = await train(server, rounds=1)
+        # node-0 pushes round 1, node-1 never does: the round fails after the timeout
+        await clients[0].push(LAYOUT.blocks[0].block_id, 1, encode(torch.ones(LAYOUT.blocks[0].numel),
+                                                                   Codec.FP32).to_bytes())
+        await asyncio.sleep(1.5)
+        s = await status_of(server)
+        assert s.session_state == ps_pb2.SESSION_STATE_FAILED and s.rounds_failed == 1
+        assert "node-1" in s.last_error and 0 <= s.last_error_age_s < 5, s.last_error
+        for c in clients:
+            await c.close()
+    finally:
+        await server.stop(drain=False)
+
+
+async def test_status_needs_the_token_and_an_open_shard_withholds_the_job():
+    server = await start()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await status_of(server, metadata=None)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await server.stop(drain=False)
+    open_shard = await start(token_file=None)
+    try:
+        clients = await train(open_shard, rounds=1, job="secret-job", security=type(SECURITY)())
+        with pytest.raises(Exception, match="block 99 is not owned"):  # a rejected push, logged
+            await asyncio.wait_for(clients[0].exchange(99, 0, b"x"), 10)
+        s = await status_of(open_shard, metadata=None)
+        assert s.session_state != ps_pb2.SESSION_STATE_NONE and s.nodes_registered == 2
+        assert s.job_id == "" and "secret-job" not in str(s)  # a stranger must not learn the job
+        assert s.last_error.startswith("(details withheld") and s.pushes_rejected == 1
+        for c in clients:
+            await c.close()
+    finally:
+        await open_shard.stop(drain=False)
+
+
+def test_rates_come_from_two_samples_of_the_same_shard_instance():
+    def report(uptime: float, bytes_in: int, instance: str = "a", rounds: int = 10) -> ShardReport:
+        return ShardReport(0, "x:1", "SERVING", status=ps_pb2.StatusResponse(
+            instance_id=instance, uptime_s=uptime, bytes_in=bytes_in, bytes_out=2 * bytes_in, rounds_completed=rounds))
+
+    now = report(12.0, 3000)
+    _add_rates(now, report(10.0, 1000))
+    assert now.rates == {"bytes_in": 1000.0, "bytes_out": 2000.0, "rounds_total": 0.0, "rounds_completed": 0.0}
+    restarted = report(1.0, 10, instance="b")
+    _add_rates(restarted, report(10.0, 1000))
+    assert restarted.rates == {}  # a restarted shard's counters started over
+    new_session = report(12.0, 3000, rounds=2)
+    _add_rates(new_session, report(10.0, 1000, rounds=50))
+    assert "rounds_completed" not in new_session.rates and new_session.rates["bytes_in"] == 1000.0
+
+
+async def test_probe_names_shards_listed_out_of_order():
+    a, b = await start(num_shards=2, shard_index=0), await start(num_shards=2, shard_index=1)
+    try:
+        reports = await asyncio.to_thread(probe_all, [f"127.0.0.1:{b.port}", f"127.0.0.1:{a.port}"], SECURITY)
+        assert not any(r.ok for r in reports)
+        assert "listed as shard 0 of 2, but it is shard 1 of 2" in reports[0].problems[0]
+        table = render_table(reports)
+        assert "CGX_PS_SERVERS must list the shards in index order" in table
+    finally:
+        await a.stop(drain=False)
+        await b.stop(drain=False)
+
+
+async def test_a_draining_shard_is_not_ok():
+    server = await start()
+    try:
+        await server.health.enter_graceful_shutdown()  # what SIGTERM does first
+        server.service.draining = True
+        (report,) = await asyncio.to_thread(probe_all, [f"127.0.0.1:{server.port}"], SECURITY)
+        assert report.health == "NOT_SERVING" and report.status.draining and not report.ok
+        assert "draining" in render_table([report]).splitlines()[1]
+    finally:
+        await server.stop(drain=False)
+
+
+# ---- the command, as a user runs it ------------------------------------------------------------------
+
+
+def cgx_ps(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
+    return subprocess.run([sys.executable, "-m", "cgx_ps.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**base, **env})
+
+
+@contextlib.contextmanager
+def shard_process(tmp_path: Path, *args: str):
+    """`cgx-ps server` with a token on port 0; yields its address."""
+    port_file = tmp_path / f"ports-{time.monotonic_ns()}.json"
+    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
+                             "--metrics-port", "-1", "--token-file", TOKEN_FILE, "--kernel-threads", "1",
+                             "--port-file", str(port_file), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "shard did not start in 60 s"
+            time.sleep(0.05)
+        yield f"127.0.0.1:{json.loads(port_file.read_text())['port']}", proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def test_cgx_ps_status_command(tmp_path):
+    """A user's first look: the exit code gates readiness, each shard gets one line."""
+    with shard_process(tmp_path, "--shard-index", "0", "--num-shards", "2") as (a, _), \
+            shard_process(tmp_path, "--shard-index", "1", "--num-shards", "2") as (b, _):
+        env = {"CGX_PS_SERVERS": f"{a},{b}", "CGX_PS_TOKEN_FILE": TOKEN_FILE}
+        ok = cgx_ps("status", env=env)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        lines = ok.stdout.splitlines()
+        assert lines[0].endswith("2/2 shards OK") and lines[1].split()[:3] == ["SHARD", "ADDRESS", "HEALTH"]
+        assert lines[2].split()[:4] == ["0", a, "SERVING", "none"] and lines[3].split()[:3] == ["1", b, "SERVING"]
+        assert "B/s" in lines[2]  # two samples: rates
+
+        as_json = cgx_ps("status", "--json", "--sample", "0", env=env)
+        assert as_json.returncode == 0
+        doc = json.loads(as_json.stdout)
+        assert doc["ok"] and [s["status"]["shard_index"] for s in doc["shards"]] == [0, 1]
+        assert doc["shards"][0]["status"]["session_state"] == "SESSION_STATE_NONE"
+
+        no_token = cgx_ps("status", "--sample", "0", env={"CGX_PS_SERVERS": f"{a},{b}"})
+        assert no_token.returncode == 1
+        assert "UNAUTHENTICATED" in no_token.stdout and "set CGX_PS_TOKEN_FILE" in no_token.stdout
+
+        down = cgx_ps("status", "--sample", "0", "--servers", f"{a},127.0.0.1:1", env=env)
+        assert down.returncode == 1
+        assert "listed as shard 0 of 2" not in down.stdout
+        row = down.stdout.splitlines()[3].split()
+        assert row[:3] == ["1", "127.0.0.1:1", "DOWN"] and "UNAVAILABLE" in down.stdout
+
+        watch = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "status", "--watch", "0.3"],
+                                 stdout=subprocess.PIPE, text=True,
+                                 env={**{k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")},
+                                      **env})
+        time.sleep(4)
+        watch.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop, no traceback
+        out, _ = watch.communicate(timeout=20)
+        assert watch.returncode == 0 and out.count("2/2 shards OK") >= 2 and "Traceback" not in out
+
+    assert cgx_ps("status", env={}).returncode == 2
+    bad = cgx_ps("status", env={"CGX_PS_SERVERS": "a:1", "CGX_PS_TOKEN_FILE": str(tmp_path / "none")})
+    assert bad.returncode == 2 and "cannot read it" in bad.stderr
