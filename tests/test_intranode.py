@@ -474,6 +474,7 @@ def test_real_member_killed_after_start_up(tmp_path):
     fails within the timeout naming it; no descriptor of the start-up is left open here."""
     job, tag = _names()
     rank1 = _worker(1, 2, job, tag, tmp_path / "1.pt", steps=1, timeout=10)
+    gc.collect()  # descriptors of earlier tests' garbage (channels, pipes) must not close in between
     before = _descriptors()
     try:
         reducer = _reducer(0, job, tag, timeout=10)
