@@ -20,8 +20,8 @@ from typing import Callable
 import grpc
 import torch
 
-from ..kernels import (HEADER_SIZE, Codec, CodecError, body_size, decode_header, dequantize, encode,
-                       encode_with_feedback)
+from ..kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, body_size, decode_header, dequantize,
+                       encode_block)
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
@@ -61,7 +61,7 @@ class _Block:
     payload_size: int
     round: int = 0
     acc: torch.Tensor | None = None
-    residual: torch.Tensor | None = None
+    feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # server-side error feedback's residual
     pushed: set[str] = field(default_factory=set)
     first_push_at: float = 0.0
     timer: asyncio.TimerHandle | None = None
@@ -279,12 +279,8 @@ class Aggregator:
         codec, bits, bucket = block.round_encoding
         acc, seed = block.acc, result_seed(block.spec.block_id, round_)
         stochastic = block.settings_for(round_).stochastic
-        if not (self.error_feedback and codec == Codec.MAXMIN):
-            return encode(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed).to_bytes()
-        if block.residual is None:
-            block.residual = torch.zeros_like(acc)
-        return encode_with_feedback(acc, block.residual, codec, bits=bits, bucket_size=bucket,
-                                    stochastic=stochastic, seed=seed).to_bytes()
+        return encode_block(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed,
+                            feedback=block.feedback if self.error_feedback else None).to_bytes()
 
     # ---- failure --------------------------------------------------------------------------------
 

@@ -25,12 +25,12 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
 
-from ..kernels import Codec, CodecError, dequantize, encode, encode_with_feedback
+from ..kernels import Codec, CodecError, ErrorFeedback, dequantize, encode_block
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import CgxPsError, ConfigError
@@ -65,7 +65,7 @@ class _Block:
     pending: int = 0  # parameters of this block not yet ready in this step
     round: int = 0
     future: object | None = None
-    residual: torch.Tensor | None = None
+    feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # worker-side error feedback
     settings: ps_pb2.CodecSettings | None = None  # current codec settings (adaptive may change them)
 
     def __post_init__(self) -> None:
@@ -328,13 +328,9 @@ class _DistributedMixin:
 def _encode(block: _Block, compressed: bool, seed: int, error_feedback: bool) -> bytes:
     s = block.settings
     codec = codec_of(s) if compressed else Codec.FP32
-    if not error_feedback or codec != Codec.MAXMIN:
-        return encode(block.buffer, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
-                      stochastic=s.stochastic, seed=seed).to_bytes()
-    if block.residual is None:
-        block.residual = torch.zeros_like(block.buffer)
-    return encode_with_feedback(block.buffer, block.residual, codec, bits=s.bits, bucket_size=s.bucket_size,
-                                stochastic=s.stochastic, seed=seed).to_bytes()
+    return encode_block(block.buffer, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                        stochastic=s.stochastic, seed=seed,
+                        feedback=block.feedback if error_feedback else None).to_bytes()
 
 
 def _num_shards() -> int:
