@@ -127,6 +127,24 @@ def test_shared_memory_reduce_scatter_all_gather_is_exact(tmp_path, size):
     assert _shm_files() == set()  # segments are memfds: never a file in /dev/shm
 
 
+def test_blocks_are_balanced_largest_first_over_shards_and_over_local_ranks():
+    from cgx_ps.layout import block_payload_size
+    from cgx_ps.worker.intranode import assign_owners
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout, largest_first
+
+    assert largest_first([5, 9, 5, 2, 7], 2) == [1, 0, 0, 1, 1]  # 9, 7, then each to the lighter bin
+    assert largest_first([], 3) == [] and largest_first([4, 4, 4], 3) == [0, 1, 2]
+    sizes = [int(x) for x in torch.randint(1, 1000, (40,), generator=torch.Generator().manual_seed(0))]
+    loads = [0] * 3
+    for size, b in zip(sizes, largest_first(sizes, 3)):
+        loads[b] += size
+    assert max(loads) - min(loads) <= max(sizes)  # largest first: within one item of each other
+    layout = build_layout([TensorInfo(f"t{i}", (i + 1, 3000)) for i in range(6)], 3, Compression(), block_bytes=8192)
+    payload = [block_payload_size(b) for b in layout.blocks]
+    assert [b.shard for b in layout.blocks] == largest_first(payload, 3)
+    assert assign_owners(layout, 2) == largest_first(payload, 2)
+
+
 def test_cuda_transport_needs_the_model_on_a_gpu():
     with pytest.raises(ConfigError, match="CGX_PS_INTRANODE=cuda needs the model on a GPU"):
         choose_transport("cuda", torch.device("cpu"))

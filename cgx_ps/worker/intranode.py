@@ -40,7 +40,6 @@ import asyncio
 import errno
 import fcntl
 import hashlib
-import heapq
 import importlib
 import logging
 import mmap
@@ -58,6 +57,7 @@ import torch
 from ..layout import block_payload_size
 from ..v1 import ps_pb2
 from .errors import ConfigError, IntraNodeError
+from .layout import largest_first
 from .shm_flags import load_acquire, store_release
 
 __all__ = ["NodeReducer", "IntraNodeError", "assign_owners", "choose_transport", "close_all", "rendezvous_name"]
@@ -87,15 +87,8 @@ RunInThread = Callable[[Callable[[], None]], Awaitable[None]]
 
 
 def assign_owners(layout: ps_pb2.Layout, local_world_size: int) -> list[int]:
-    """Owner local rank of every block: longest-processing-time greedy on wire bytes."""
-    loads = [(0, r) for r in range(local_world_size)]
-    heapq.heapify(loads)
-    owners = [0] * len(layout.blocks)
-    for block in sorted(layout.blocks, key=lambda b: (-block_payload_size(b), b.block_id)):
-        load, rank = heapq.heappop(loads)
-        owners[block.block_id] = rank
-        heapq.heappush(loads, (load + block_payload_size(block), rank))
-    return owners
+    """Owner local rank of every block, balanced by wire bytes (as blocks are over shards)."""
+    return largest_first([block_payload_size(b) for b in layout.blocks], local_world_size)
 
 
 def choose_transport(requested: str, device: torch.device) -> str:

@@ -2,8 +2,8 @@
 
 Tensors are ordered by name (never by the order hooks fire, which broke CGX's own hook when a
 model ran other collectives), grouped by codec settings, concatenated and cut into blocks of
-about ``block_bytes`` of fp32. Blocks go to shards by longest-processing-time greedy on their
-wire size, so shards carry balanced bytes.
+about ``block_bytes`` of fp32. Blocks go to shards by ``largest_first`` on their wire size, so
+shards carry balanced bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ..layout import block_payload_size, validate_layout
 from ..v1 import ps_pb2
 
-__all__ = ["Compression", "TensorInfo", "build_layout", "DEFAULT_BLOCK_BYTES"]
+__all__ = ["Compression", "TensorInfo", "build_layout", "largest_first", "DEFAULT_BLOCK_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 bytes per block: big enough to amortize RPC, small to pipeline
 
@@ -144,11 +144,19 @@ def _cut_blocks(layout: ps_pb2.Layout, members: list[int], block_numel: int) -> 
 
 
 def _assign_shards(layout: ps_pb2.Layout, num_shards: int) -> None:
-    """Longest-processing-time greedy on wire bytes; ties broken by block id (deterministic)."""
-    loads = [(0, s) for s in range(num_shards)]
-    heapq.heapify(loads)
-    order = sorted(layout.blocks, key=lambda b: (-block_payload_size(b), b.block_id))
-    for block in order:
-        load, shard = heapq.heappop(loads)
+    for block, shard in zip(layout.blocks, largest_first([block_payload_size(b) for b in layout.blocks], num_shards)):
         block.shard = shard
-        heapq.heappush(loads, (load + block_payload_size(block), shard))
+
+
+def largest_first(sizes: Sequence[int], bins: int) -> list[int]:
+    """The bin of every item, so that bins carry balanced totals: longest-processing-time greedy
+    (each item, largest first, to the least loaded bin; ties go to the lower item index and the
+    lower bin, so every worker computes the same answer). Blocks to shards, blocks to local ranks."""
+    loads = [(0, b) for b in range(bins)]
+    heapq.heapify(loads)
+    where = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, b = heapq.heappop(loads)
+        where[i] = b
+        heapq.heappush(loads, (load + sizes[i], b))
+    return where
