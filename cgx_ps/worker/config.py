@@ -98,6 +98,13 @@ class WorkerConfig:
             except ValueError:
                 raise ConfigError(f"{name}={value!r} is not an integer") from None
 
+        def seconds(name: str, default: float) -> float:
+            value = env.get(name, "")
+            try:
+                return float(value) if value != "" else default
+            except ValueError:
+                raise ConfigError(f"{name}={value!r} is not a number of seconds") from None
+
         local_rank, local_size = num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", 1)
         if "CGX_PS_NODE_RANK" in env or "CGX_PS_NUM_NODES" in env:
             # torchrun --standalone on every node: its RANK/WORLD_SIZE are node-local
@@ -115,7 +122,7 @@ class WorkerConfig:
         config = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=_servers(env.get("CGX_PS_SERVERS", ""), env.get("CGX_PS_NUM_SHARDS", "")),
-                     connect_timeout_s=float(env.get("CGX_PS_CONNECT_TIMEOUT", 60.0)),
+                     connect_timeout_s=seconds("CGX_PS_CONNECT_TIMEOUT", 60.0),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
                      security=security)

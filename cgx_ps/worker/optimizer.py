@@ -79,11 +79,15 @@ class _DistributedMixin:
 
     def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], compression: Compression,
                    backward_passes_per_step: int, error_feedback: bool, warmup_steps: int, block_bytes: int) -> None:
-        if backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        for name, value, least in [("backward_passes_per_step", backward_passes_per_step, 1),
+                                   ("warmup_steps", warmup_steps, 0), ("block_bytes", block_bytes, 4)]:
+            if not isinstance(value, int) or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         names = [n for n, _ in named_parameters]
         if len(set(names)) != len(names):
             raise ConfigError("named_parameters has duplicate names")
+        if len({id(p) for _, p in named_parameters}) != len(names):  # its gradient would count twice
+            raise ConfigError("named_parameters names one tensor twice (tied weights: name it once)")
         opt_params = {id(p) for g in self.param_groups for p in g["params"]}
         missing = [n for n, p in named_parameters if id(p) not in opt_params]
         if missing:
@@ -362,9 +366,15 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     warmup_steps: the first steps travel uncompressed.
     block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if named_parameters is None:
         named_parameters = [(f"param.{i}", p) for i, p in
                             enumerate(p for g in optimizer.param_groups for p in g["params"])]
+    named_parameters = list(named_parameters)
+    if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+               and isinstance(item[1], torch.Tensor) for item in named_parameters):
+        raise ConfigError("named_parameters must give (name, tensor) pairs, e.g. model.named_parameters()")
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedMixin, type(optimizer)), {})
     dist = cls.__new__(cls)
