@@ -135,7 +135,7 @@ def _tuner(compress_at_start: bool):
     from cgx_ps.worker.autotune import Tuner
 
     tuner = Tuner.__new__(Tuner)
-    tuner.opt = SimpleNamespace(_cgx_compress=compress_at_start)
+    tuner.target = SimpleNamespace(compress=compress_at_start)
     tuner._decisions, tuner._step_samples, tuner.measured, tuner._incumbent = 1, [], {}, None
     return tuner
 
@@ -152,7 +152,7 @@ def test_auto_decides_from_measured_steps_with_a_margin_to_start_compressing(inc
     tuner._step_samples = [base * (ratio if incumbent else 1.0)] * 3
     compress, reason = tuner._choose(_Figures())  # measures the incumbent, then tries the other mode
     assert compress is (not incumbent) and reason.startswith("measuring the other mode")
-    tuner.opt._cgx_compress = compress
+    tuner.target.compress = compress
     tuner._step_samples = [base * (1.0 if incumbent else ratio)] * 3
     compress, reason = tuner._choose(_Figures())
     assert (compress, reason) == (expected, "measured"), tuner.measured

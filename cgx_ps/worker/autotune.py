@@ -74,16 +74,16 @@ def predict_exposed(f: AutoFigures, compress: bool) -> float:
 
 
 class Tuner:
-    def __init__(self, opt, compression) -> None:
-        self.opt = opt
+    def __init__(self, target, compression) -> None:
+        self.target = target
         self.compression = compression
         self.interval = max(1, compression.interval)
-        self.rank0 = opt._cgx_config.rank == 0
+        self.rank0 = target.rank == 0
         self.average = RunningAverage() if compression.adaptive and self.rank0 else None
-        layout = opt._cgx_layout
-        self.adaptive_blocks = [b for b in opt._cgx_blocks if b.spec.codec.codec == ps_pb2.CODEC_MAXMIN]
-        self.names = {b.spec.block_id: layout.tensors[b.spec.segments[0].tensor_index].name
-                      for b in self.adaptive_blocks}
+        layout = target.layout
+        # the compressed blocks, each holding one tensor's elements (adaptive layouts): block id -> name
+        self.names = {b.block_id: layout.tensors[b.segments[0].tensor_index].name
+                      for b in layout.blocks if b.codec.codec == ps_pb2.CODEC_MAXMIN}
         self.history: list[dict] = []
         # auto mode, rank 0: step times of the current mode since the last decision, and the
         # latest median per mode as (seconds, decision index)
@@ -97,7 +97,7 @@ class Tuner:
     def after_step(self, step: int) -> None:
         """Called by step() after the optimizer stepped; step counts from 0."""
         now = time.perf_counter()
-        sampling = self.compression.auto and self.rank0 and step >= self.opt._cgx_warmup  # warmup: uncompressed
+        sampling = self.compression.auto and self.rank0 and step >= self.target.warmup_steps  # warmup: uncompressed
         if sampling and self._last_step_end is not None and not self._skip_sample:
             self._step_samples.append(now - self._last_step_end)
         self._skip_sample = False
@@ -109,9 +109,7 @@ class Tuner:
     def _after_step(self, step: int) -> None:
         if self.average is not None:
             for name in set(self.names.values()):
-                param = self.opt._cgx_params[name]
-                if param.grad is not None:
-                    self.average.update(name, param.grad)
+                self.average.update(name, self.target.gradient(name))
         due_auto = self.compression.auto and (step == 0 or (step + 1) % self.interval == 0)
         due_adaptive = self.compression.adaptive and (step + 1) % self.interval == 0
         if not (due_auto or due_adaptive):
@@ -123,7 +121,7 @@ class Tuner:
     # ---- rank 0 -------------------------------------------------------------------------------------
 
     def _decide(self, auto: bool, adaptive: bool) -> dict:
-        decision: dict = {"from_round": self.opt._cgx_blocks[0].round}
+        decision: dict = {"from_round": self.target.next_round}
         if auto:
             figures = self._measure()
             compress, reason = self._choose(figures)
@@ -143,16 +141,10 @@ class Tuner:
                          for n in self.average.names()}
             bits = choose_bits(estimates)
             self.average.reset()
-            changes = []
-            for block in self.adaptive_blocks:
-                new = bits.get(self.names[block.spec.block_id])
-                if new is not None and new != block.settings.bits:
-                    changes.append(ps_pb2.BlockCodec(block_id=block.spec.block_id, codec=ps_pb2.CodecSettings(
-                        codec=ps_pb2.CODEC_MAXMIN, bits=new, bucket_size=block.settings.bucket_size,
-                        stochastic=block.settings.stochastic)))
+            changes = {b: s for b, s in self._settings(bits).items() if s != self.target.settings(b)}
             if changes:
                 # every shard must expect the new settings before any rank pushes that round
-                self.opt._cgx_engine.set_codecs(decision["from_round"], changes)
+                self.target.announce(decision["from_round"], changes)
             decision["bits"] = bits
             log.info("adaptive bits from round %d: %s", decision["from_round"], bits)
         return decision
@@ -160,7 +152,7 @@ class Tuner:
     def _choose(self, figures: AutoFigures) -> tuple[bool, str]:
         """Compress or not, and why: the model first, then measured step times (module doc)."""
         k, self._decisions = self._decisions, self._decisions + 1
-        current = self.opt._cgx_compress
+        current = self.target.compress
         samples, self._step_samples = self._step_samples, []
         if k == 0:
             return figures.exposed(True) < figures.exposed(False), "model"
@@ -185,37 +177,43 @@ class Tuner:
         return current, "measured"
 
     def _measure(self) -> AutoFigures:
-        opt = self.opt
-        probe = opt._cgx_engine.probe(_PROBE_BYTES)
+        target = self.target
+        probe = target.probe(_PROBE_BYTES)
         # The probe sees the link; the last step saw the whole pipeline (CPU per byte in gRPC,
         # the shard's work, the pull). Trust the pipeline's rate when it moved enough bytes to be
         # bandwidth-bound rather than latency-bound.
-        pushed, window = opt.stats.bytes_pushed, opt._cgx_comm_window_s
+        pushed, window = target.stats.bytes_pushed, target.stats.comm_window_s
         pipeline = 2 * pushed / window if pushed >= _PIPELINE_MIN_BYTES and window > 0 else 0.0
         throughput = min(probe, pipeline) if pipeline else probe
-        fp32 = sum(HEADER_SIZE + 4 * b.spec.numel for b in opt._cgx_blocks)
-        compressed = sum(HEADER_SIZE + body_size(Codec(b.settings.codec), b.spec.numel, b.settings.bits,
-                                                 b.settings.bucket_size) for b in opt._cgx_blocks)
-        q_numel = sum(b.spec.numel for b in self.adaptive_blocks)
+        blocks = target.layout.blocks
+        fp32 = sum(HEADER_SIZE + 4 * b.numel for b in blocks)
+        settings = [target.settings(b.block_id) for b in blocks]
+        compressed = sum(HEADER_SIZE + body_size(Codec(s.codec), b.numel, s.bits, s.bucket_size)
+                         for b, s in zip(blocks, settings))
+        q_numel = sum(blocks[b].numel for b in self.names)
         sample = torch.randn(min(max(q_numel, 1), 1 << 20))
         codec_s = float("inf")
         for _ in range(2):  # the first call pays for first-touch pages and thread start
             t0 = time.perf_counter()
             dequantize(quantize(sample, 4, stochastic=True), out=sample)
             codec_s = min(codec_s, (time.perf_counter() - t0) * q_numel / sample.numel())
-        return AutoFigures(throughput, probe, pipeline, fp32, compressed, codec_s, opt._cgx_backward_s)
+        return AutoFigures(throughput, probe, pipeline, fp32, compressed, codec_s, target.stats.backward_s)
 
     # ---- every rank -------------------------------------------------------------------------------
 
     def _apply(self, decision: dict) -> None:
         self.history.append(decision)
-        if "compress" in decision:
-            if decision["compress"] != self.opt._cgx_compress:
-                self._skip_sample = True
-            self.opt._cgx_compress = decision["compress"]
-        for block in self.adaptive_blocks:
-            bits = decision.get("bits", {}).get(self.names[block.spec.block_id])
-            if bits is not None:
-                block.settings = ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=bits,
-                                                      bucket_size=block.settings.bucket_size,
-                                                      stochastic=block.settings.stochastic)
+        compress = decision.get("compress")
+        if compress is not None and compress != self.target.compress:
+            self._skip_sample = True
+        self.target.apply(compress, self._settings(decision.get("bits", {})))
+
+    def _settings(self, bits: dict[str, int]) -> dict[int, ps_pb2.CodecSettings]:
+        """The compressed blocks' settings with these bits per tensor (the others unchanged)."""
+        out = {}
+        for block_id, name in self.names.items():
+            if name in bits:
+                s = self.target.settings(block_id)
+                out[block_id] = ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=bits[name],
+                                                     bucket_size=s.bucket_size, stochastic=s.stochastic)
+        return out

@@ -56,11 +56,13 @@ import torch
 
 from ..layout import block_payload_size
 from ..v1 import ps_pb2
+from .config import WorkerConfig
 from .errors import ConfigError, IntraNodeError
 from .layout import largest_first
 from .shm_flags import load_acquire, store_release
 
-__all__ = ["NodeReducer", "IntraNodeError", "assign_owners", "choose_transport", "close_all", "rendezvous_name"]
+__all__ = ["NodeReducer", "IntraNodeError", "assign_owners", "choose_transport", "close_all", "node_reducer",
+           "rendezvous_name"]
 
 log = logging.getLogger(__name__)
 _MAGIC = 0x43475850534E4F44  # "CGXPSNOD"
@@ -89,6 +91,22 @@ RunInThread = Callable[[Callable[[], None]], Awaitable[None]]
 def assign_owners(layout: ps_pb2.Layout, local_world_size: int) -> list[int]:
     """Owner local rank of every block, balanced by wire bytes (as blocks are over shards)."""
     return largest_first([block_payload_size(b) for b in layout.blocks], local_world_size)
+
+
+def node_reducer(layout: ps_pb2.Layout, config: WorkerConfig, devices: set[torch.device], timeout_s: float,
+                 run_tag: str = "") -> NodeReducer | None:
+    """With several ranks on this node they reduce among themselves first: over CUDA IPC for a
+    model on one GPU (unless CGX_PS_INTRANODE=shm), else over host shared memory."""
+    if config.local_world_size == 1:
+        return None
+    device, transport = next(iter(devices)), config.intranode
+    if len(devices) > 1:
+        if transport == "cuda":
+            raise ConfigError(f"CGX_PS_INTRANODE=cuda needs the model on one GPU, it spans {sorted(map(str, devices))}")
+        device, transport = torch.device("cpu"), "shm"
+    return NodeReducer(layout, config.local_rank, config.local_world_size, config.node_rank,
+                       config.job_id or os.environ.get("TORCHELASTIC_RUN_ID", ""), timeout_s=timeout_s, device=device,
+                       transport=transport, run_tag=run_tag)
 
 
 def choose_transport(requested: str, device: torch.device) -> str:
