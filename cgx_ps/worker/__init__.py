@@ -14,6 +14,7 @@ data-parallel training against the cgx-ps shards.
     client.py     one shard connection                 broadcast.py  root -> all via shard 0
 """
 
+from .autotune import Decision
 from .blobformat import BlobFormatError
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .config import WorkerConfig
@@ -24,7 +25,7 @@ from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
 __all__ = [
-    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "DistributedOptimizer",
+    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "Decision", "DistributedOptimizer",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
     "shutdown", "size",

@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 import torch
 
 from ..v1 import ps_pb2
-from .autotune import Tuner
+from .autotune import Decision, Tuner
 from .errors import CgxPsError, ConfigError
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import BlockPipeline, StepStats
@@ -159,7 +159,7 @@ class _DistributedMixin:
         result = super().step(closure)
         self._cgx_synchronized = False
         if self._cgx_tuner is not None:
-            self._cgx_tuner.after_step(self._cgx_pipe.stats.step)
+            self._cgx_tuner.after_step()
         return result
 
     @property
@@ -176,8 +176,9 @@ class _DistributedMixin:
         return self._cgx_pipe.intranode
 
     @property
-    def tuning_history(self) -> list:
-        """The decisions of adaptive bits and auto mode so far, oldest first (empty otherwise)."""
+    def tuning_history(self) -> list[Decision]:
+        """The decisions of adaptive bits and auto mode so far, oldest first (empty otherwise);
+        ``Decision.as_dict()`` gives each as plain data."""
         return list(self._cgx_tuner.history) if self._cgx_tuner is not None else []
 
 
