@@ -1,5 +1,5 @@
-"""Intra-node reduction (cgx_ps/worker/intranode.py, cuda_ipc.py) on its own: real processes,
-real sockets and memfds, exact sums; on a GPU, two processes on one device reduce through CUDA
+"""Intra-node reduction (cgx_ps/worker/intranode.py, segment.py, rendezvous.py, cuda_ipc.py) on
+its own: real processes, real sockets and memfds, exact sums; on a GPU, two processes on one device reduce through CUDA
 IPC and must match the shared-memory result bit for bit. The rendezvous is attacked with real
 processes too: squatters, another user's peer (forked and setuid to nobody, as root), foreign
 segments, kill -9 at each stage of start-up. The end-to-end tests with shards (two nodes of
@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from cgx_ps.worker import ConfigError, IntraNodeError, WorkerConfig
-from cgx_ps.worker.intranode import (_HELLO, _MAGIC, _RDV_MAGIC, NodeReducer, _Segment, choose_transport,
-                                     rendezvous_name)
+from cgx_ps.worker.intranode import NodeReducer, choose_transport
+from cgx_ps.worker.rendezvous import _HELLO, _RDV_MAGIC, rendezvous_name
+from cgx_ps.worker.segment import _MAGIC, Segment
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests/workers"))
@@ -208,12 +209,12 @@ def _connect(name: bytes, timeout: float = 5) -> socket.socket:
 
 
 def _good_segment(**kw) -> int:
-    return _Segment.create(**{"nblocks": _NBLOCKS, "host_numel": _NUMEL, **kw})[1]
+    return Segment.create(**{"nblocks": _NBLOCKS, "host_numel": _NUMEL, **kw})[1]
 
 
 def _raw_segment(magic: int = _MAGIC, seal: bool = True, nblocks: int = _NBLOCKS) -> int:
     """A segment built by hand: a valid layout, but maybe a wrong magic, header or no seals."""
-    size = _Segment._size(_NBLOCKS, 0, _NUMEL)
+    size = Segment._size(_NBLOCKS, 0, _NUMEL)
     fd = os.memfd_create("cgxps-fake", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     with mmap.mmap(fd, size) as m:
@@ -227,7 +228,7 @@ def _raw_segment(magic: int = _MAGIC, seal: bool = True, nblocks: int = _NBLOCKS
 
 def _regular_file() -> int:
     fd = os.open("/tmp", os.O_TMPFILE | os.O_RDWR, 0o600)
-    os.ftruncate(fd, _Segment._size(_NBLOCKS, 0, _NUMEL))
+    os.ftruncate(fd, Segment._size(_NBLOCKS, 0, _NUMEL))
     return fd
 
 
@@ -436,7 +437,7 @@ def test_a_member_killed_during_start_up_fails_rank_0():
 def test_received_descriptors_are_close_on_exec():
     """A fork+exec on another thread (a data loader, a compiler) must not inherit a segment
     while it is being mapped."""
-    from cgx_ps.worker.intranode import _receive
+    from cgx_ps.worker.rendezvous import _receive
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b:
