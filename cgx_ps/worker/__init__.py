@@ -9,9 +9,12 @@ data-parallel training against the cgx-ps shards.
     cgx.broadcast_optimizer_state(opt, root_rank=0)
     ... loss.backward(); opt.step()
 
-    config.py     the job from the environment        layout.py   blocks from sorted names
-    optimizer.py  hooks, block buffers, step()          engine.py   the communication thread
-    client.py     one shard connection                 broadcast.py  root -> all via shard 0
+    config.py     the job from the environment         layout.py     blocks from sorted names
+    optimizer.py  front end: hooks, .grad, step()       pipeline.py   a step's per-block work
+    buffers.py    the blocks' flat buffers              engine.py     the communication thread
+    client.py     one shard connection                  broadcast.py  root -> all via shard 0
+    intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
+    autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py
 """
 
 from .autotune import Decision
