@@ -13,6 +13,7 @@ import torch
 from cgx_ps.kernels import Codec, dequantize, encode
 from cgx_ps.layout import codec_of
 from cgx_ps.worker import CgxPsError, WorkerConfig
+from cgx_ps.worker.autotune import Tunable
 from cgx_ps.worker.engine import CommEngine
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 from cgx_ps.worker.pipeline import BlockPipeline
@@ -93,6 +94,15 @@ def test_buckets_of_tensors_drive_it_like_a_ddp_hook(pipe, engine):
             assert torch.equal(results[name], want), (step, name)
             assert torch.equal(pipe.gradient(name), want.view(-1))  # the buffers, without a copy
     assert sorted(r for _, _, r in engine.pushed) == [0] * pipe.num_blocks + [1] * pipe.num_blocks
+
+
+def test_it_is_what_the_tuner_reads(pipe):
+    assert isinstance(pipe, Tunable)
+    assert (pipe.next_round, pipe.compress, pipe.rank) == (0, True, 0)
+    quantized = [b.block_id for b in pipe.layout.blocks if b.codec.bits]
+    changed = {b: type(pipe.settings(b))(codec=pipe.settings(b).codec, bits=2, bucket_size=8) for b in quantized}
+    pipe.apply(False, changed)
+    assert not pipe.compress and all(pipe.settings(b).bits == 2 for b in quantized)
 
 
 def test_blocks_without_gradients_are_sent_as_zeros_and_bad_gradients_are_named(pipe):

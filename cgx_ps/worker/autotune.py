@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -42,6 +42,7 @@ __all__ = ["Decision", "Tunable", "Tuner"]
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class Tunable(Protocol):
     """What the tuner reads and changes (``BlockPipeline`` provides it)."""
 

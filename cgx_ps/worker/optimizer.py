@@ -22,6 +22,7 @@ For gradient clipping after synchronization (Horovod style)::
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 from typing import Iterable, Iterator
@@ -46,7 +47,7 @@ class _DistributedMixin:
                    backward_passes_per_step: int, error_feedback: bool, warmup_steps: int, block_bytes: int) -> None:
         for name, value, least in [("backward_passes_per_step", backward_passes_per_step, 1),
                                    ("warmup_steps", warmup_steps, 0), ("block_bytes", block_bytes, 4)]:
-            if not isinstance(value, int) or value < least:
+            if not isinstance(value, numbers.Integral) or value < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         names = [n for n, _ in named_parameters]
         if len(set(names)) != len(names):

@@ -94,7 +94,7 @@ class _Block:
     feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
     round: int = 0  # rounds submitted so far: the next one's id
     # this step: tensors arrived, whether it was handed to the communication thread, and its result
-    arrived: int = 0
+    arrived: set[str] = field(default_factory=set)
     submitted: bool = False
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
@@ -170,13 +170,13 @@ class BlockPipeline:
 
     def tensors_ready(self, names: Iterable[str]) -> list[int]:
         """These tensors' gradients are final for this step: the blocks that now have all their
-        tensors, each returned once per step (the caller submits them)."""
+        tensors, each returned once per step (the caller submits them). Saying so twice is harmless."""
         ready = []
         with self._lock:
             for name in names:
                 for block in self._blocks_of.get(name, ()):
-                    block.arrived += 1
-                    if block.arrived == block.tensors and not block.submitted:
+                    block.arrived.add(name)
+                    if len(block.arrived) == block.tensors and not block.submitted:
                         block.submitted = True
                         ready.append(block.spec.block_id)
         return ready
@@ -255,7 +255,7 @@ class BlockPipeline:
     def _next_step(self) -> None:
         with self._lock:
             for block in self._blocks:
-                block.arrived, block.submitted, block.future = 0, False, torch.futures.Future()
+                block.arrived, block.submitted, block.future = set(), False, torch.futures.Future()
 
     def copy_out(self, block_id: int, out_of: TensorOf) -> None:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
