@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         "train_loss": loss, "eval_loss": eval_loss(), "iface": args.iface,
         "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, "torch": torch.__version__,
         # adaptive/auto decisions: bits per tensor, compress on/off and the figures behind them
-        "tuning": opt._cgx_tuner.history if opt._cgx_tuner else [],
+        "tuning": [d.as_dict() for d in opt.tuning_history],
     }
     cgx.shutdown()
     print(json.dumps(result), flush=True)

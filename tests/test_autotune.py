@@ -16,6 +16,9 @@ import torch
 
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker.autotune import Decision
+from cgx_ps.worker.automode import AutoFigures, ModeChooser
+from cgx_ps.worker.blobformat import decode_object, encode_object
 from cgx_ps.worker.layout import Compression
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,17 +132,6 @@ class _Figures:
         return 0.0  # the model calls both modes equal: every exploration is plausible
 
 
-def _tuner(compress_at_start: bool):
-    from types import SimpleNamespace
-
-    from cgx_ps.worker.autotune import Tuner
-
-    tuner = Tuner.__new__(Tuner)
-    tuner.opt = SimpleNamespace(_cgx_compress=compress_at_start)
-    tuner._decisions, tuner._step_samples, tuner.measured, tuner._incumbent = 1, [], {}, None
-    return tuner
-
-
 @pytest.mark.parametrize("incumbent, ratio, expected", [
     (False, 0.97, False),  # compression 3% faster: not enough to start compressing
     (False, 0.90, True),   # 10% faster: compress
@@ -147,12 +139,25 @@ def _tuner(compress_at_start: bool):
     (True, 1.02, False),   # compressed steps got slower: stop
 ])
 def test_auto_decides_from_measured_steps_with_a_margin_to_start_compressing(incumbent, ratio, expected):
-    tuner = _tuner(incumbent)
+    modes = ModeChooser()
+    assert modes.choose(incumbent, _Figures()) == (False, "model")  # the first choice is the model's
     base = 0.100
-    tuner._step_samples = [base * (ratio if incumbent else 1.0)] * 3
-    compress, reason = tuner._choose(_Figures())  # measures the incumbent, then tries the other mode
+    for _ in range(3):
+        modes.record(base * (ratio if incumbent else 1.0))
+    compress, reason = modes.choose(incumbent, _Figures())  # measures the incumbent, then tries the other mode
     assert compress is (not incumbent) and reason.startswith("measuring the other mode")
-    tuner.opt._cgx_compress = compress
-    tuner._step_samples = [base * (1.0 if incumbent else ratio)] * 3
-    compress, reason = tuner._choose(_Figures())
-    assert (compress, reason) == (expected, "measured"), tuner.measured
+    for _ in range(3):
+        modes.record(base * (1.0 if incumbent else ratio))
+    compress, reason = modes.choose(compress, _Figures())
+    assert (compress, reason) == (expected, "measured"), modes.measured
+    assert modes.medians() == {"compressed": base * ratio, "uncompressed": base}
+
+
+def test_decisions_travel_as_plain_data():
+    figures = AutoFigures(1e8, 1.2e8, 1e8, 4 << 20, 1 << 19, 0.01, 0.05)
+    auto = Decision(12, compress=True, reason="measured", figures=figures, measured={"compressed": 0.1})
+    both = Decision(3, bits={"w": 3}, compress=False, reason="model", figures=figures)
+    for d in (auto, both, Decision(4, bits={}), Decision(5)):
+        assert Decision.from_dict(decode_object(encode_object(d.as_dict()))) == d  # the broadcast's format
+    assert Decision(4).as_dict() == {"from_round": 4}  # a mode that did not decide leaves no trace
+    assert set(auto.as_dict()) == {"from_round", "compress", "reason", "figures", "measured"}

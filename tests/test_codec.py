@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from cgx_ps.kernels import (HEADER_SIZE, Codec, CodecError, decode_header, dequantize, encode,
-                            quantize)
+from cgx_ps.kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, decode_header, dequantize, encode,
+                            encode_block, quantize)
 from cgx_ps.kernels import cpu, rng, wire
 
 LENGTHS = [1, 7, 8, 1023, 1024, 1025, 10_007]
@@ -307,3 +307,26 @@ def test_nonfinite_float_payload_rejected() -> None:
     struct.pack_into("<f", p, HEADER_SIZE + 4 * 17, float("nan"))
     with pytest.raises(CodecError, match="NaN/Inf \\(first at element 17\\)"):
         dequantize(_recrc(bytes(p)))
+
+
+def test_error_feedback_carries_what_each_encoding_left_out() -> None:
+    """encode_block (workers and shards share it): the residual starts at zero, each encoding
+    sees the gradient plus what the last one dropped, and the float codecs leave it alone."""
+    feedback = ErrorFeedback()
+    grads = [_data(3000, seed=s) for s in range(3)]
+    sent, carried = torch.zeros(3000), torch.zeros(3000)
+    for step, g in enumerate(grads):
+        x = g.clone()
+        block = encode_block(x, Codec.MAXMIN, bits=2, bucket_size=24, stochastic=True, seed=step, feedback=feedback)
+        expected = encode(g + carried, Codec.MAXMIN, bits=2, bucket_size=24, stochastic=True, seed=step)
+        assert block.to_bytes() == expected.to_bytes()
+        decoded = dequantize(block)
+        carried = g + carried - decoded
+        assert torch.equal(feedback.residual, carried)
+        sent += decoded
+    # what was sent plus what is still carried is exactly what was produced (up to fp32 rounding)
+    assert torch.allclose(sent + feedback.residual, sum(grads), atol=1e-4)
+    before = feedback.residual.clone()
+    plain = encode_block(grads[0].clone(), Codec.FP32, bits=32, bucket_size=0, stochastic=False, seed=0,
+                         feedback=feedback)
+    assert plain.to_bytes() == encode(grads[0], Codec.FP32).to_bytes() and torch.equal(feedback.residual, before)

@@ -1,5 +1,5 @@
-"""Intra-node reduction (cgx_ps/worker/intranode.py, cuda_ipc.py) on its own: real processes,
-real sockets and memfds, exact sums; on a GPU, two processes on one device reduce through CUDA
+"""Intra-node reduction (cgx_ps/worker/intranode.py, segment.py, rendezvous.py, cuda_ipc.py) on
+its own: real processes, real sockets and memfds, exact sums; on a GPU, two processes on one device reduce through CUDA
 IPC and must match the shared-memory result bit for bit. The rendezvous is attacked with real
 processes too: squatters, another user's peer (forked and setuid to nobody, as root), foreign
 segments, kill -9 at each stage of start-up. The end-to-end tests with shards (two nodes of
@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from cgx_ps.worker import ConfigError, IntraNodeError, WorkerConfig
-from cgx_ps.worker.intranode import (_HELLO, _MAGIC, _RDV_MAGIC, NodeReducer, _Segment, choose_transport,
-                                     rendezvous_name)
+from cgx_ps.worker.intranode import NodeReducer, choose_transport
+from cgx_ps.worker.rendezvous import _HELLO, _RDV_MAGIC, rendezvous_name
+from cgx_ps.worker.segment import _MAGIC, Segment
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests/workers"))
@@ -127,6 +128,24 @@ def test_shared_memory_reduce_scatter_all_gather_is_exact(tmp_path, size):
     assert _shm_files() == set()  # segments are memfds: never a file in /dev/shm
 
 
+def test_blocks_are_balanced_largest_first_over_shards_and_over_local_ranks():
+    from cgx_ps.layout import block_payload_size
+    from cgx_ps.worker.intranode import assign_owners
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout, largest_first
+
+    assert largest_first([5, 9, 5, 2, 7], 2) == [1, 0, 0, 1, 1]  # 9, 7, then each to the lighter bin
+    assert largest_first([], 3) == [] and largest_first([4, 4, 4], 3) == [0, 1, 2]
+    sizes = [int(x) for x in torch.randint(1, 1000, (40,), generator=torch.Generator().manual_seed(0))]
+    loads = [0] * 3
+    for size, b in zip(sizes, largest_first(sizes, 3)):
+        loads[b] += size
+    assert max(loads) - min(loads) <= max(sizes)  # largest first: within one item of each other
+    layout = build_layout([TensorInfo(f"t{i}", (i + 1, 3000)) for i in range(6)], 3, Compression(), block_bytes=8192)
+    payload = [block_payload_size(b) for b in layout.blocks]
+    assert [b.shard for b in layout.blocks] == largest_first(payload, 3)
+    assert assign_owners(layout, 2) == largest_first(payload, 2)
+
+
 def test_cuda_transport_needs_the_model_on_a_gpu():
     with pytest.raises(ConfigError, match="CGX_PS_INTRANODE=cuda needs the model on a GPU"):
         choose_transport("cuda", torch.device("cpu"))
@@ -191,12 +210,12 @@ def _connect(name: bytes, timeout: float = 60) -> socket.socket:
 
 
 def _good_segment(**kw) -> int:
-    return _Segment.create(**{"nblocks": _NBLOCKS, "host_numel": _NUMEL, **kw})[1]
+    return Segment.create(**{"nblocks": _NBLOCKS, "host_numel": _NUMEL, **kw})[1]
 
 
 def _raw_segment(magic: int = _MAGIC, seal: bool = True, nblocks: int = _NBLOCKS) -> int:
     """A segment built by hand: a valid layout, but maybe a wrong magic, header or no seals."""
-    size = _Segment._size(_NBLOCKS, 0, _NUMEL)
+    size = Segment._size(_NBLOCKS, 0, _NUMEL)
     fd = os.memfd_create("cgxps-fake", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     with mmap.mmap(fd, size) as m:
@@ -210,7 +229,7 @@ def _raw_segment(magic: int = _MAGIC, seal: bool = True, nblocks: int = _NBLOCKS
 
 def _regular_file() -> int:
     fd = os.open("/tmp", os.O_TMPFILE | os.O_RDWR, 0o600)
-    os.ftruncate(fd, _Segment._size(_NBLOCKS, 0, _NUMEL))
+    os.ftruncate(fd, Segment._size(_NBLOCKS, 0, _NUMEL))
     return fd
 
 
@@ -419,7 +438,7 @@ def test_a_member_killed_during_start_up_fails_rank_0():
 def test_received_descriptors_are_close_on_exec():
     """A fork+exec on another thread (a data loader, a compiler) must not inherit a segment
     while it is being mapped."""
-    from cgx_ps.worker.intranode import _receive
+    from cgx_ps.worker.rendezvous import _receive
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b:

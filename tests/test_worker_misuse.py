@@ -11,8 +11,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
+import cgx_ps.worker as cgx
 from cgx_ps.server import LocalCluster
+from cgx_ps.worker import runtime
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -40,12 +44,84 @@ def run(cluster, scenario: str, servers: list[str] | None = None) -> dict:
     ("extra_pass", "gradient computed 2 times before step(), but backward_passes_per_step=1"),
     ("nan", "CgxPsError: rank 0: cannot encode the gradient of"),
     ("after_shutdown", "CgxPsError: cgx_ps.worker.shutdown() has closed the connection to the shards"),
+    ("skip_unsynchronized", "CgxPsError: step() inside skip_synchronize() needs synchronize() first"),
+    ("second_optimizer", "ConfigError: one DistributedOptimizer per process"),
 ])
 def test_misuse_is_named(cluster, scenario, error):
     out = run(cluster, scenario)
     assert error in out.get("error", ""), out
+    assert out["cgx_ps_error"] is True  # one except clause catches every misuse
     if scenario == "nan":
         assert "NaN/Inf" in out["error"] and ("0.weight" in out["error"] or "2.weight" in out["error"]), out
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def _optimizer(**kw):
+    model = _model()
+    kw.setdefault("named_parameters", model.named_parameters())
+    return cgx.DistributedOptimizer(kw.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+
+
+def _twice(name: str):
+    model = _model()
+    return cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    [*model.named_parameters(), (name, model[0].weight)])
+
+
+def _foreign():
+    model = _model()
+    return cgx.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), model.named_parameters())
+
+
+MISUSE = [  # (what the user did, the call, a piece of the message)
+    ("unknown compression", lambda: _optimizer(compression="5bits"), "unknown compression '5bits'"),
+    ("compression not a string", lambda: _optimizer(compression=4), "compression must be a string"),
+    ("bits out of range", lambda: Compression(bits=9), "bits must be in 1..8"),
+    ("bits not a number", lambda: Compression(overrides={"0.*": "4"}), "bits must be in 1..8"),
+    ("bucket not a multiple of 8", lambda: Compression(bucket_size=12), "bucket_size must be a multiple of 8"),
+    ("bucket too large", lambda: Compression(bucket_size=1 << 25), "bucket_size must be a multiple of 8"),
+    ("bad fallback codec", lambda: Compression(bits=None, fallback=7), "fallback must be FP32"),
+    ("adaptive every 0 steps", lambda: _optimizer(compression="adaptive:0"), "unknown compression"),
+    ("not an optimizer", lambda: cgx.DistributedOptimizer(_model()), "wraps a torch.optim.Optimizer"),
+    ("parameters without names", lambda: _optimizer(named_parameters=_model().parameters()),
+     "named_parameters must give (name, tensor) pairs"),
+    ("zero backward passes", lambda: _optimizer(backward_passes_per_step=0), "backward_passes_per_step must be"),
+    ("negative warm-up", lambda: _optimizer(warmup_steps=-1), "warmup_steps must be"),
+    ("empty blocks", lambda: _optimizer(block_bytes=0), "block_bytes must be"),
+    ("one name twice", lambda: _twice("0.weight"), "duplicate names"),
+    ("one tensor twice", lambda: _twice("tied"), "names one tensor twice"),
+    ("tensors the optimizer does not hold", _foreign, "holds tensors the optimizer does not"),
+    ("a layout with no shard", lambda: build_layout([TensorInfo("w", (4, 4))], 0), "at least one shard"),
+    ("a layout with a negative shape", lambda: build_layout([TensorInfo("w", (4, -4))], 1), "no usable layout"),
+    ("broadcast before the optimizer", lambda: cgx.broadcast_parameters(_model().state_dict()),
+     "create the DistributedOptimizer before broadcasting"),
+    ("no shards configured", lambda: cgx.init(cgx.WorkerConfig.from_env({})), "set CGX_PS_SERVERS"),
+    ("timeout not a number", lambda: cgx.WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1",
+                                                                "CGX_PS_CONNECT_TIMEOUT": "soon"}),
+     "CGX_PS_CONNECT_TIMEOUT='soon' is not a number"),
+]
+
+
+@pytest.mark.parametrize("what, call, message", MISUSE, ids=[m[0] for m in MISUSE])
+def test_public_api_misuse_raises_cgx_ps_errors(monkeypatch, what, call, message):
+    """Misuse caught before any shard is contacted (the shard address here is never dialled):
+    a CgxPsError naming the mistake; configuration errors stay ValueErrors too."""
+    monkeypatch.setattr(runtime, "_config", None)
+    cgx.init(cgx.WorkerConfig(servers=("127.0.0.1:9",), connect_timeout_s=0.1))
+    with pytest.raises(cgx.CgxPsError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        call()
+    if isinstance(info.value, cgx.ConfigError):
+        assert isinstance(info.value, ValueError)
+
+
+def test_calls_before_init_are_named(monkeypatch):
+    monkeypatch.setattr(runtime, "_config", None)
+    for call in (cgx.rank, cgx.size, _optimizer):
+        with pytest.raises(cgx.ConfigError, match=r"call cgx_ps.worker.init\(\) first"):
+            call()
 
 
 def test_a_parameter_frozen_after_wrapping_stays_put_as_in_plain_torch(cluster):

@@ -11,12 +11,14 @@ imports nothing else of cgx_ps, so it can be reused on its own.
 
 from .api import EncodedBlock, Impl, decode_header, dequantize, encode, encode_with_feedback, quantize
 from .errors import CodecError
+from .feedback import ErrorFeedback, encode_block
 from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
 
 __all__ = [
     "Codec",
     "CodecError",
     "EncodedBlock",
+    "ErrorFeedback",
     "HEADER_SIZE",
     "Header",
     "Impl",
@@ -25,6 +27,7 @@ __all__ = [
     "decode_header",
     "dequantize",
     "encode",
+    "encode_block",
     "encode_with_feedback",
     "quantize",
 ]

@@ -25,8 +25,8 @@ from typing import Collection, Mapping, Protocol
 
 import torch
 
-from ..kernels import (HEADER_SIZE, Codec, CodecError, body_size, decode_header, dequantize, encode,
-                       encode_with_feedback)
+from ..kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, body_size, decode_header, dequantize,
+                       encode_block)
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
@@ -67,7 +67,7 @@ class _Block:
     payload_size: int
     round: int = 0
     acc: torch.Tensor | None = None
-    residual: torch.Tensor | None = None
+    feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # server-side error feedback's residual
     pushed: dict[str, int] = field(default_factory=dict)  # node -> member, this round
     first_push_at: float = 0.0
     timer: asyncio.TimerHandle | None = None
@@ -290,12 +290,8 @@ class Aggregator:
         codec, bits, bucket = block.round_encoding
         acc, seed = block.acc, result_seed(block.spec.block_id, round_)
         stochastic = block.settings_for(round_).stochastic
-        if not (self.error_feedback and codec == Codec.MAXMIN):
-            return encode(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed).to_bytes()
-        if block.residual is None:
-            block.residual = torch.zeros_like(acc)
-        return encode_with_feedback(acc, block.residual, codec, bits=bits, bucket_size=bucket,
-                                    stochastic=stochastic, seed=seed).to_bytes()
+        return encode_block(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed,
+                            feedback=block.feedback if self.error_feedback else None).to_bytes()
 
     # ---- failure --------------------------------------------------------------------------------
 

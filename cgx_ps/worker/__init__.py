@@ -9,12 +9,16 @@ data-parallel training against the cgx-ps shards.
     cgx.broadcast_optimizer_state(opt, root_rank=0)
     ... loss.backward(); opt.step()
 
-    config.py     the job from the environment        layout.py   blocks from sorted names
-    optimizer.py  hooks, block buffers, step()          engine.py   the communication thread
-    client.py     one shard connection                 broadcast.py  root -> all via shard 0
+    config.py     the job from the environment         layout.py     blocks from sorted names
+    optimizer.py  front end: hooks, .grad, step()       pipeline.py   a step's per-block work
+    buffers.py    the blocks' flat buffers              engine.py     the communication thread
+    client.py     one shard connection                  broadcast.py  root -> all via shard 0
+    intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
+    autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py
     metrics.py    optional Prometheus exporter (CGX_PS_WORKER_METRICS_PORT), fed by step()
 """
 
+from .autotune import Decision
 from .blobformat import BlobFormatError
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .config import WorkerConfig
@@ -25,7 +29,7 @@ from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
 __all__ = [
-    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "DistributedOptimizer",
+    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "Decision", "DistributedOptimizer",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
     "shutdown", "size",

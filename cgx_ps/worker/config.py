@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from ..addresses import check_address, servers_from_env
-from ..envparse import env_int
+from ..envparse import env_float, env_int
 from ..security import ChannelSecurity
 from .errors import ConfigError
 
@@ -113,7 +113,7 @@ class WorkerConfig:
         config = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=servers,
-                     connect_timeout_s=float(env.get("CGX_PS_CONNECT_TIMEOUT", 60.0)),
+                     connect_timeout_s=env_float(env, "CGX_PS_CONNECT_TIMEOUT", 60.0, error=ConfigError),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
                      security=security)

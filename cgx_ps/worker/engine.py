@@ -1,9 +1,10 @@
 """The worker's communication thread: one event loop, one ShardClient per shard.
 
-Training code runs in its own thread (autograd's); blocks are handed over with ``exchange``,
-which returns a ``concurrent.futures.Future``. In the loop's executor each block is encoded
-(kernels release the GIL), pushed, awaited and decoded, so the compression, the network and the
-decompression of different blocks overlap each other and the rest of backward.
+Training code runs in its own thread (autograd's); the block pipeline (``pipeline.py``) hands
+each block's work over with ``submit``, which returns a ``concurrent.futures.Future``. Codec
+kernels run in the loop's executor (``in_thread``: they release the GIL) and pushes on the
+loop, so the compression, the network and the decompression of different blocks overlap each
+other and the rest of backward.
 """
 
 from __future__ import annotations
@@ -105,13 +106,13 @@ class CommEngine:
         """Run blocking work (a codec kernel) on a codec thread."""
         return await self.loop.run_in_executor(self.executor, fn, *args)
 
-    async def exchange(self, shard: int, block_id: int, round_: int, encode: Callable[[], bytes],
-                       decode: Callable[[bytes], None]) -> int:
-        """Encode, push, await the aggregate, decode; returns the number of bytes pushed."""
-        payload = await self.in_thread(encode)
-        result = await self.clients[shard].exchange(block_id, round_, payload)
-        await self.in_thread(decode, result)
-        return len(payload)
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
+        """Push a block's payload for a round to its shard; returns the aggregate of all nodes."""
+        return await self.clients[shard].exchange(block_id, round_, payload)
+
+    def shard_error(self, shard: int) -> CgxPsError | None:
+        """The error that ended the stream to a shard (a failed round, a closed shard), if any."""
+        return self.clients[shard].error
 
     # ---- control (adaptive compression, auto mode) ------------------------------------------------
 

@@ -2,24 +2,27 @@
 
 Tensors are ordered by name (never by the order hooks fire, which broke CGX's own hook when a
 model ran other collectives), grouped by codec settings, concatenated and cut into blocks of
-about ``block_bytes`` of fp32. Blocks go to shards by longest-processing-time greedy on their
-wire size, so shards carry balanced bytes.
+about ``block_bytes`` of fp32. Blocks go to shards by ``largest_first`` on their wire size, so
+shards carry balanced bytes.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Iterable, Sequence
 
 import torch
 
-from ..layout import block_payload_size, validate_layout
+from ..kernels.wire import MAX_BUCKET_SIZE
+from ..layout import LayoutError, block_payload_size, validate_layout
 from ..v1 import ps_pb2
+from .errors import ConfigError
 
-__all__ = ["Compression", "TensorInfo", "build_layout", "DEFAULT_BLOCK_BYTES"]
+__all__ = ["Compression", "TensorInfo", "build_layout", "largest_first", "DEFAULT_BLOCK_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 bytes per block: big enough to amortize RPC, small to pipeline
 
@@ -49,18 +52,22 @@ class Compression:
 
     def __post_init__(self) -> None:
         for b in [self.bits, *self.overrides.values()]:
-            if b is not None and not 1 <= b <= 8:
-                raise ValueError(f"bits must be in 1..8 or None, got {b}")
-        if self.bucket_size < 8 or self.bucket_size % 8:
-            raise ValueError(f"bucket_size must be a positive multiple of 8, got {self.bucket_size}")
+            if b is not None and not (isinstance(b, numbers.Integral) and 1 <= b <= 8):
+                raise ConfigError(f"bits must be in 1..8 or None, got {b!r}")
+        if not 8 <= self.bucket_size <= MAX_BUCKET_SIZE or self.bucket_size % 8:
+            raise ConfigError(f"bucket_size must be a multiple of 8 in 8..{MAX_BUCKET_SIZE}, got {self.bucket_size}")
         if self.fallback not in (ps_pb2.CODEC_FP32, ps_pb2.CODEC_FP16, ps_pb2.CODEC_BF16):
-            raise ValueError(f"fallback must be FP32, FP16 or BF16, got {self.fallback}")
+            raise ConfigError(f"fallback must be FP32, FP16 or BF16, got {self.fallback}")
+        if self.interval < 1:
+            raise ConfigError(f"interval must be >= 1 step, got {self.interval}")
 
     @classmethod
     def parse(cls, spec: "str | Compression | None") -> "Compression":
         """'4bit', '2bit', 'fp32', 'fp16', 'bf16' (or a Compression) -> Compression."""
         if isinstance(spec, Compression):
             return spec
+        if spec is not None and not isinstance(spec, str):
+            raise ConfigError(f"compression must be a string or a Compression, got {type(spec).__name__} {spec!r}")
         text = (spec or "4bit").strip().lower()
         mode, _, every = text.partition(":")  # "adaptive:50": re-decide every 50 steps
         if mode in ("adaptive", "auto") and (every == "" or every.isdigit() and int(every) > 0):
@@ -71,7 +78,7 @@ class Compression:
             return cls(bits=None, fallback=ps_pb2.CODEC_FP16 if text == "fp16" else ps_pb2.CODEC_BF16)
         if text.endswith("bit") and text[:-3].isdigit():
             return cls(bits=int(text[:-3]))
-        raise ValueError(f"unknown compression {spec!r}: use fp32, fp16, bf16, Nbit with N in 1..8, "
+        raise ConfigError(f"unknown compression {spec!r}: use fp32, fp16, bf16, Nbit with N in 1..8, "
                          f"adaptive or auto")
 
     def settings_for(self, name: str, shape: Sequence[int]) -> ps_pb2.CodecSettings:
@@ -103,6 +110,8 @@ class TensorInfo:
 
 def build_layout(tensors: Iterable[TensorInfo], num_shards: int, compression: Compression | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES) -> ps_pb2.Layout:
+    if num_shards < 1:
+        raise ConfigError(f"a layout needs at least one shard, got num_shards={num_shards}")
     compression = compression or Compression()
     infos = sorted(tensors, key=lambda t: t.name)
     layout = ps_pb2.Layout(num_shards=num_shards)
@@ -121,7 +130,10 @@ def build_layout(tensors: Iterable[TensorInfo], num_shards: int, compression: Co
         else:
             _cut_blocks(layout, members, block_numel)
     _assign_shards(layout, num_shards)
-    validate_layout(layout)
+    try:
+        validate_layout(layout)
+    except LayoutError as exc:  # the shared check's error, in the worker's own tree
+        raise ConfigError(f"these tensors and options give no usable layout: {exc}") from exc
     return layout
 
 
@@ -144,11 +156,19 @@ def _cut_blocks(layout: ps_pb2.Layout, members: list[int], block_numel: int) -> 
 
 
 def _assign_shards(layout: ps_pb2.Layout, num_shards: int) -> None:
-    """Longest-processing-time greedy on wire bytes; ties broken by block id (deterministic)."""
-    loads = [(0, s) for s in range(num_shards)]
-    heapq.heapify(loads)
-    order = sorted(layout.blocks, key=lambda b: (-block_payload_size(b), b.block_id))
-    for block in order:
-        load, shard = heapq.heappop(loads)
+    for block, shard in zip(layout.blocks, largest_first([block_payload_size(b) for b in layout.blocks], num_shards)):
         block.shard = shard
-        heapq.heappush(loads, (load + block_payload_size(block), shard))
+
+
+def largest_first(sizes: Sequence[int], bins: int) -> list[int]:
+    """The bin of every item, so that bins carry balanced totals: longest-processing-time greedy
+    (each item, largest first, to the least loaded bin; ties go to the lower item index and the
+    lower bin, so every worker computes the same answer). Blocks to shards, blocks to local ranks."""
+    loads = [(0, b) for b in range(bins)]
+    heapq.heapify(loads)
+    where = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, b = heapq.heappop(loads)
+        where[i] = b
+        heapq.heappush(loads, (load + sizes[i], b))
+    return where

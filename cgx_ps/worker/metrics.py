@@ -83,6 +83,7 @@ class WorkerMetrics:
             self.ratio.set(stats.fp32_bytes / stats.bytes_pushed)
         self.compressed.set(1 if stats.compressed else 0)
         for decision in decisions[self._decisions_seen:]:
+            decision = decision.as_dict() if hasattr(decision, "as_dict") else decision  # a tuner Decision
             for tensor, bits in decision.get("bits", {}).items():
                 self.tensor_bits.labels(rank=self._rank, tensor=tensor).set(bits)
             if "compress" in decision:

@@ -41,7 +41,7 @@ def main() -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    print(json.dumps({"decisions": opt._cgx_tuner.history, "compressed": opt.stats.compressed}), flush=True)
+    print(json.dumps({"decisions": [d.as_dict() for d in opt.tuning_history], "compressed": opt.stats.compressed}), flush=True)
     cgx.shutdown()
 
 

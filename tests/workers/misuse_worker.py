@@ -40,6 +40,13 @@ def scenario(name: str) -> dict:
         opt.step()
     if name == "frozen_after":
         out["after"] = model[0].bias.sum().item()
+    if name == "skip_unsynchronized":  # step() without synchronize() inside skip_synchronize()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        with opt.skip_synchronize():
+            opt.step()
+    if name == "second_optimizer":  # one session per process
+        cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     if name == "after_shutdown":
         cgx.shutdown()
         opt.zero_grad()
@@ -58,6 +65,7 @@ def main() -> None:
         out = scenario(args.scenario)
     except Exception as exc:  # noqa: BLE001 - the test checks what was raised
         out["error"] = f"{type(exc).__name__}: {exc}"
+        out["cgx_ps_error"] = isinstance(exc, cgx.CgxPsError)
     print(json.dumps(out), flush=True)
     cgx.shutdown()
 

@@ -66,8 +66,7 @@ def main() -> None:
     initial = {n: t.cpu() for n, t in initial.items()}
     torch.save({"initial": initial, "final": cpu, "layout": opt.layout.SerializeToString(),
                 "rank": config.rank, "stats": vars(opt.stats),
-                "intranode": opt._cgx_reducer.transport if opt._cgx_reducer else None,
-                "tuning": opt._cgx_tuner.history if opt._cgx_tuner else []}, args.out)
+                "intranode": opt.intranode, "tuning": [d.as_dict() for d in opt.tuning_history]}, args.out)
     cgx.shutdown()
 
 

@@ -1,0 +1,40 @@
+"""Encoding with error feedback, as workers (per block pushed) and shards (per aggregate) do it.
+
+    feedback = ErrorFeedback()                      # one per buffer that is encoded every round
+    payload = encode_block(buffer, Codec.MAXMIN, bits=4, bucket_size=1024, stochastic=True,
+                           seed=seed, feedback=feedback).to_bytes()
+
+Quantization drops part of every gradient; error feedback (EF-SGD) adds what the last encoding
+of the same buffer dropped before encoding again, so the errors cancel over rounds instead of
+adding up. Only max-min quantization gets it: the float codecs are (nearly) lossless, and a
+buffer sent uncompressed for a round (warm-up, auto mode) keeps its residual for later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import EncodedBlock, encode, encode_with_feedback
+from .wire import Codec
+
+__all__ = ["ErrorFeedback", "encode_block"]
+
+
+class ErrorFeedback:
+    """What the lossy encodings of one buffer left out so far: zero until the first one."""
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+
+
+def encode_block(tensor: torch.Tensor, codec: Codec | int, *, bits: int, bucket_size: int, stochastic: bool,
+                 seed: int, feedback: ErrorFeedback | None = None) -> EncodedBlock:
+    """Encode ``tensor`` with ``codec``. With ``feedback`` and max-min quantization, encode
+    ``tensor + feedback.residual`` instead (``tensor`` is updated in place: it holds that sum)
+    and keep in the residual what this encoding left out."""
+    if feedback is None or int(codec) != Codec.MAXMIN:
+        return encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed)
+    if feedback.residual is None:
+        feedback.residual = torch.zeros_like(tensor)
+    return encode_with_feedback(tensor, feedback.residual, codec, bits=bits, bucket_size=bucket_size,
+                                stochastic=stochastic, seed=seed)

@@ -1,0 +1,347 @@
+"""One block pipeline for every front end: the per-block work of a training step.
+
+A front end owns the gradients and knows when they are final: ``DistributedOptimizer`` (a hook
+per parameter, ``.grad``) today, a DDP communication hook (a flat tensor per DDP bucket) next.
+It feeds the pipeline blocks of the layout (``build_layout``: the same blocks on every worker)
+and takes the averaged gradients back, through a handful of calls::
+
+    pipe = BlockPipeline.open(named_tensors, compression, block_bytes)
+    for b in pipe.tensors_ready(["fc.weight"]):   # these tensors' gradients are final this step
+        pipe.submit(b, grads.get)                 # copy block b in, start it; returns pipe.future(b)
+    for b in pipe.take_unsubmitted():             # end of backward: blocks still waiting for
+        pipe.submit(b, grads.get)                 # tensors that got no gradient (zeros)
+    stats = pipe.finish_step(backward_s)          # every block done, or an error naming the cause
+    for b in range(pipe.num_blocks):
+        pipe.copy_out(b, out.get)                 # the averaged gradient into the front end's tensors
+
+Between ``submit`` and its future, for one block: the owner of the block among the node's
+local ranks waits until every local rank wrote it and sums them (``NodeReducer``); encodes the
+sum (error feedback; a seed from node, block and round; uncompressed during warm-up and when
+auto mode says so); pushes it to the block's shard and pulls the aggregate of all nodes;
+decodes it, divides by the world size, and publishes it to the other local ranks, which copy it
+(their future completes then). Every rank decodes the same bytes: replicas stay bit-identical.
+
+How the DDP communication hook (``ddp.register_comm_hook(state, cgx.ddp_comm_hook)``) will
+drive it. DDP calls ``hook(state, bucket)`` once per bucket when the bucket's gradients are
+ready, and wants a ``torch.futures.Future`` of the bucket's flat tensor::
+
+    def ddp_comm_hook(state, bucket):
+        grads = dict(zip(state.names(bucket), bucket.gradients()))  # views into bucket.buffer()
+        state.grads.update(grads)              # kept until the blocks that need them are submitted
+        for b in state.pipe.tensors_ready(grads):          # blocks now complete, each once per step
+            state.pipe.submit(b, state.grads.get)
+        blocks = state.pipe.blocks_of(grads)   # a block may also need a later bucket's tensors
+        ...                                    # the last bucket also submits take_unsubmitted()
+        def back(done):
+            done.wait()                        # raises the block's error (named), if any
+            for b in blocks:
+                state.pipe.copy_out(b, grads.get)          # writes this bucket's tensors only
+            return bucket.buffer()
+        return torch.futures.collect_all([state.pipe.future(b) for b in blocks]).then(back)
+
+The last bucket's future also waits for every block and ends the step with ``finish_step``
+(nothing is left to wait for by then); the tuner (``autotune.py``), whose broadcast blocks,
+runs from the next step's first hook, never on the communication thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from ..kernels import Codec, CodecError, ErrorFeedback, dequantize, encode_block
+from ..layout import codec_of
+from ..v1 import ps_pb2
+from .buffers import BlockBuffers, TensorOf
+from .config import WorkerConfig
+from .engine import CommEngine
+from .errors import CgxPsError
+from .intranode import node_reducer
+from .layout import Compression, TensorInfo, build_layout
+from .runtime import current_config, engine_for_layout
+
+__all__ = ["BlockPipeline", "StepStats"]
+
+@dataclass
+class StepStats:
+    """What the last finished step sent, and how long it waited for communication."""
+
+    step: int = 0
+    bytes_pushed: int = 0  # compressed bytes this process pushed (its share of the node's blocks)
+    fp32_bytes: int = 0  # what the same blocks weigh uncompressed
+    exposed_comm_s: float = 0.0  # time finish_step() blocked waiting for blocks in flight
+    compressed: bool = True  # False during warm-up steps and when auto mode does not compress
+    backward_s: float = 0.0  # the front end's first to last gradient: what communication can hide behind
+    comm_window_s: float = 0.0  # this process's first push to its last result
+
+    @property
+    def ratio(self) -> float:
+        return self.fp32_bytes / self.bytes_pushed if self.bytes_pushed else 0.0
+
+
+@dataclass(eq=False)
+class _Block:
+    spec: ps_pb2.BlockSpec
+    buffer: torch.Tensor  # in BlockBuffers: the gradient in, the average out
+    tensors: int  # distinct tensors in the block: arrivals that complete it
+    settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
+    feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
+    round: int = 0  # rounds submitted so far: the next one's id
+    # this step: tensors arrived, whether it was handed to the communication thread, and its result
+    arrived: set[str] = field(default_factory=set)
+    submitted: bool = False
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+
+
+class _Span:
+    """First push to last result of a step: noted on the communication thread, taken on the
+    front end's, under a lock."""
+
+    def __init__(self) -> None:
+        self._lock, self._first, self._last = threading.Lock(), float("inf"), 0.0
+
+    def note(self, first: float = float("inf"), last: float = 0.0) -> None:
+        with self._lock:
+            self._first, self._last = min(self._first, first), max(self._last, last)
+
+    def take(self) -> float:
+        with self._lock:
+            span, self._first, self._last = max(0.0, self._last - self._first), float("inf"), 0.0
+        return span
+
+
+class BlockPipeline:
+    """The per-block exchange of one process (see the module doc); also the ``Tunable`` that
+    ``autotune.Tuner`` reads and adjusts."""
+
+    def __init__(self, layout: ps_pb2.Layout, engine: CommEngine, config: WorkerConfig,
+                 devices: Mapping[str, torch.device], *, error_feedback: bool = False, warmup_steps: int = 0) -> None:
+        self.layout, self.config, self.warmup_steps = layout, config, warmup_steps
+        self.compress = True  # auto mode may turn compression off (all ranks at once)
+        self.steps = 0  # finished steps
+        self.stats = StepStats()
+        self._engine = engine
+        self._reducer = node_reducer(layout, config, set(devices.values()), engine.round_timeout_s,
+                                     run_tag=engine.session_id)
+        self._lock = threading.Lock()  # tensors_ready may run on several autograd threads
+        self._span = _Span()
+        first = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
+        self.buffers = BlockBuffers(layout, first, self._reducer)
+        self._blocks: list[_Block] = []
+        self._blocks_of: dict[str, list[_Block]] = {}  # tensor -> the blocks holding a piece of it
+        for spec in layout.blocks:
+            names = self.buffers.tensors_in(spec.block_id)
+            block = _Block(spec, self.buffers[spec.block_id], len(names), spec.codec,
+                           ErrorFeedback() if error_feedback else None)
+            for name in names:
+                self._blocks_of.setdefault(name, []).append(block)
+            self._blocks.append(block)
+
+    @classmethod
+    def open(cls, named_tensors: Sequence[tuple[str, torch.Tensor]], compression: Compression, block_bytes: int,
+             **options) -> "BlockPipeline":
+        """Lay the tensors out in blocks, register the layout with every shard and set up the
+        node's intra-node reduction; ``options``: ``error_feedback``, ``warmup_steps``."""
+        layout = build_layout([TensorInfo.of(n, t) for n, t in named_tensors], len(current_config().servers),
+                              compression, block_bytes)
+        engine, config = engine_for_layout(layout)
+        return cls(layout, engine, config, {n: t.device for n, t in named_tensors}, **options)
+
+    # ---- the front ends' side ----------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def intranode(self) -> str | None:
+        """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
+        return self._reducer.transport if self._reducer is not None else None
+
+    def blocks_of(self, names: Iterable[str]) -> list[int]:
+        """The blocks holding any of these tensors, in order."""
+        return sorted({b.spec.block_id for n in names for b in self._blocks_of.get(n, ())})
+
+    def tensors_ready(self, names: Iterable[str]) -> list[int]:
+        """These tensors' gradients are final for this step: the blocks that now have all their
+        tensors, each returned once per step (the caller submits them). Saying so twice is harmless."""
+        ready = []
+        with self._lock:
+            for name in names:
+                for block in self._blocks_of.get(name, ()):
+                    block.arrived.add(name)
+                    if len(block.arrived) == block.tensors and not block.submitted:
+                        block.submitted = True
+                        ready.append(block.spec.block_id)
+        return ready
+
+    def take_unsubmitted(self) -> list[int]:
+        """The blocks not yet returned by ``tensors_ready`` this step (some of their tensors got
+        no gradient); from now on they never will be: the caller submits them."""
+        with self._lock:
+            rest = [b for b in self._blocks if not b.submitted]
+            for block in rest:
+                block.submitted = True
+        return [b.spec.block_id for b in rest]
+
+    def submit(self, block_id: int, grad_of: TensorOf) -> torch.futures.Future:
+        """Copy block ``block_id``'s gradients in (``grad_of(name)``: the tensor's gradient, or
+        None for zeros) and start its exchange; returns ``future(block_id)``."""
+        block, reducer = self._blocks[block_id], self._reducer
+        seq = block.round + 1
+        if reducer is not None:
+            reducer.before_write(block_id, seq)  # the owner: peers took the last result from our buffer
+        self.buffers.fill(block_id, grad_of)
+        ready = None
+        if block.buffer.is_cuda:  # the communication thread must not read the buffer before the copies ran
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(block.buffer.device))
+        if reducer is not None:
+            reducer.mark_ready(block_id, seq)
+        if reducer is not None and reducer.owner(block_id) != self.config.local_rank:
+            work = self._fetch(block, seq)
+        else:
+            work = self._exchange(block, seq, ready, self.compressing)
+        running = self._engine.submit(work)
+        block.round += 1
+        running.add_done_callback(lambda done, future=block.future: _settle(future, done))
+        return block.future
+
+    def future(self, block_id: int) -> torch.futures.Future:
+        """Completes with the bytes this process pushed for the block (0: another local rank
+        pushed it) once its averaged gradient is in the pipeline's buffer, or with the error."""
+        return self._blocks[block_id].future
+
+    def finish_step(self, backward_s: float = 0.0) -> StepStats:
+        """Wait for every block of the step, then start the next step. Raises the first block's
+        error; a gradient the codec refuses (NaN/Inf) is named. ``backward_s``: the front end's
+        first to last gradient of the step (auto mode's overlap)."""
+        if any(not b.submitted for b in self._blocks):
+            self.abort_step()
+            raise CgxPsError("finish_step() before every block was submitted (take_unsubmitted() gives the rest)")
+        t0 = time.perf_counter()
+        stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s)
+        try:
+            for block in self._blocks:
+                try:
+                    pushed = block.future.wait()
+                except CodecError as exc:  # e.g. NaN/Inf in a gradient: say whose
+                    names = sorted(set(self.buffers.tensors_in(block.spec.block_id)))
+                    raise CgxPsError(f"rank {self.config.rank}: cannot encode the gradient of "
+                                     f"{', '.join(names)}: {exc}") from exc
+                stats.bytes_pushed += pushed
+                stats.fp32_bytes += 4 * block.spec.numel if pushed else 0
+        except BaseException:
+            # Ready for the next step: a caller that skips this one (a loss-scaler after NaNs) or
+            # an interrupted notebook cell must not find this step's stale futures again.
+            self.abort_step()
+            raise
+        stats.exposed_comm_s = time.perf_counter() - t0
+        stats.comm_window_s = self._span.take()
+        self.stats, self.steps = stats, self.steps + 1
+        self._next_step()
+        return stats
+
+    def abort_step(self) -> None:
+        """Forget this step's arrivals and futures (after an error, before a step is retried)."""
+        self._next_step()
+
+    def _next_step(self) -> None:
+        with self._lock:
+            for block in self._blocks:
+                block.arrived, block.submitted, block.future = set(), False, torch.futures.Future()
+
+    def copy_out(self, block_id: int, out_of: TensorOf) -> None:
+        """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
+        (skipping those for which it returns None)."""
+        self.buffers.copy_out(block_id, out_of)
+
+    # ---- one block, on the communication thread ------------------------------------------------------
+
+    @property
+    def compressing(self) -> bool:
+        return self.steps >= self.warmup_steps and self.compress
+
+    async def _exchange(self, block: _Block, seq: int, ready, compressed: bool) -> int:
+        """Owner of the block for this node: (local sum,) encode, push, pull, decode, publish."""
+        engine, reducer, spec = self._engine, self._reducer, block.spec
+        seed = zlib.crc32(f"{self.config.node_rank}/{spec.block_id}/{seq - 1}".encode())
+        if ready is not None:
+            await engine.in_thread(ready.synchronize)
+        if reducer is not None:
+            await reducer.reduce(spec.block_id, seq, engine.in_thread)
+        payload = await engine.in_thread(self._encode, block, compressed, seed)
+        self._span.note(first=time.perf_counter())  # first byte out
+        result = await engine.push_pull(spec.shard, spec.block_id, seq - 1, payload)
+        await engine.in_thread(self._decode, block, result)
+        self._span.note(last=time.perf_counter())  # last result in
+        if reducer is not None:
+            reducer.publish(spec.block_id, seq)
+        return len(payload)
+
+    async def _fetch(self, block: _Block, seq: int) -> int:
+        """Another local rank owns the block: copy its result (our own stream to the block's
+        shard hears of a failed round too: stop waiting then)."""
+        shard = block.spec.shard
+        await self._reducer.fetch(block.spec.block_id, seq, failed=lambda: self._engine.shard_error(shard),
+                                  run_in_thread=self._engine.in_thread)
+        return 0
+
+    def _encode(self, block: _Block, compressed: bool, seed: int) -> bytes:  # on a codec thread
+        s = block.settings
+        codec = codec_of(s) if compressed else Codec.FP32
+        return encode_block(block.buffer, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                            stochastic=s.stochastic, seed=seed, feedback=block.feedback).to_bytes()
+
+    def _decode(self, block: _Block, result: bytes) -> None:  # on a codec thread
+        dequantize(result, out=block.buffer)
+        block.buffer.mul_(1.0 / self.config.world_size)
+        if block.buffer.is_cuda:
+            torch.cuda.current_stream(block.buffer.device).synchronize()
+
+    # ---- what the tuner reads and changes (autotune.Tunable) -----------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def next_round(self) -> int:
+        """The round the next step's blocks travel in."""
+        return self._blocks[0].round if self._blocks else 0
+
+    def settings(self, block_id: int) -> ps_pb2.CodecSettings:
+        return self._blocks[block_id].settings
+
+    def gradient(self, name: str) -> torch.Tensor:
+        """A tensor's averaged gradient of the last step, flat (a view of the block buffers)."""
+        return self.buffers.tensor(name)
+
+    def probe(self, nbytes_per_shard: int) -> float:
+        return self._engine.probe(nbytes_per_shard)
+
+    def announce(self, from_round: int, changes: Mapping[int, ps_pb2.CodecSettings]) -> None:
+        """Tell every shard the blocks' new settings from a round on (before any rank pushes it)."""
+        self._engine.set_codecs(from_round, [ps_pb2.BlockCodec(block_id=b, codec=s) for b, s in changes.items()])
+
+    def apply(self, compress: bool | None, changes: Mapping[int, ps_pb2.CodecSettings]) -> None:
+        """From the next step on (between steps: nothing is in flight)."""
+        if compress is not None:
+            self.compress = compress
+        for block_id, settings in changes.items():
+            self._blocks[block_id].settings = settings
+
+
+def _settle(future: torch.futures.Future, done: concurrent.futures.Future) -> None:
+    if done.cancelled():
+        future.set_exception(CgxPsError("the block's exchange was cancelled (the connection closed)"))
+    elif done.exception() is not None:
+        future.set_exception(done.exception())
+    else:
+        future.set_result(done.result())

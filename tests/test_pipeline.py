@@ -1,0 +1,126 @@
+"""The block pipeline on its own: a real communication thread, a shard that echoes the push.
+
+Drives it the way a DDP communication hook will (buckets of several tensors, a future per
+bucket) and the way the optimizer does (one tensor at a time, the rest at the end)."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from cgx_ps.kernels import Codec, dequantize, encode
+from cgx_ps.layout import codec_of
+from cgx_ps.worker import CgxPsError, WorkerConfig
+from cgx_ps.worker.autotune import Tunable
+from cgx_ps.worker.engine import CommEngine
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline import BlockPipeline
+
+SHAPES = {"a.weight": (64, 100), "a.bias": (64,), "b.weight": (10, 64), "c.weight": (50, 50)}
+
+
+class EchoEngine(CommEngine):
+    """One node alone: the aggregate of a round is its own push (the shard's re-encoding aside)."""
+
+    def __init__(self) -> None:
+        super().__init__(WorkerConfig(servers=("127.0.0.1:9",)), "node-0", 1)
+        self.pushed: list[tuple[int, int, int]] = []  # (shard, block, round)
+
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
+        self.pushed.append((shard, block_id, round_))
+        return payload
+
+
+@pytest.fixture
+def engine():
+    engine = EchoEngine()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def pipe(engine):
+    layout = build_layout([TensorInfo(n, s) for n, s in SHAPES.items()], 2, Compression(bits=3), block_bytes=8192)
+    return BlockPipeline(layout, engine, engine.config, {n: torch.device("cpu") for n in SHAPES}, warmup_steps=1)
+
+
+def _grads(step: int) -> dict[str, torch.Tensor]:
+    return {n: torch.randn(s, generator=torch.Generator().manual_seed(step * 10 + i)) for i, (n, s) in
+            enumerate(SHAPES.items())}
+
+
+def _expected(pipe: BlockPipeline, grads: dict[str, torch.Tensor], step: int, compressed: bool) -> dict:
+    """What every tensor must hold after the step: each block encoded with its seed, decoded."""
+    out = {n: torch.empty(s) for n, s in SHAPES.items()}
+    for b in pipe.layout.blocks:
+        x = torch.cat([grads[pipe.layout.tensors[s.tensor_index].name].reshape(-1)[s.offset:s.offset + s.numel]
+                       for s in b.segments])
+        codec = codec_of(b.codec) if compressed else Codec.FP32
+        seed = zlib.crc32(f"0/{b.block_id}/{step}".encode())
+        y = dequantize(encode(x, codec, bits=b.codec.bits or 4, bucket_size=b.codec.bucket_size or 1024,
+                              stochastic=b.codec.stochastic, seed=seed).to_bytes())
+        at = 0
+        for s in b.segments:
+            out[pipe.layout.tensors[s.tensor_index].name].view(-1)[s.offset:s.offset + s.numel] = y[at:at + s.numel]
+            at += s.numel
+    return out
+
+
+def test_buckets_of_tensors_drive_it_like_a_ddp_hook(pipe, engine):
+    buckets = [["c.weight", "b.weight"], ["a.bias", "a.weight"]]  # DDP's order: last layers first
+    for step in range(2):  # warm-up (uncompressed), then compressed
+        grads, results, futures = _grads(step), {n: torch.zeros(s) for n, s in SHAPES.items()}, []
+        for names in buckets:
+            for b in pipe.tensors_ready(names):
+                pipe.submit(b, grads.get)
+            blocks = pipe.blocks_of(names)
+
+            def back(done, blocks=blocks, names=names):
+                done.wait()
+                for b in blocks:
+                    pipe.copy_out(b, lambda n: results[n] if n in names else None)
+                return names
+
+            futures.append(torch.futures.collect_all([pipe.future(b) for b in blocks]).then(back))
+        assert [f.wait() for f in futures] == buckets
+        assert pipe.take_unsubmitted() == []
+        stats = pipe.finish_step(backward_s=0.5)
+        assert (stats.step, stats.compressed, stats.backward_s) == (step, step >= 1, 0.5)
+        assert stats.fp32_bytes == 4 * sum(b.numel for b in pipe.layout.blocks)
+        assert (stats.ratio > 5) is (step >= 1)
+        for name, want in _expected(pipe, grads, step, compressed=step >= 1).items():
+            assert torch.equal(results[name], want), (step, name)
+            assert torch.equal(pipe.gradient(name), want.view(-1))  # the buffers, without a copy
+    assert sorted(r for _, _, r in engine.pushed) == [0] * pipe.num_blocks + [1] * pipe.num_blocks
+
+
+def test_it_is_what_the_tuner_reads(pipe):
+    assert isinstance(pipe, Tunable)
+    assert (pipe.next_round, pipe.compress, pipe.rank) == (0, True, 0)
+    quantized = [b.block_id for b in pipe.layout.blocks if b.codec.bits]
+    changed = {b: type(pipe.settings(b))(codec=pipe.settings(b).codec, bits=2, bucket_size=8) for b in quantized}
+    pipe.apply(False, changed)
+    assert not pipe.compress and all(pipe.settings(b).bits == 2 for b in quantized)
+
+
+def test_blocks_without_gradients_are_sent_as_zeros_and_bad_gradients_are_named(pipe):
+    grads = _grads(0)
+    grads["c.weight"][49, 49] = float("nan")  # in the block holding c.weight alone
+    for b in pipe.tensors_ready(["c.weight"]):
+        pipe.submit(b, grads.get)
+    with pytest.raises(CgxPsError, match="before every block was submitted"):
+        pipe.finish_step()
+    for b in pipe.tensors_ready(["c.weight"]):  # the step starts over
+        pipe.submit(b, grads.get)
+    for b in pipe.take_unsubmitted():
+        pipe.submit(b, {}.get)  # a.*, b.*: no gradient this step
+    with pytest.raises(CgxPsError, match=r"rank 0: cannot encode the gradient of c.weight: .*NaN/Inf"):
+        pipe.finish_step()
+    grads = _grads(1)
+    for b in pipe.take_unsubmitted():
+        pipe.submit(b, lambda n: grads[n] if n.startswith("a.") else None)
+    pipe.finish_step()
+    assert torch.equal(pipe.gradient("a.weight"), grads["a.weight"].view(-1))  # warm-up: fp32, exact
+    assert not pipe.gradient("b.weight").any()
