@@ -151,8 +151,14 @@ def run_cluster(args: argparse.Namespace) -> int:
             # A terminal's Ctrl-C reached the shards too (the whole process group): let them finish
             # draining. A SIGTERM now could land after a shard's drain, when its handler is gone,
             # and kill it with -15 although it stopped cleanly.
+            # A SIGINT sent to this process alone (kill -INT) reached no shard: a second signal
+            # (Ctrl-C again, SIGTERM) stops waiting and stops them now.
             deadline = time.monotonic() + args.drain_timeout + 5
-            while any(p.poll() is None for p in cluster.procs) and time.monotonic() < deadline:
+            if any(p.poll() is None for p in cluster.procs):
+                print("cgx-ps cluster: waiting for the shards to drain (Ctrl-C again to stop them now)",
+                      file=sys.stderr, flush=True)
+            while any(p.poll() is None for p in cluster.procs) and time.monotonic() < deadline \
+                    and len(received) < 2:
                 time.sleep(0.05)
         codes = cluster.stop()  # SIGTERM to those still running (all of them after a SIGTERM to us)
     if 130 in codes:
