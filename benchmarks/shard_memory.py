@@ -419,7 +419,7 @@ def main() -> None:
         b, c = np.polyfit(xs, ys, 1)
         print(f"session, {key}: shard RSS - its idle RSS = {c:.0f} MiB + {b:.2f} x model fp32 MiB "
               f"(points: {', '.join(f'{x:.0f}->{y:.0f}' for x, y in zip(xs, ys))})")
-    for x, a, i, m in ef_extra:
+    for x, a, _i, m in ef_extra:
         plain = next(pa for px, pa, _, pm in fit_session if pm == m and abs(px - x) < 1)
         print(f"error feedback at M={m}: +{(a['VmRSS'] - plain['VmRSS']) / x:.2f} x model (RSS), "
               f"+{(a['VmHWM'] - plain['VmHWM']) / x:.2f} x model (HWM)")

@@ -64,7 +64,7 @@ def main() -> None:
     with LocalCluster(2, extra_args=["--log-level", "WARNING"]) as cluster:
         for compression in ("4bit", "fp32"):
             job = uuid.uuid4().hex[:8]
-            res = _run("cgx_step.py", 2, [*common, "--compression", compression], lambda r: dict(
+            res = _run("cgx_step.py", 2, [*common, "--compression", compression], lambda r, job=job: dict(
                 base, RANK=str(r), WORLD_SIZE="2", CGX_PS_NODE_RANK=str(r), CGX_PS_NUM_NODES="2",
                 **cluster.worker_env(), CGX_PS_JOB_ID=job))
             rows.append({"config": f"cgx-ps {compression}", "step_s": max(d["median_step_s"] for d in res),

@@ -404,7 +404,7 @@ class World:
         (say, another job holds the shard) leaves an identity that is not a member."""
         member = self.fresh_member()
         stub = ps_pb2_grpc.ParameterServerStub(channel)
-        for attempt in range(3):
+        for _attempt in range(3):
             try:
                 reply = await stub.Register(self.register_request(member=member), metadata=metadata,
                                             timeout=CALL_DEADLINE_S)

@@ -64,7 +64,7 @@ def test_adaptive_bits_change_on_the_same_round_everywhere(tmp_path):
     # than uniform 4 bits at no more error
     assert bits["2.weight"] > 4 > bits["0.weight"], bits
     assert "rejected" not in metrics  # no push was refused around the changes
-    assert f'cgx_ps_block_bits{{block="0",shard="' in metrics or 'cgx_ps_block_bits{block="' in metrics
+    assert 'cgx_ps_block_bits{block="0",shard="' in metrics or 'cgx_ps_block_bits{block="' in metrics
 
 
 def _run_auto(model: str, servers: list[str], spawn=None, steps: int = 3, interval: int = 2) -> dict:

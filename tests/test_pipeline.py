@@ -80,7 +80,7 @@ def test_buckets_of_tensors_drive_it_like_a_ddp_hook(pipe, engine):
             def back(done, blocks=blocks, names=names):
                 done.wait()
                 for b in blocks:
-                    pipe.copy_out(b, lambda n: results[n] if n in names else None)
+                    pipe.copy_out(b, lambda n: results[n] if n in names else None)  # noqa: B023 - called here
                 return names
 
             futures.append(torch.futures.collect_all([pipe.future(b) for b in blocks]).then(back))

@@ -23,6 +23,7 @@ import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
+from grpc._cython import cygrpc as _cygrpc
 from google.protobuf.message import DecodeError, Message
 
 from ..security import bearer_matches
@@ -167,7 +168,7 @@ class _Gate:
 
 # What a service's own context.abort raises when the call has already ended (private to grpc,
 # stable since grpc.aio exists; looked up so a rename degrades to "caught as unexpected").
-_ExecuteBatchError = getattr(getattr(grpc, "_cython").cygrpc, "ExecuteBatchError", asyncio.CancelledError)
+_ExecuteBatchError = getattr(_cygrpc, "ExecuteBatchError", asyncio.CancelledError)
 
 
 def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | None, status: Any = None) -> None:

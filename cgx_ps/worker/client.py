@@ -28,6 +28,7 @@ from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnava
 __all__ = ["ShardClient"]
 
 log = logging.getLogger(__name__)
+_PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is safe)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # Words gRPC puts in the details of a failed TLS handshake: retrying will not fix a certificate.
@@ -50,7 +51,7 @@ def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsE
 class ShardClient:
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
                  connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
-                 security: ChannelSecurity = ChannelSecurity()) -> None:
+                 security: ChannelSecurity = _PLAIN) -> None:
         self.address = address
         self.node_id = node_id
         self.num_nodes = num_nodes
