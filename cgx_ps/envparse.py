@@ -6,29 +6,30 @@ configuration passes its own class) with a message naming the variable and its v
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["env_flag", "env_float", "env_int", "env_str"]
 
 
-def env_int(env: Mapping[str, str], name: str, default: int, error: type[Exception] = ValueError) -> int:
+def _env_number(env: Mapping[str, str], name: str, default: T, parse: Callable[[str], T], what: str,
+                error: type[Exception]) -> T:
     value = env.get(name, "")
     if value == "":
         return default
     try:
-        return int(value)
+        return parse(value)
     except ValueError:
-        raise error(f"{name}={value!r} is not an integer") from None
+        raise error(f"{name}={value!r} is not {what}") from None
+
+
+def env_int(env: Mapping[str, str], name: str, default: int, error: type[Exception] = ValueError) -> int:
+    return _env_number(env, name, default, int, "an integer", error)
 
 
 def env_float(env: Mapping[str, str], name: str, default: float, error: type[Exception] = ValueError) -> float:
-    value = env.get(name, "")
-    if value == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise error(f"{name}={value!r} is not a number") from None
+    return _env_number(env, name, default, float, "a number", error)
 
 
 def env_flag(env: Mapping[str, str], name: str, default: bool = False) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cgx_ps.server.cluster import wait_for_port_file
 from support import TOKEN_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,12 +42,11 @@ def server(tmp_path: Path, *args: str):
                              *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env_without_cgx_ps())
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "shard did not start in 60 s"
-            time.sleep(0.05)
-        yield proc, json.loads(port_file.read_text())
+        try:
+            info = wait_for_port_file(proc, port_file, time.monotonic() + 60)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"shard {exc}: {proc.stdout.read()}") from None
+        yield proc, info
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -70,6 +70,7 @@ from cgx_ps import wait_for_shards as wfs  # noqa: E402 - the init container's c
 from cgx_ps.addresses import servers_from_env  # noqa: E402
 from cgx_ps.security import ChannelSecurity  # noqa: E402
 from cgx_ps.server.sizing import shard_memory_mib  # noqa: E402
+from cgx_ps.server.cluster import wait_for_port_file  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -1417,13 +1418,11 @@ def real_shard(tmp_path: Path, rel: str, files: dict[str, bytes]):
     proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", *args, "--port-file", str(port_file)],
                             env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "shard did not start in 60 s"
-            time.sleep(0.1)
-        time.sleep(0.1)   # the file is written whole, but give the writer a moment
-        yield proc, json.loads(port_file.read_text()), env, sts
+        try:
+            info = wait_for_port_file(proc, port_file, time.monotonic() + 60)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"shard {exc}: {proc.stdout.read()}") from None
+        yield proc, info, env, sts
     finally:
         if proc.poll() is None:
             proc.kill()

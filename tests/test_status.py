@@ -24,6 +24,7 @@ from cgx_ps.status import ShardReport, _add_rates, probe_all, render_table
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.server.cluster import wait_for_port_file
 from support import METADATA, SECURITY, TOKEN_FILE
 
 LAYOUT = build_layout([TensorInfo("w", (64, 64)), TensorInfo("v", (32, 100))], 1, Compression(bits=None),
@@ -198,12 +199,11 @@ def shard_process(tmp_path: Path, *args: str):
                              "--port-file", str(port_file), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "shard did not start in 60 s"
-            time.sleep(0.05)
-        yield f"127.0.0.1:{json.loads(port_file.read_text())['port']}", proc
+        try:
+            info = wait_for_port_file(proc, port_file, time.monotonic() + 60)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"shard {exc}: {proc.stderr.read()}") from None
+        yield f"127.0.0.1:{info['port']}", proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -16,7 +16,7 @@ from typing import Callable
 from ..security import new_token_file
 from .config import shard_flags
 
-__all__ = ["LocalCluster", "run_cluster"]
+__all__ = ["LocalCluster", "run_cluster", "wait_for_port_file"]
 
 
 class LocalCluster:
@@ -75,18 +75,11 @@ class LocalCluster:
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None))
         deadline = time.monotonic() + self.startup_timeout_s
         for i, (proc, port_file) in enumerate(zip(self.procs, files)):
-            while not port_file.exists():
-                if abort():
-                    self.stop()
-                    raise RuntimeError("start-up interrupted")
-                if proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"shard {i} exited with code {proc.returncode} during startup")
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(f"shard {i} did not start within {self.startup_timeout_s}s")
-                time.sleep(0.05)
-            info = json.loads(port_file.read_text())
+            try:
+                info = wait_for_port_file(proc, port_file, deadline, abort)
+            except (RuntimeError, TimeoutError) as exc:
+                self.stop()
+                raise type(exc)(f"shard {i} {exc}") from None
             self.ports.append(info["port"])
             self.metrics_ports.append(info["metrics_port"])
         return self
@@ -112,6 +105,22 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_for_port_file(proc: subprocess.Popen, port_file: Path, deadline: float,
+                       abort: Callable[[], bool] = lambda: False) -> dict:
+    """The ports a ``cgx-ps server --port-file`` process reports once it serves (the file is
+    written whole, by rename); RuntimeError if it exits or ``abort()``, TimeoutError past
+    ``deadline`` (time.monotonic())."""
+    while not port_file.exists():
+        if abort():
+            raise RuntimeError("start-up interrupted")
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode} during startup")
+        if time.monotonic() > deadline:
+            raise TimeoutError("did not start in time")
+        time.sleep(0.05)
+    return json.loads(port_file.read_text())
 
 
 def run_cluster(args: argparse.Namespace) -> int:
