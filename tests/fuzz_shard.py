@@ -405,8 +405,9 @@ class World:
         member = self.fresh_member()
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         for _attempt in range(3):
+            job = self.job
             try:
-                reply = await stub.Register(self.register_request(member=member), metadata=metadata,
+                reply = await stub.Register(self.register_request(member=member, job_id=job), metadata=metadata,
                                             timeout=CALL_DEADLINE_S)
                 self.session_id = reply.session_id
                 return Identity(self.NODE, member, reply.session_id, dict(zip(reply.block_ids, reply.next_rounds)))
@@ -415,7 +416,10 @@ class World:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # a fuzzed Register of this job started a session with another layout or node
                     # count: a new job id takes the shard back once that session is idle
-                    self.job = f"fuzz-{next(self._jobs)}"
+                    # Only the first of the concurrent joins refused for this job moves on: if each
+                    # moved on, whoever started job N would hold the shard against job N+1, N+2...
+                    if self.job == job:
+                        self.job = f"fuzz-{next(self._jobs)}"
                 elif exc.code() != grpc.StatusCode.UNAVAILABLE:
                     break
                 await asyncio.sleep(0.1)  # busy with another job: its streams are closing

@@ -244,12 +244,14 @@ def _fake_member(name: bytes, rank: int, size: int, make_fd=_good_segment, uid: 
     sock = _connect(name)
     if die_before_hello:
         os.kill(os.getpid(), signal.SIGKILL)
-    sock.sendmsg([_HELLO.pack(_RDV_MAGIC, rank, size)],
-                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
     sock.settimeout(10)
     try:
+        # rank 0 checks the peer's uid on accept, so a refused peer may find the socket closed
+        # before its hello is sent (EPIPE) as well as before the reply (ECONNRESET / EOF)
+        sock.sendmsg([_HELLO.pack(_RDV_MAGIC, rank, size)],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
         data = sock.recvmsg(64, socket.CMSG_SPACE(4 * size))[0]
-    except ConnectionResetError:
+    except (ConnectionResetError, BrokenPipeError):
         data = b""
     return 0 if data else 3
 
