@@ -30,10 +30,9 @@ from cgx_ps.worker import ConfigError, IntraNodeError, WorkerConfig
 from cgx_ps.worker.intranode import NodeReducer, choose_transport
 from cgx_ps.worker.rendezvous import _HELLO, _RDV_MAGIC, rendezvous_name
 from cgx_ps.worker.segment import _MAGIC, Segment
+from workers import reduce_worker
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests/workers"))
-import reduce_worker  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
                          reason="needs a CUDA GPU and CuPy (CUDA IPC goes through cupy.cuda.runtime)")

@@ -20,10 +20,9 @@ from cgx_ps.server import LocalCluster
 from cgx_ps.server.aggregator import result_seed
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import ConfigError, WorkerConfig
+from workers.step_worker import rank_gradient
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "workers"))
-from step_worker import rank_gradient  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
