@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import logging
 import math
 import os
@@ -71,6 +70,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from cgx_ps.kernels import HEADER_SIZE, Codec, dequantize, encode  # noqa: E402
 from cgx_ps.layout import codec_of, layout_hash  # noqa: E402
 from cgx_ps.security import ChannelSecurity, new_token_file, read_token  # noqa: E402
+from cgx_ps.server.cluster import launch_shard, wait_for_port_file  # noqa: E402
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc  # noqa: E402
 from cgx_ps.worker.client import ShardClient  # noqa: E402
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
@@ -1052,8 +1052,8 @@ def finish(rpc, read: bool) -> Outcome:
 # ---- the shard under test --------------------------------------------------------------------------------
 
 
-def shard_args(port_file: Path, token_file: str) -> list[str]:
-    return ["server", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--token-file", token_file,
+def shard_flags(token_file: str) -> list[str]:
+    return ["--host", "127.0.0.1", "--port", "0", "--token-file", token_file,
             "--metrics-port", "-1", "--round-timeout", str(ROUND_TIMEOUT_S), "--max-inflight-mb", str(MAX_INFLIGHT_MB),
             "--max-model-mb", str(MAX_MODEL_MB), "--drain-timeout", "2", "--log-level", "INFO"]
 
@@ -1078,14 +1078,13 @@ class SubprocessShard:
     async def start(self, timeout_s: float = 120.0) -> None:
         port_file = self.workdir / "port.json"
         with open(self.log_path, "wb") as out:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", *shard_args(port_file, self.token_file)],
-                                         stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the shard did not start: {self.log_path.read_text()[-2000:]}")
-            await asyncio.sleep(0.1)
-        self.address = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+            self.proc = launch_shard(shard_flags(self.token_file), port_file, stdout=out, stderr=subprocess.STDOUT,
+                                     cwd=REPO)
+        try:
+            info = await asyncio.to_thread(wait_for_port_file, self.proc, port_file, time.monotonic() + timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"the shard {exc}: {self.log_path.read_text()[-2000:]}") from None
+        self.address = f"127.0.0.1:{info['port']}"
 
     def rss_kib(self) -> int:
         return rss_kib(self.proc.pid)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgx_ps.server.cluster import wait_for_port_file
+from cgx_ps.server.cluster import launch_shard, wait_for_port_file
 from support import TOKEN_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +37,9 @@ def cgx_ps(*args: str, timeout: float = 120, **env: str) -> subprocess.Completed
 def server(tmp_path: Path, *args: str):
     """`cgx-ps server ... --port-file`: yields (process, the ports it reports) once it serves."""
     port_file = tmp_path / f"ports-{time.monotonic_ns()}.json"
-    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1",
-                             "--token-file", TOKEN_FILE, "--kernel-threads", "1", "--port-file", str(port_file),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env_without_cgx_ps())
+    proc = launch_shard(["--host", "127.0.0.1", "--token-file", TOKEN_FILE, "--kernel-threads", "1", *args],
+                        port_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        env=env_without_cgx_ps())
     try:
         try:
             info = wait_for_port_file(proc, port_file, time.monotonic() + 60)

@@ -70,7 +70,7 @@ from cgx_ps import wait_for_shards as wfs  # noqa: E402 - the init container's c
 from cgx_ps.addresses import servers_from_env  # noqa: E402
 from cgx_ps.security import ChannelSecurity  # noqa: E402
 from cgx_ps.server.sizing import shard_memory_mib  # noqa: E402
-from cgx_ps.server.cluster import wait_for_port_file  # noqa: E402
+from cgx_ps.server.cluster import launch_shard, wait_for_port_file  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -1415,8 +1415,8 @@ def real_shard(tmp_path: Path, rel: str, files: dict[str, bytes]):
     proc_env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
     proc_env.update(env)
     proc_env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
-    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", *args, "--port-file", str(port_file)],
-                            env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert args[0] == "server", args
+    proc = launch_shard(args[1:], port_file, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         try:
             info = wait_for_port_file(proc, port_file, time.monotonic() + 60)

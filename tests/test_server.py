@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -20,6 +18,7 @@ from cgx_ps.kernels import Codec, dequantize, encode
 from cgx_ps.layout import codec_of
 from cgx_ps.server import ServerConfig, ShardServer
 from cgx_ps.server.aggregator import result_seed
+from cgx_ps.server.cluster import launch_shard, wait_for_port_file
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError
@@ -372,16 +371,13 @@ async def test_drain_finishes_rounds_in_flight() -> None:
 
 def test_server_binary_health_bad_input_and_sigterm(tmp_path) -> None:
     port_file = tmp_path / "ports.json"
-    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
-                             "--metrics-port", "0", "--port-file", str(port_file), "--drain-timeout", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = launch_shard(["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--drain-timeout", "5"],
+                        port_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        port = json.loads(port_file.read_text())["port"]
+        try:
+            port = wait_for_port_file(proc, port_file, time.monotonic() + 60)["port"]
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"shard {exc}: {proc.stdout.read()}") from None
 
         async def probe() -> None:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -11,12 +11,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from ..security import new_token_file
 from .config import shard_flags
 
-__all__ = ["LocalCluster", "run_cluster", "wait_for_port_file"]
+__all__ = ["LocalCluster", "launch_shard", "run_cluster", "wait_for_port_file"]
 
 
 class LocalCluster:
@@ -67,12 +67,12 @@ class LocalCluster:
             mport = self.metrics_base_port + i if self.metrics_base_port > 0 else self.metrics_base_port
             port_file = Path(self._tmp.name) / f"shard{i}.json"
             files.append(port_file)
-            cmd = [sys.executable, "-m", "cgx_ps.cli", "server", "--host", self.host, "--port", str(port),
-                   "--shard-index", str(i), "--num-shards", str(self.shards),
-                   "--metrics-port", str(mport), "--port-file", str(port_file),
-                   "--token-file", self.token_file or "", *self.extra_args]
+            flags = ["--host", self.host, "--port", str(port), "--shard-index", str(i),
+                     "--num-shards", str(self.shards), "--metrics-port", str(mport),
+                     "--token-file", self.token_file or "", *self.extra_args]
             out = open(Path(self.log_dir) / f"shard{i}.log", "w") if self.log_dir else None
-            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None))
+            self.procs.append(launch_shard(flags, port_file, stdout=out,
+                                           stderr=subprocess.STDOUT if out else None))
         deadline = time.monotonic() + self.startup_timeout_s
         for i, (proc, port_file) in enumerate(zip(self.procs, files)):
             try:
@@ -105,6 +105,14 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def launch_shard(flags: Sequence[str], port_file: Path, spawn: Callable[..., subprocess.Popen] = subprocess.Popen,
+                 **popen_kwargs: Any) -> subprocess.Popen:
+    """Start ``cgx-ps server FLAGS --port-file PORT_FILE`` (``spawn(argv, **popen_kwargs)``: a
+    Popen, or one in a network namespace); ``wait_for_port_file`` then says when it serves."""
+    return spawn([sys.executable, "-m", "cgx_ps.cli", "server", *flags, "--port-file", str(port_file)],
+                 **popen_kwargs)
 
 
 def wait_for_port_file(proc: subprocess.Popen, port_file: Path, deadline: float,
