@@ -36,6 +36,8 @@ from cgx_ps.worker.errors import ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 from support import METADATA, SECURITY, TOKEN_FILE
 
+SHARD_SETTINGS = dict(round_timeout_s=3.0, drain_timeout_s=2.0)  # conftest.start_shard
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVICE = "/cgx_ps.v1.ParameterServer/"
 WRONG = (("authorization", "Bearer " + "x" * 43),)
@@ -44,29 +46,6 @@ WRONG = (("authorization", "Bearer " + "x" * 43),)
 def layout_of(*shapes: tuple[int, ...], block_bytes: int = 64 << 10) -> ps_pb2.Layout:
     return build_layout([TensorInfo(f"t{i}", s) for i, s in enumerate(shapes)], 1, Compression(bits=None),
                         block_bytes=block_bytes)
-
-
-_started: list[ShardServer] = []
-
-
-@pytest.fixture(autouse=True)
-async def _stop_servers():
-    yield
-    while _started:
-        try:
-            await asyncio.wait_for(_started.pop().stop(drain=False), 10)
-        except Exception:  # noqa: BLE001 - already stopped by the test
-            pass
-
-
-async def start(**kw) -> ShardServer:
-    config = dict(host="127.0.0.1", port=0, metrics_port=-1, round_timeout_s=3.0, drain_timeout_s=2.0,
-                  kernel_threads=1, token_file=TOKEN_FILE)
-    config.update(kw)
-    server = ShardServer(ServerConfig(**config))
-    await server.start()
-    _started.append(server)
-    return server
 
 
 async def member(server: ShardServer, layout: ps_pb2.Layout, node: str = "node-0", nodes: int = 1,
@@ -175,8 +154,8 @@ def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer):
 
 
 @pytest.mark.parametrize("metadata", [None, WRONG, (("authorization", "Basic abc"),)], ids=["none", "wrong", "basic"])
-async def test_every_rpc_refuses_a_missing_or_wrong_token_before_parsing(metadata):
-    server = await start()
+async def test_every_rpc_refuses_a_missing_or_wrong_token_before_parsing(start_shard, metadata):
+    server = await start_shard()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         # garbage bodies: UNAUTHENTICATED (not INVALID_ARGUMENT) shows the token is checked first
         statuses = await raw_calls(channel, b"\xff\xfe garbage", metadata)
@@ -188,8 +167,8 @@ async def test_every_rpc_refuses_a_missing_or_wrong_token_before_parsing(metadat
     assert server.service.session is None  # nothing reached the service
 
 
-async def test_a_worker_with_the_wrong_token_fails_at_once_naming_it(tmp_path):
-    server = await start()
+async def test_a_worker_with_the_wrong_token_fails_at_once_naming_it(start_shard, tmp_path):
+    server = await start_shard()
     wrong = tmp_path / "token"
     wrong.write_text("y" * 40)
     t0 = time.monotonic()
@@ -220,9 +199,9 @@ def test_a_shard_with_an_unreadable_token_file_stops_with_one_line(tmp_path):
 # ---- session takeover, stream replacement, codec changes by strangers -------------------------------
 
 
-async def test_strangers_cannot_take_over_a_session():
+async def test_strangers_cannot_take_over_a_session(start_shard):
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     a = await member(server, layout, nodes=1, job_id="J")
     session = server.service.session
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -254,9 +233,9 @@ async def test_strangers_cannot_take_over_a_session():
     await a.close()
 
 
-async def test_an_open_shard_tells_strangers_no_job_id_or_tensor_names():
+async def test_an_open_shard_tells_strangers_no_job_id_or_tensor_names(start_shard):
     """Without authentication anyone may call: refusals must not describe the job's model."""
-    server = await start(token_file=None)
+    server = await start_shard(token_file=None)
     secret = ps_pb2.Layout()
     secret.CopyFrom(build_layout([TensorInfo("secret_model.encoder.weight", (123, 77))], 1, Compression(bits=None)))
     a = await member(server, secret, nodes=2, job_id="job-secret-42", security=ChannelSecurity())
@@ -299,8 +278,8 @@ def tls_args(pki, mutual: bool) -> list[str]:
     return args + (["--tls-client-ca", pki["ca"]] if mutual else [])
 
 
-async def test_tls_refuses_plaintext_and_certless_clients(pki):
-    server = await start(tls_cert=pki["shard"], tls_key=pki["shard_key"], tls_client_ca=pki["ca"])
+async def test_tls_refuses_plaintext_and_certless_clients(start_shard, pki):
+    server = await start_shard(tls_cert=pki["shard"], tls_key=pki["shard_key"], tls_client_ca=pki["ca"])
     layout = layout_of((64, 64))
     with pytest.raises((ShardRejectedError, ShardUnavailableError)):  # plaintext: no handshake
         await member(server, layout, connect_timeout_s=2)
@@ -318,8 +297,8 @@ async def test_tls_refuses_plaintext_and_certless_clients(pki):
     await good.close()
 
 
-async def test_a_worker_trusting_another_ca_fails_fast_naming_the_handshake(pki):
-    server = await start(tls_cert=pki["shard"], tls_key=pki["shard_key"])
+async def test_a_worker_trusting_another_ca_fails_fast_naming_the_handshake(start_shard, pki):
+    server = await start_shard(tls_cert=pki["shard"], tls_key=pki["shard_key"])
     t0 = time.monotonic()
     with pytest.raises(ShardRejectedError, match="TLS handshake failed"):
         await member(server, layout_of((64, 64)), security=ChannelSecurity(token_file=TOKEN_FILE,
@@ -338,11 +317,11 @@ def test_missing_tls_files_are_named(tmp_path):
         ShardServer(ServerConfig(port=0, tls_cert=missing, tls_key=missing))
 
 
-async def test_certificates_rotate_without_a_restart(pki, tmp_path):
+async def test_certificates_rotate_without_a_restart(start_shard, pki, tmp_path):
     cert, key = tmp_path / "shard.pem", tmp_path / "shard.key"
     cert.write_bytes(Path(pki["shard"]).read_bytes())
     key.write_bytes(Path(pki["shard_key"]).read_bytes())
-    server = await start(tls_cert=str(cert), tls_key=str(key))
+    server = await start_shard(tls_cert=str(cert), tls_key=str(key))
     layout = layout_of((64, 64))
     old_ca = ChannelSecurity(token_file=TOKEN_FILE, tls_ca=pki["ca"])
     new_ca_file = tmp_path / "new_ca.pem"
@@ -472,15 +451,15 @@ async def member_at(address: str, layout, node: str = "node-0", nodes: int = 1, 
     return client
 
 
-async def test_a_layout_needing_more_state_than_allowed_is_refused():
-    server = await start(max_model_bytes=1 << 20)
+async def test_a_layout_needing_more_state_than_allowed_is_refused(start_shard):
+    server = await start_shard(max_model_bytes=1 << 20)
     with pytest.raises(ShardRejectedError, match="more than its --max-model-mb"):
         await member(server, layout_of((1024, 512)))
 
 
 @pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0, 1e9])
-async def test_getblob_timeouts_must_be_finite_and_bounded(timeout):
-    server = await start()
+async def test_getblob_timeouts_must_be_finite_and_bounded(start_shard, timeout):
+    server = await start_shard()
     a = await member(server, layout_of((64, 64)))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         code, details = await status_of(ps_pb2_grpc.ParameterServerStub(channel).GetBlob(
@@ -489,9 +468,9 @@ async def test_getblob_timeouts_must_be_finite_and_bounded(timeout):
     await a.close()
 
 
-async def test_the_codec_schedule_is_bounded():
+async def test_the_codec_schedule_is_bounded(start_shard):
     layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
-    server = await start()
+    server = await start_shard()
     a = await member(server, layout)
     block = server.service.session.aggregator.blocks[0]
     two = ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=2, bucket_size=512)
@@ -509,10 +488,10 @@ async def test_the_codec_schedule_is_bounded():
     await a.close()
 
 
-async def test_streams_that_say_nothing_are_cut_off(monkeypatch):
+async def test_streams_that_say_nothing_are_cut_off(start_shard, monkeypatch):
     from cgx_ps.server import service
     monkeypatch.setattr(service, "FIRST_MESSAGE_TIMEOUT_S", 0.5)
-    server = await start()
+    server = await start_shard()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         never = asyncio.Event()
 
@@ -528,8 +507,8 @@ async def test_streams_that_say_nothing_are_cut_off(monkeypatch):
         assert time.monotonic() - t0 < 5
 
 
-async def test_a_draining_shard_takes_no_new_calls():
-    server = await start()
+async def test_a_draining_shard_takes_no_new_calls(start_shard):
+    server = await start_shard()
     server.service.draining = True
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         statuses = await raw_calls(channel, b"", METADATA)
@@ -541,8 +520,8 @@ async def test_a_draining_shard_takes_no_new_calls():
 # ---- malformed messages: a clear status and one rate-limited line, never a traceback ---------------
 
 
-async def test_malformed_messages_get_invalid_argument_and_at_most_one_line_each(caplog):
-    server = await start()
+async def test_malformed_messages_get_invalid_argument_and_at_most_one_line_each(start_shard, caplog):
+    server = await start_shard()
     caplog.set_level("INFO")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         for _ in range(3):
@@ -568,8 +547,8 @@ def test_a_shard_open_beyond_loopback_without_token_or_tls_warns():
     assert exposure_warning(ServerConfig(host="shard-0.example")) is not None
 
 
-async def test_metrics_listen_where_the_grpc_port_does():
-    server = await start(metrics_port=0)
+async def test_metrics_listen_where_the_grpc_port_does(start_shard):
+    server = await start_shard(metrics_port=0)
     assert server._metrics_httpd.server_address[0] == "127.0.0.1"
 
 

@@ -34,13 +34,7 @@ def make_layout(tensors=TENSORS, compression=COMPRESSION, block_bytes=64 << 10, 
     return build_layout(tensors, shards, compression, block_bytes=block_bytes)
 
 
-@pytest.fixture
-async def shard():
-    server = ShardServer(ServerConfig(host="127.0.0.1", port=0, metrics_port=0, round_timeout_s=5.0,
-                                      token_file=TOKEN_FILE))
-    await server.start()
-    yield server
-    await server.stop(drain=False)
+SHARD_SETTINGS = dict(metrics_port=0, round_timeout_s=5.0)  # the conftest `shard` fixture's
 
 
 async def connect(server: ShardServer, layout: ps_pb2.Layout, nodes: int, prefix="node") -> list[ShardClient]:

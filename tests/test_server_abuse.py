@@ -14,15 +14,16 @@ import torch
 from cgx_ps.kernels import Codec, CodecError, dequantize, encode
 from cgx_ps.kernels.wire import HEADER_SIZE, parse_header
 from cgx_ps.layout import LayoutError, layout_hash, validate_layout
-from cgx_ps.server import ServerConfig, ShardServer
+from cgx_ps.server import ShardServer
 from cgx_ps.server.budget import ByteBudget
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from support import METADATA, SECURITY, TOKEN_FILE
+from support import METADATA, SECURITY
 
 ROUND_TIMEOUT = 1.5
+SHARD_SETTINGS = dict(round_timeout_s=ROUND_TIMEOUT, drain_timeout_s=3.0)  # conftest.start_shard
 
 
 def layout_of(*shapes: tuple[int, ...], block_bytes: int = 64 << 10) -> ps_pb2.Layout:
@@ -32,32 +33,6 @@ def layout_of(*shapes: tuple[int, ...], block_bytes: int = 64 << 10) -> ps_pb2.L
 
 def fp32(n: int, value: float = 1.0) -> bytes:
     return encode(torch.full((n,), value), Codec.FP32).to_bytes()
-
-
-_started: list[ShardServer] = []
-
-
-@pytest.fixture(autouse=True)
-async def _stop_servers():
-    """Stop every shard a test started, also when it failed halfway: a live gRPC server would
-    keep the test process from exiting."""
-    yield
-    while _started:
-        server = _started.pop()
-        try:
-            await asyncio.wait_for(server.stop(drain=False), 10)
-        except Exception:  # noqa: BLE001 - already stopped by the test, or stopping failed
-            pass
-
-
-async def start(**kw) -> ShardServer:
-    config = dict(host="127.0.0.1", port=0, metrics_port=-1, round_timeout_s=ROUND_TIMEOUT,
-                  drain_timeout_s=3.0, kernel_threads=1, token_file=TOKEN_FILE)
-    config.update(kw)
-    server = ShardServer(ServerConfig(**config))
-    await server.start()
-    _started.append(server)
-    return server
 
 
 async def connect(server: ShardServer, layout, nodes: int) -> list[ShardClient]:
@@ -121,10 +96,10 @@ def test_float_headers_must_carry_their_fixed_bits(codec, bits):
         parse_header(bytes(payload))
 
 
-async def test_a_bad_float_header_is_refused_and_does_not_lock_out_the_good_node():
+async def test_a_bad_float_header_is_refused_and_does_not_lock_out_the_good_node(start_shard):
     """Before: the bad bits were accepted and then the good node's correct push was refused."""
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     good, bad = await connect(server, layout, 2)
     payload = bytearray(fp32(4096))
     payload[6] = 5
@@ -142,9 +117,9 @@ def test_negative_dimensions_are_refused():
         validate_layout(layout)
 
 
-async def test_overlong_ids_are_refused_at_register():
+async def test_overlong_ids_are_refused_at_register(start_shard):
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -157,12 +132,12 @@ async def test_overlong_ids_are_refused_at_register():
 # ---- the byte budget: stalls, interleaving, cancellation --------------------------------------------
 
 
-async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_it():
+async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_it(start_shard):
     """Before: half a block held the budget forever; the good node's push waited on it, no
     round timer started, and everyone hung."""
     layout = layout_of((384, 1024), block_bytes=4 << 20)  # one 1.5 MiB block
     total = HEADER_SIZE + 4 * layout.blocks[0].numel
-    server = await start(max_inflight_bytes=2 << 20)
+    server = await start_shard(max_inflight_bytes=2 << 20)
     good, _ = await connect(server, layout, 2)
     channel, call = await raw_stream(server, "node-1", layout, member=1, register=True)
     await call.write(chunk(0, 0, total, 0, b"\0" * (1 << 20)))  # the first MiB, then nothing
@@ -181,11 +156,11 @@ async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_i
     await close(server, [good, _], [channel])
 
 
-async def test_a_stalled_blob_upload_never_blocks_gradients():
+async def test_a_stalled_blob_upload_never_blocks_gradients(start_shard):
     """Before: a PutBlob declaring the whole budget froze every push. (Strangers are refused
     outright now; here a member of the session stalls.)"""
     cap = 2 << 20
-    server = await start(max_inflight_bytes=cap)
+    server = await start_shard(max_inflight_bytes=cap)
     layout = layout_of((64, 64))
     a, b = await connect(server, layout, 2)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
@@ -209,13 +184,13 @@ async def test_a_stalled_blob_upload_never_blocks_gradients():
     await close(server, [a, b], [channel])
 
 
-async def test_interleaved_blocks_on_one_stream_are_refused_not_deadlocked():
+async def test_interleaved_blocks_on_one_stream_are_refused_not_deadlocked(start_shard):
     """Before: chunk 0 of block 0, then chunk 0 of block 1, with the budget full: the stream
     waited for budget while holding block 0's reservation, forever."""
     layout = layout_of((256, 1024), (256, 1024), block_bytes=1 << 20)
     assert len(layout.blocks) == 2
     total = HEADER_SIZE + 4 * layout.blocks[0].numel
-    server = await start(max_inflight_bytes=2 << 20)
+    server = await start_shard(max_inflight_bytes=2 << 20)
     good, _ = await connect(server, layout, 2)
     channel, call = await raw_stream(server, "node-1", layout, member=1, register=True)
     await call.write(chunk(0, 0, total, 0, b"\0" * (total // 2)))
@@ -241,12 +216,12 @@ async def test_budget_waiter_cancelled_while_released_raises_cancelled():
 # ---- streams --------------------------------------------------------------------------------------
 
 
-async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays_bounded():
+async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays_bounded(start_shard):
     """Before: results queued without limit for a client pushing without reading (~1 MiB a round)."""
     layout = layout_of((256, 1024), block_bytes=2 << 20)  # one 1 MiB block
     n = layout.blocks[0].numel
     payload = fp32(n)
-    server = await start(max_inflight_bytes=4 << 20)
+    server = await start_shard(max_inflight_bytes=4 << 20)
     good, _ = await connect(server, layout, 2)
     channel, call = await raw_stream(server, "node-1", layout, session_id=_.session_id)  # replaces node-1's stream; never reads
     cap = server.service.session.result_cap
@@ -263,10 +238,10 @@ async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays
     await close(server, [good, _], [channel])
 
 
-async def test_two_members_of_a_node_pushing_the_same_block_is_refused():
+async def test_two_members_of_a_node_pushing_the_same_block_is_refused(start_shard):
     """Before: the second member's data was dropped as a "retry" and it waited forever."""
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     a, b = await connect(server, layout, 2)
     twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1, security=SECURITY)
     await twin.connect()
@@ -279,11 +254,11 @@ async def test_two_members_of_a_node_pushing_the_same_block_is_refused():
     await close(server, [a, b, twin])
 
 
-async def test_another_member_pushing_a_finished_round_is_refused_too():
+async def test_another_member_pushing_a_finished_round_is_refused_too(start_shard):
     """The round already completed (its result sent): a second member's push of the same round
     used to be taken for a retry, answered with the result and its gradient dropped."""
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     a, b = await connect(server, layout, 2)
     twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1, security=SECURITY)
     await twin.connect()
@@ -293,9 +268,9 @@ async def test_another_member_pushing_a_finished_round_is_refused_too():
     await close(server, [a, b, twin])
 
 
-async def test_a_replaced_stream_is_told_why():
+async def test_a_replaced_stream_is_told_why(start_shard):
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     a, b = await connect(server, layout, 2)
     channel, call = await raw_stream(server, "node-0", layout, session_id=a.session_id)  # a second stream for node-0 member 0
     with pytest.raises(RoundFailedError, match="replaced by a newer stream of node node-0 member 0"):
@@ -304,12 +279,12 @@ async def test_a_replaced_stream_is_told_why():
     await close(server, [a, b], [channel])
 
 
-async def test_results_already_due_are_delivered_while_the_shard_drains():
+async def test_results_already_due_are_delivered_while_the_shard_drains(start_shard):
     """Before: node-1's rejected new round ended its stream before the result of the round it
     had just completed was sent, so only node-0 got it (replicas diverged)."""
     layout = layout_of((64, 64), (64, 64), block_bytes=16 << 10)
     assert len(layout.blocks) == 2
-    server = await start(round_timeout_s=30, drain_timeout_s=4)
+    server = await start_shard(round_timeout_s=30, drain_timeout_s=4)
     a, b = await connect(server, layout, 2)
     f0 = a.expect(0, 0)
     await a.push(0, 0, fp32(4096))
@@ -334,8 +309,8 @@ async def test_results_already_due_are_delivered_while_the_shard_drains():
 # ---- blobs ------------------------------------------------------------------------------------------
 
 
-async def test_blob_chunk_errors_name_the_field():
-    server = await start()
+async def test_blob_chunk_errors_name_the_field(start_shard):
+    server = await start_shard()
     (member,) = await connect(server, layout_of((64, 64)), 1)
     sid = member.session_id
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -358,8 +333,8 @@ async def test_blob_chunk_errors_name_the_field():
     await close(server, [member], [])
 
 
-async def test_getblob_of_missing_keys_leaves_nothing_behind():
-    server = await start()
+async def test_getblob_of_missing_keys_leaves_nothing_behind(start_shard):
+    server = await start_shard()
     (member,) = await connect(server, layout_of((64, 64)), 1)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
@@ -373,11 +348,11 @@ async def test_getblob_of_missing_keys_leaves_nothing_behind():
     await close(server, [member], [])
 
 
-async def test_a_member_whose_session_was_replaced_is_told_so():
+async def test_a_member_whose_session_was_replaced_is_told_so(start_shard):
     """Job J registered but had not opened its streams when job K took the idle shard: J's Hello
     used to hear "has not registered (push before Register)"."""
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         for node in ("node-0", "node-1"):
@@ -393,12 +368,12 @@ async def test_a_member_whose_session_was_replaced_is_told_so():
     await close(server, [], [channel])
 
 
-async def test_keepalive_pings_of_an_idle_worker_do_not_get_it_dropped():
+async def test_keepalive_pings_of_an_idle_worker_do_not_get_it_dropped(start_shard):
     """Workers ping every 30 s even with nothing to send (evaluation, checkpointing). gRPC's server
     default answered a few such pings with GOAWAY too_many_pings, dropping workers idle ~95 s.
     Here a client pings every second for 6 s of idling, then trains on."""
     layout = layout_of((64, 64))
-    server = await start()
+    server = await start_shard()
     options = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 5000),
                ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=options)

@@ -19,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from cgx_ps.kernels import Codec, encode
-from cgx_ps.server import ServerConfig, ShardServer
+from cgx_ps.server import ShardServer
 from cgx_ps.status import ShardReport, _add_rates, probe_all, render_table
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
@@ -27,18 +27,11 @@ from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 from cgx_ps.server.cluster import wait_for_port_file
 from support import METADATA, SECURITY, TOKEN_FILE
 
+SHARD_SETTINGS = dict(metrics_port=0, round_timeout_s=5.0)  # conftest.start_shard
+
 LAYOUT = build_layout([TensorInfo("w", (64, 64)), TensorInfo("v", (32, 100))], 1, Compression(bits=None),
                       block_bytes=8 << 10)
 STATUS = "/cgx_ps.v1.ParameterServer/Status"
-
-
-async def start(**kw) -> ShardServer:
-    config = dict(host="127.0.0.1", port=0, metrics_port=0, round_timeout_s=5.0, kernel_threads=1,
-                  token_file=TOKEN_FILE)
-    config.update(kw)
-    server = ShardServer(ServerConfig(**config))
-    await server.start()
-    return server
 
 
 async def status_of(server: ShardServer, metadata=METADATA) -> ps_pb2.StatusResponse:
@@ -67,8 +60,8 @@ def scrape(server: ShardServer) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
-async def test_status_reports_the_session_and_agrees_with_the_metrics():
-    server = await start()
+async def test_status_reports_the_session_and_agrees_with_the_metrics(start_shard):
+    server = await start_shard()
     try:
         before = await status_of(server)
         assert before.session_state == ps_pb2.SESSION_STATE_NONE and before.instance_id == server.service.instance_id
@@ -100,8 +93,8 @@ async def test_status_reports_the_session_and_agrees_with_the_metrics():
         await server.stop(drain=False)
 
 
-async def test_status_names_the_last_error_and_a_failed_round():
-    server = await start(round_timeout_s=0.5)
+async def test_status_names_the_last_error_and_a_failed_round(start_shard):
+    server = await start_shard(round_timeout_s=0.5)
     try:
         clients = await train(server, rounds=1)
         # node-0 pushes round 1, node-1 never does: the round fails after the timeout
@@ -117,15 +110,15 @@ async def test_status_names_the_last_error_and_a_failed_round():
         await server.stop(drain=False)
 
 
-async def test_status_needs_the_token_and_an_open_shard_withholds_the_job():
-    server = await start()
+async def test_status_needs_the_token_and_an_open_shard_withholds_the_job(start_shard):
+    server = await start_shard()
     try:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await status_of(server, metadata=None)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await server.stop(drain=False)
-    open_shard = await start(token_file=None)
+    open_shard = await start_shard(token_file=None)
     try:
         clients = await train(open_shard, rounds=1, job="secret-job", security=type(SECURITY)())
         with pytest.raises(Exception, match="block 99 is not owned"):  # a rejected push, logged
@@ -156,8 +149,8 @@ def test_rates_come_from_two_samples_of_the_same_shard_instance():
     assert "rounds_completed" not in new_session.rates and new_session.rates["bytes_in"] == 1000.0
 
 
-async def test_probe_names_shards_listed_out_of_order():
-    a, b = await start(num_shards=2, shard_index=0), await start(num_shards=2, shard_index=1)
+async def test_probe_names_shards_listed_out_of_order(start_shard):
+    a, b = await start_shard(num_shards=2, shard_index=0), await start_shard(num_shards=2, shard_index=1)
     try:
         reports = await asyncio.to_thread(probe_all, [f"127.0.0.1:{b.port}", f"127.0.0.1:{a.port}"], SECURITY)
         assert not any(r.ok for r in reports)
@@ -169,8 +162,8 @@ async def test_probe_names_shards_listed_out_of_order():
         await b.stop(drain=False)
 
 
-async def test_a_draining_shard_is_not_ok():
-    server = await start()
+async def test_a_draining_shard_is_not_ok(start_shard):
+    server = await start_shard()
     try:
         await server.health.enter_graceful_shutdown()  # what SIGTERM does first
         server.service.draining = True
