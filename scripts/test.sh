@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -m pytest -q "$@"
+# --durations: the slowest tests, so a CI log shows where the time budget goes
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
