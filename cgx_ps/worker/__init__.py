@@ -19,7 +19,7 @@ data-parallel training against the cgx-ps shards.
 """
 
 from .autotune import Decision
-from .blobformat import BlobFormatError
+from .errors import BlobFormatError
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .config import WorkerConfig
 from .errors import (BroadcastError, CgxPsError, ConfigError, IntraNodeError, RoundFailedError, ShardRejectedError,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
-           "ConfigError", "IntraNodeError", "BroadcastError"]
+           "ConfigError", "IntraNodeError", "BroadcastError", "BlobFormatError"]
 
 
 class CgxPsError(RuntimeError):
@@ -41,3 +41,7 @@ class IntraNodeError(CgxPsError):
 class BroadcastError(CgxPsError):
     """A broadcast did not come from the root rank, could not be parsed, or does not fit the
     receiving rank's model or optimizer."""
+
+
+class BlobFormatError(CgxPsError):
+    """A value cannot be broadcast, or a received broadcast blob is corrupt or not one at all."""
