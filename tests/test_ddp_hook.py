@@ -160,3 +160,21 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
         assert error and "not among the trainable parameters of the Sequential given to DDPHookState" in error
 
 
+
+
+def test_bad_state_options_are_named_before_any_training():
+    import cgx_ps.worker as cgx
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(cgx.ConfigError, match="needs the model"):
+        cgx.DDPHookState("model")
+    with pytest.raises(cgx.ConfigError, match="bits must be in 1..8 or None, got 9"):
+        cgx.DDPHookState(model, compression="9bit")
+    with pytest.raises(cgx.ConfigError, match="warmup_steps must be an integer >= 0"):
+        cgx.DDPHookState(model, warmup_steps=-1)
+    with pytest.raises(cgx.ConfigError, match="allow_non_finite must be True or False"):
+        cgx.DDPHookState(model, allow_non_finite="yes")
+    with pytest.raises(cgx.ConfigError, match="needs a DDPHookState"):
+        cgx.ddp_comm_hook(object(), None)
+    with pytest.raises(cgx.CgxPsError, match="registers with the shards at the first backward"):
+        _ = cgx.DDPHookState(model).stats
