@@ -262,10 +262,13 @@ def main() -> None:
     results = {}
     for name in args.scenarios.split(","):
         local, _, scenario = name.rpartition(":")
+        job = os.environ.get("CGX_PS_JOB_ID", "")
         if local:  # every rank a local rank of node 0: they reduce through shared memory first
-            cgx.init(local_rank=rank, local_world_size=world, node_rank=0, num_nodes=1)
+            # Another job id: a job's shape never changes on the shards (a rank registering as
+            # node-0 member 1 before node-0 member 0 restarted the 2-node session would be refused).
+            cgx.init(local_rank=rank, local_world_size=world, node_rank=0, num_nodes=1, job_id=f"{job}-local")
         else:
-            cgx.init(local_rank=0, local_world_size=1, node_rank=rank, num_nodes=world)
+            cgx.init(local_rank=0, local_world_size=1, node_rank=rank, num_nodes=world, job_id=job)
         t0 = time.perf_counter()
         try:
             results[name] = SCENARIOS[scenario](rank)
