@@ -16,20 +16,22 @@ data-parallel training against the cgx-ps shards.
     intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
     autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py
     metrics.py    optional Prometheus exporter (CGX_PS_WORKER_METRICS_PORT), fed by step()
+    checkpoint.py a file per rank and step; resume from the newest complete one
 """
 
 from .autotune import Decision
 from .blobformat import BlobFormatError
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .checkpoint import Checkpoints
 from .config import WorkerConfig
-from .errors import (BroadcastError, CgxPsError, ConfigError, IntraNodeError, RoundFailedError, ShardRejectedError,
+from .errors import (BroadcastError, CgxPsError, CheckpointError, ConfigError, IntraNodeError, RoundFailedError, ShardRejectedError,
                      ShardUnavailableError)
 from .layout import Compression
 from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
 __all__ = [
-    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "Decision", "DistributedOptimizer",
+    "BlobFormatError", "BroadcastError", "CgxPsError", "CheckpointError", "Checkpoints", "Compression", "ConfigError", "Decision", "DistributedOptimizer",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
     "shutdown", "size",

@@ -56,7 +56,8 @@ class CommEngine:
             raise ConfigError(f"layout has {layout.num_shards} shards, CGX_PS_SERVERS lists "
                               f"{len(self.config.servers)}")
         self.clients = [ShardClient(a, self.node_id, self.num_nodes, layout, self.config.connect_timeout_s,
-                                    self.config.job_id, self.member, self.config.security)
+                                    self.config.job_id, self.member, self.config.security,
+                                    incarnation=self.config.incarnation)
                         for a in self.config.servers]
 
         async def connect_all() -> None:
@@ -116,10 +117,11 @@ class CommEngine:
 
     # ---- control (adaptive compression, auto mode) ------------------------------------------------
 
-    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
-        """Announce new block settings to every shard (each keeps the blocks it owns)."""
+    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec], resume: bool = False) -> None:
+        """Announce new block settings to every shard (each keeps the blocks it owns); with
+        ``resume``, the blocks start at ``from_round`` (a job resuming from a checkpoint)."""
         async def announce() -> None:
-            await asyncio.gather(*[c.set_codecs(from_round, blocks) for c in self.clients])
+            await asyncio.gather(*[c.set_codecs(from_round, blocks, resume) for c in self.clients])
 
         self._call(announce())
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
-           "ConfigError", "IntraNodeError", "BroadcastError"]
+           "ConfigError", "IntraNodeError", "BroadcastError", "CheckpointError"]
 
 
 class CgxPsError(RuntimeError):
@@ -41,3 +41,8 @@ class IntraNodeError(CgxPsError):
 class BroadcastError(CgxPsError):
     """A broadcast did not come from the root rank, could not be parsed, or does not fit the
     receiving rank's model or optimizer."""
+
+
+class CheckpointError(CgxPsError, ValueError):
+    """A saved cgx-ps state does not fit this job (another model layout, a damaged file) or was
+    loaded at a moment it cannot take effect (after training steps)."""

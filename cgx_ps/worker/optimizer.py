@@ -31,7 +31,7 @@ import torch
 
 from ..v1 import ps_pb2
 from .autotune import Decision, Tuner
-from .errors import CgxPsError, ConfigError
+from .errors import CgxPsError, CheckpointError, ConfigError
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .metrics import after_step as _export_step_metrics
 from .pipeline import BlockPipeline, StepStats
@@ -164,6 +164,25 @@ class _DistributedMixin:
             self._cgx_tuner.after_step()
         _export_step_metrics(self.stats, self._cgx_tuner.history if self._cgx_tuner is not None else ())
         return result
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:  # noqa: D102 - torch's, plus what cgx-ps adds
+        state = super().state_dict()
+        state["cgx_ps"] = {"pipeline": self._cgx_pipe.state_dict(),
+                           "tuner": self._cgx_tuner.state_dict() if self._cgx_tuner is not None else None}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102 - torch's, plus what cgx-ps adds
+        state = dict(state_dict)
+        ours = state.pop("cgx_ps", None)  # absent in a plain torch checkpoint: cgx-ps starts fresh
+        if ours is not None:
+            if not isinstance(ours, dict) or "pipeline" not in ours:
+                raise CheckpointError("the checkpoint's \"cgx_ps\" entry is not a DistributedOptimizer's")
+            self._cgx_pipe.load_state_dict(ours["pipeline"])
+            if self._cgx_tuner is not None and ours.get("tuner") is not None:
+                self._cgx_tuner.load_state_dict(ours["tuner"])
+        super().load_state_dict(state)
 
     @property
     def stats(self) -> StepStats:
