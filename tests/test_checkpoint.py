@@ -25,9 +25,6 @@ from cgx_ps.worker import CheckpointError, Checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "resume_worker.py"
-sys.path.insert(0, str(ROOT / "tests"))
-from test_worker import run_workers  # noqa: E402
-
 STEPS, EVERY = 10, 3
 
 
@@ -190,26 +187,43 @@ def _finals(out: Path) -> list[dict]:
     return [torch.load(f, weights_only=True) for f in sorted(out.glob("rank-*.pt"))]
 
 
-def _torchrun(cluster: LocalCluster, tmp_path: Path, name: str, die_at: int) -> list[dict]:
-    """One job under `torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 1` (two local ranks:
-    one node to the shards, reducing through shared memory)."""
+def _job_env(cluster: LocalCluster, job: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CGX_PS_NODE", "CGX_PS_NUM_NODES", "RANK",
-                                                                     "WORLD_SIZE", "LOCAL_", "TORCHELASTIC"))}
-    env.update(cluster.worker_env(), CGX_PS_JOB_ID=f"{name}-{uuid.uuid4().hex[:6]}", OMP_NUM_THREADS="1",
-               CGX_PS_CONNECT_TIMEOUT="30")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(WORKER), "--steps", str(STEPS), "--every", str(EVERY),
-           "--ckpt", str(tmp_path / name / "ckpt"), "--out", str(tmp_path / name / "out"), "--die-at-step", str(die_at)]
+                                                                     "WORLD_SIZE", "LOCAL_", "GROUP_", "TORCHELASTIC"))}
+    env.update(cluster.worker_env(), CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="30")
+    return env
+
+
+def _run(launcher: list[str], env: dict[str, str], out: Path, steps: int, *extra: str) -> list[dict]:
+    cmd = [*launcher, str(WORKER), "--steps", str(steps), "--every", str(EVERY), "--ckpt", str(out.parent / "ckpt"),
+           "--out", str(out), *extra]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-4000:]
-    return _finals(tmp_path / name / "out")
+    return _finals(out)
+
+
+def _torchrun(cluster: LocalCluster, tmp_path: Path, die_at: int) -> list[dict]:
+    """One job under `torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 1` (two local ranks:
+    one node to the shards, reducing through shared memory)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--max-restarts", "1", "--monitor-interval", "0.2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
+    return _run(torchrun, _job_env(cluster, f"torchrun-{uuid.uuid4().hex[:6]}"), tmp_path / "torchrun" / "out",
+                STEPS, "--die-at-step", str(die_at))
+
+
+def _forked(cluster: LocalCluster, out: Path, nodes: int, local: int, steps: int, job: str) -> list[dict]:
+    """The same kind of job, its ranks forked from one process with torchrun's environment (the
+    imports paid once: CI time)."""
+    return _run([sys.executable], _job_env(cluster, job), out, steps, "--fork-nodes", str(nodes),
+                "--fork-local", str(local))
 
 
 @pytest.mark.slow
 def test_a_job_killed_under_torchrun_resumes_to_the_uninterrupted_parameters(cluster, tmp_path):
-    reference = _torchrun(cluster, tmp_path, "uninterrupted", die_at=-1)
-    restarted = _torchrun(cluster, tmp_path, "killed", die_at=7)  # rank 1 SIGKILLs itself before step 7
+    # the same job (one node of two local ranks, the same checkpoints) never killed
+    reference = _forked(cluster, tmp_path / "reference" / "out", 1, 2, STEPS, f"reference-{uuid.uuid4().hex[:6]}")
+    restarted = _torchrun(cluster, tmp_path, die_at=7)  # rank 1 SIGKILLs itself before step 7
     assert [r["incarnation"] for r in restarted] == [1, 1]  # torchrun restarted the job once
     assert [r["resumed_from"] for r in restarted] == [6, 6]  # from the checkpoint after step 6
     assert [r["intranode"] for r in restarted] == ["shm", "shm"]
@@ -224,18 +238,9 @@ def test_a_two_node_job_restarted_as_three_nodes_continues_from_its_checkpoint(c
     """Item 4: the node count changes at a restart (as torchrun --nnodes 2:3 does when a node
     joins: the restart count stays, so no new incarnation). The shards start a new session of 3
     nodes once the 2-node run went away; the third rank starts from rank 0's file."""
-    ckpt, job = tmp_path / "ckpt", {"CGX_PS_JOB_ID": f"elastic-{uuid.uuid4().hex[:6]}"}
-
-    def phase(world: int, steps: int, out: str) -> list[dict]:
-        results = run_workers(WORKER, world, cluster.addresses, env_extra=job,
-                              args_for=lambda r: ["--steps", str(steps), "--every", str(EVERY), "--ckpt", str(ckpt),
-                                                  "--out", str(tmp_path / out)])
-        for r in results:
-            assert r.returncode == 0, r.stderr[-3000:]
-        return _finals(tmp_path / out)
-
-    two = phase(2, 6, "two")
-    three = phase(3, 9, "three")
+    job = f"elastic-{uuid.uuid4().hex[:6]}"
+    two = _forked(cluster, tmp_path / "two", 2, 1, 6, job)
+    three = _forked(cluster, tmp_path / "three", 3, 1, 9, job)
     assert [r["num_nodes"] for r in three] == [3, 3, 3]
     assert [r["resumed_from"] for r in three] == [6, 6, 6]
     for r in three:  # the rounds continued the checkpoint's numbering
