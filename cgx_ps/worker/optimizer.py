@@ -226,6 +226,10 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     error_feedback: carry each block's compression error into the next step (worker side).
     warmup_steps: the first steps travel uncompressed.
     block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
+
+    ``state_dict()`` adds a ``"cgx_ps"`` entry to the wrapped optimizer's state (counters, codec
+    settings, auto/adaptive state, this rank's error-feedback residuals); ``load_state_dict()``
+    before the first step resumes bit for bit (``cgx.Checkpoints``, docs/deploy.md).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
