@@ -23,9 +23,9 @@ OTHER = build_layout([TensorInfo("secret.w", (64, 65))], 1, Compression(bits=Non
 
 
 def register(node: str = "node-0", member: int = 0, nodes: int = 2, job: str = "J",
-             layout: ps_pb2.Layout = LAYOUT) -> ps_pb2.RegisterRequest:
+             layout: ps_pb2.Layout = LAYOUT, incarnation: int = 0) -> ps_pb2.RegisterRequest:
     return ps_pb2.RegisterRequest(node_id=node, member=member, num_nodes=nodes, job_id=job, layout=layout,
-                                  layout_hash=layout_hash(layout))
+                                  layout_hash=layout_hash(layout), incarnation=incarnation)
 
 
 def session_of(first: ps_pb2.RegisterRequest, *more: tuple[str, int]) -> Session:
@@ -129,6 +129,33 @@ def test_a_node_beyond_the_session_size_is_refused() -> None:
     outcome = decide(session_of(register("node-0"), ("node-1", 0)), register("node-2"))
     assert isinstance(outcome, Refuse) and isinstance(outcome.error, Conflict)
     assert "would be node 3 of a session of 2 nodes" in outcome.error.message
+
+
+# ---- restarts of the job: incarnations, another node count (issue 15) -----------------------------
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_a_new_incarnation_restarts_the_session_at_once(nodes: int) -> None:
+    session = session_of(register("node-0"), ("node-1", 0))
+    session.open_stream("node-1", 0)  # even while a member of the old start still has a stream
+    outcome = decide(session, register("node-1", nodes=nodes, incarnation=1), in_flight=3)
+    assert outcome == Restart("job restarted: incarnation 1 replaces 0")
+
+
+def test_a_process_of_an_earlier_incarnation_is_refused() -> None:
+    session = session_of(register("node-0", incarnation=2))
+    outcome = decide(session, register("node-1", incarnation=1))
+    assert isinstance(outcome, Refuse) and isinstance(outcome.error, Conflict)
+    assert "incarnation 1 of the job, the shard serves its incarnation 2" in outcome.error.message
+
+
+def test_another_node_count_restarts_a_session_only_once_its_run_went_away() -> None:
+    session = session_of(register("node-0"), ("node-1", 0))
+    session.open_stream("node-0", 0)
+    grown = register("node-2", nodes=3)
+    assert isinstance(decide(session, grown), Refuse)  # its old members still train
+    session.close_stream(session.streams[("node-0", 0)])  # they are gone (torchrun stopped them)
+    assert decide(session, grown) == Restart("job restarted with 3 nodes instead of 2")
 
 
 # ---- the checks before admission -----------------------------------------------------------------

@@ -645,6 +645,8 @@ def test_worker_command_is_one_torchrun_per_node(rel):
     targs, env = _torchrun_args(rel)
     assert targs.standalone
     assert str(targs.nproc_per_node) == config(rel)["GPUS_PER_NODE"]
+    # a failed rank restarts the pod's ranks in place (a new incarnation resuming from the checkpoint)
+    assert targs.max_restarts == int(config(rel)["TORCHRUN_MAX_RESTARTS"]) >= 1
     assert targs.training_script == "/app/examples/train.py"
     # The image puts the package's example script at /app/examples/train.py.
     copies = [rest.split() for word, rest in dockerfile_instructions(DEPLOY / "Dockerfile") if word == "COPY"]
@@ -662,6 +664,9 @@ def test_worker_args_parse_with_the_training_script(rel):
     assert args.epochs == int(cfg["TRAIN_EPOCHS"])
     assert args.batch_size == int(cfg["TRAIN_BATCH_SIZE"])
     assert args.compression == cfg["CGX_PS_COMPRESSION"]
+    assert args.checkpoint == cfg["TRAIN_CHECKPOINT_DIR"] and args.checkpoint_every == int(cfg["TRAIN_CHECKPOINT_EVERY"])
+    mounts = {m["mountPath"]: m["name"] for m in container(worker_job(rel), "worker")["volumeMounts"]}
+    assert mounts.get(args.checkpoint) == "checkpoints", "checkpoints go to their own volume, not the container"
 
 
 @pytest.mark.parametrize("rel", RENDER_DIRS)
@@ -680,6 +685,9 @@ def test_job_shape(rel):
     assert mounts.get("/dev/shm") == "dshm"
     limit = parse_quantity(container(job, "worker")["resources"]["limits"]["memory"])
     assert parse_quantity(shm[0]["emptyDir"]["sizeLimit"]) < limit, "/dev/shm counts against the memory limit"
+    # a drained or preempted pod is replaced without using up backoffLimit
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
     init = container(job, "wait-for-shards", init=True)
     assert "command" not in init, "the image's entrypoint (the cgx-ps CLI) runs `cgx-ps wait-for-shards`"
     assert init_args(init).command == "wait-for-shards"

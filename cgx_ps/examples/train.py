@@ -9,6 +9,16 @@ GPU/CPU worker, for example on each node:
 
 or let `cgx-ps demo` start shards and workers on this machine. The lines marked "cgx" are all
 that differs from single-process training.
+
+Checkpoint and resume: with ``--checkpoint DIR`` every rank saves its state every
+``--checkpoint-every`` steps (a file per rank: error-feedback residuals are each rank's own), and
+a restarted job resumes from the newest step all ranks saved, bit for bit. Let torchrun restart
+the job when a worker dies (each restart is a new incarnation: the shards drop the old run):
+
+    CGX_PS_SERVERS=host0:7070,host1:7070 CGX_PS_JOB_ID=my-job \
+        torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint 127.0.0.1:29400 -m cgx_ps.examples.train --error-feedback \
+        --checkpoint /checkpoints/my-job --checkpoint-every 50
 """
 
 from __future__ import annotations
@@ -39,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="digits: scikit-learn's handwritten digits; synthetic: 10 Gaussian classes of the same "
                         "shape, for a machine without scikit-learn (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON line per step (for cgx-ps demo)")
+    p.add_argument("--checkpoint", metavar="DIR", help="save every rank's state here, and resume from the newest "
+                                                       "complete checkpoint found at start")
+    p.add_argument("--checkpoint-every", type=int, default=100, metavar="N", help="steps between checkpoints")
     return p
 
 
@@ -75,14 +88,20 @@ def main() -> None:
     optimizer = cgx.DistributedOptimizer(                                  # cgx
         optimizer, named_parameters=model.named_parameters(), compression=args.compression,
         warmup_steps=args.warmup_steps, error_feedback=args.error_feedback)
+    checkpoints = cgx.Checkpoints(args.checkpoint) if args.checkpoint else None   # cgx
+    start, saved = checkpoints.load_latest() if checkpoints else (0, None)
+    if saved is not None:  # before the first step: the shards resume at the checkpoint's rounds
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])                      # cgx state included
+        print(f"rank {config.rank}: resumed from step {start} ({args.checkpoint})", flush=True)
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)              # cgx
     cgx.broadcast_optimizer_state(optimizer, root_rank=0)                  # cgx
 
     steps_per_epoch = len(y_train) // args.batch_size
-    step, pushed, fp32, step_times = 0, 0, 0, []
-    for epoch in range(args.epochs):
+    step, pushed, fp32, step_times = start, 0, 0, []
+    for epoch in range(start // steps_per_epoch, args.epochs):
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
-        for i in range(steps_per_epoch):
+        for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
             t0 = time.perf_counter()
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
             optimizer.zero_grad()
@@ -97,6 +116,8 @@ def main() -> None:
                                   "bytes": stats.bytes_pushed, "fp32_bytes": stats.fp32_bytes,
                                   "exposed_s": stats.exposed_comm_s, "step_s": step_times[-1],
                                   "total_steps": args.epochs * steps_per_epoch}), flush=True)
+            if checkpoints is not None and step % args.checkpoint_every == 0:
+                checkpoints.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
 
     with torch.no_grad():
         logits = model(x_test)
@@ -105,7 +126,8 @@ def main() -> None:
     checksum = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "test_loss": test_loss,
                "steps": step, "bytes_pushed": pushed, "fp32_bytes": fp32, "param_sha256": checksum,
-               "median_step_s": sorted(step_times)[len(step_times) // 2]}
+               "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else 0.0,
+               "resumed_from": start}
     print(json.dumps(summary) if args.json else
           f"rank {config.rank}: accuracy {accuracy:.3f}, test loss {test_loss:.3f}, "
           f"pushed {pushed / 1e6:.1f} MB ({fp32 / max(pushed, 1):.1f}x less than fp32)", flush=True)

@@ -6,6 +6,11 @@ rendezvous: ``admit`` says what to do, the service does it.
     Join()           add the member to the current session (also a retried Register)
     Restart(reason)  end the current session (``reason`` tells its members) and start a new one
     Refuse(error)    refuse the Register: Busy (another job; retry later) or Conflict (never)
+
+A job restarted as a whole (torchrun ``--max-restarts``, a Kubernetes Job's new pods) registers
+with a higher ``incarnation``: that starts a new session at once, even with another node count
+(an elastic restart). A Register of a lower incarnation comes from a process of an earlier start
+that is still around; it is refused so that it can neither join nor reset the new session.
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ def admit(session: Session | None, request: ps_pb2.RegisterRequest, *, in_flight
     node, job, member = request.node_id, request.job_id, request.member
     if session is None:
         return Restart("no session yet")
+    if job == session.job_id and request.incarnation != session.incarnation:
+        if request.incarnation > session.incarnation:
+            return Restart(f"job restarted: incarnation {request.incarnation} replaces {session.incarnation}")
+        return Refuse(Conflict(f"node {node} member {member} is of incarnation {request.incarnation} of the job, "
+                               f"the shard serves its incarnation {session.incarnation}: a process left over from "
+                               f"an earlier start of the job may not join (is it still running?)"))
     if session.failed is not None:
         return Restart("session reset after failure")
     idle = not session.streams and not in_flight
@@ -75,6 +86,10 @@ def admit(session: Session | None, request: ps_pb2.RegisterRequest, *, in_flight
     if diff is not None:
         return Refuse(Conflict(f"node {node} declares a different model layout than the session's: "
                                f"{shown(diff, authenticated)}"))
+    if request.num_nodes != session.num_nodes and idle and session.started_any():
+        # every member of the old run went away after training: an elastic restart whose node
+        # count changed without a new incarnation (torchrun does not count membership changes)
+        return Restart(f"job restarted with {request.num_nodes} nodes instead of {session.num_nodes}")
     if request.num_nodes != session.num_nodes:
         return Refuse(Conflict(f"node {node} says num_nodes={request.num_nodes}, the session has "
                                f"{session.num_nodes}"))

@@ -36,10 +36,10 @@ from ..kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, body_size,
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
-from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
+from .errors import BadRequest, Conflict, LimitExceeded, ProtocolError, SessionEnded, WrongRound
 from .metrics import ShardMetrics
 
-__all__ = ["Aggregator", "PushOutcome", "RoundFailure", "RoundSink", "result_seed"]
+__all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "result_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,12 @@ class _Block:
     round_non_finite: bool = False  # a node pushed a non-finite block this round: the result is one
     # adaptive compression: (from_round, settings) announced with SetCodecs, ascending
     schedule: list[tuple[int, ps_pb2.CodecSettings]] = field(default_factory=list)
+    resumed_at: int | None = None  # the checkpoint round the session resumed this block at
+
+    @property
+    def pristine(self) -> bool:
+        """Nothing pushed in this session yet (a resume may still move its first round)."""
+        return self.round == 0 and not self.pushed and self.last_result is None
 
     def settings_for(self, round_: int) -> ps_pb2.CodecSettings:
         current = self.spec.codec
@@ -104,6 +110,30 @@ def _prune_schedule(schedule: list[tuple[int, ps_pb2.CodecSettings]], current_ro
     kept = [(r, c) for r, c in schedule if r < from_round]
     past = [e for e in kept if e[0] <= current_round - 1]
     return past[-1:] + [e for e in kept if e[0] > current_round - 1]
+
+
+# Rounds a resume may start at: the seeds shift rounds by 24 bits below bit 62 (result_seed).
+MAX_RESUME_ROUND = 1 << 32
+
+
+def resume_conflict(block: _Block, from_round: int, settings: ps_pb2.CodecSettings) -> ProtocolError | None:
+    """Why a block may not resume at ``from_round`` with ``settings``; None if it may (a repeat
+    of the same resume by another worker included)."""
+    block_id = block.spec.block_id
+    if from_round >= MAX_RESUME_ROUND:
+        return BadRequest(f"block {block_id}: cannot resume at round {from_round} (limit {MAX_RESUME_ROUND})")
+    if block.resumed_at is not None:
+        if block.resumed_at != from_round:
+            return Conflict(f"block {block_id}: another worker resumed it at round {block.resumed_at}, this one at "
+                            f"{from_round}: every worker must load the checkpoint of the same step")
+        if block.settings_for(from_round) != settings:
+            return Conflict(f"block {block_id}: another worker resumed it at round {from_round} with other codec "
+                            f"settings: every worker must load the checkpoint of the same step")
+        return None
+    if not block.pristine:
+        return WrongRound(f"block {block_id}: cannot resume at round {from_round}, this session already runs round "
+                          f"{block.round}: load the checkpoint before the first step")
+    return None
 
 
 def result_seed(block_id: int, round_: int) -> int:
@@ -164,6 +194,22 @@ class Aggregator:
             if self.metrics:
                 self.metrics.block_bits.labels(shard=self.metrics.shard, block=str(block_id)).set(
                     settings.bits if settings.codec == ps_pb2.CODEC_MAXMIN else 32)
+
+    def resume(self, from_round: int, changes: list[tuple[int, ps_pb2.CodecSettings]]) -> None:
+        """The job resumes from a checkpoint: these blocks start at ``from_round`` with these
+        settings (all or none). Only blocks not yet pushed in this session; a repeat is a no-op."""
+        for block_id, settings in changes:
+            try:
+                validate_settings(codec_of(settings), settings.bits, settings.bucket_size)
+            except (CodecError, ValueError) as exc:
+                raise BadRequest(f"block {block_id}: {exc}") from None
+            error = resume_conflict(self._block(block_id), from_round, settings)
+            if error is not None:
+                raise error
+        for block_id, settings in changes:
+            block = self.blocks[block_id]
+            if block.resumed_at is None:
+                block.round, block.resumed_at, block.schedule = from_round, from_round, [(from_round, settings)]
 
     def next_round(self, block_id: int) -> int:
         return self._block(block_id).round

@@ -260,6 +260,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise BadRequest(f"SetCodecs lists {len(request.blocks)} entries for a layout of "
                              f"{len(session.layout.blocks)} blocks; each block at most once")
         mine = [(b.block_id, b.codec) for b in request.blocks if b.block_id in session.aggregator.blocks]
+        if request.resume:
+            session.aggregator.resume(request.from_round, mine)
+            if mine:
+                log.info("%d blocks resume at round %d (by %s)", len(mine), request.from_round, request.node_id)
+            return ps_pb2.SetCodecsResponse()
         session.aggregator.set_codecs(request.from_round, mine)
         if mine:
             log.info("codec settings of %d blocks change from round %d (by %s)", len(mine), request.from_round,

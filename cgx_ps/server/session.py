@@ -50,6 +50,7 @@ class Session:
         self.layout_hash = digest
         self.num_nodes = request.num_nodes
         self.job_id = request.job_id
+        self.incarnation = request.incarnation  # which start of the job (admission.py)
         # membership, and its proof
         self.nodes: dict[str, set[int]] = {}  # node id -> members registered
         self.session_id = secrets.token_hex(16)
@@ -83,6 +84,10 @@ class Session:
     def started(self, node: str, member: int) -> bool:
         """Has this member of a node begun training (so a new Register means it restarted)?"""
         return (node, member) in self.active or node in self.aggregator.pushed_nodes()
+
+    def started_any(self) -> bool:
+        """Has any member begun training in this session?"""
+        return bool(self.active) or bool(self.aggregator.pushed_nodes())
 
     def join(self, node: str, member: int) -> None:
         self.nodes.setdefault(node, set()).add(member)

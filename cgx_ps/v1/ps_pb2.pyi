@@ -92,7 +92,7 @@ class Layout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "num_nodes", "layout", "layout_hash", "client_version", "job_id", "member")
+    __slots__ = ("node_id", "num_nodes", "layout", "layout_hash", "client_version", "job_id", "member", "incarnation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class RegisterRequest(_message.Message):
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     num_nodes: int
     layout: Layout
@@ -107,7 +108,8 @@ class RegisterRequest(_message.Message):
     client_version: str
     job_id: str
     member: int
-    def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id")
@@ -238,16 +240,18 @@ class BlockCodec(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ...) -> None: ...
 
 class SetCodecsRequest(_message.Message):
-    __slots__ = ("node_id", "from_round", "blocks", "session_id")
+    __slots__ = ("node_id", "from_round", "blocks", "session_id", "resume")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     from_round: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockCodec]
     session_id: str
-    def __init__(self, node_id: _Optional[str] = ..., from_round: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockCodec, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    resume: bool
+    def __init__(self, node_id: _Optional[str] = ..., from_round: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockCodec, _Mapping]]] = ..., session_id: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class SetCodecsResponse(_message.Message):
     __slots__ = ()

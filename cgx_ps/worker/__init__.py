@@ -22,22 +22,23 @@ or, under DDP (and every trainer built on it: Lightning, Accelerate, the HF Trai
     intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
     autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py
     metrics.py    optional Prometheus exporter (CGX_PS_WORKER_METRICS_PORT), fed by step()
+    checkpoint.py a file per rank and step; resume from the newest complete one
 """
 
 from .autotune import Decision
-from .errors import BlobFormatError
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .checkpoint import Checkpoints
 from .config import WorkerConfig
 from .ddp_hook import DDPHookState, ddp_comm_hook
-from .errors import (BroadcastError, CgxPsError, ConfigError, IntraNodeError, RoundFailedError, ShardRejectedError,
-                     ShardUnavailableError)
+from .errors import (BlobFormatError, BroadcastError, CgxPsError, CheckpointError, ConfigError, IntraNodeError,
+                     RoundFailedError, ShardRejectedError, ShardUnavailableError)
 from .layout import Compression
 from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
 __all__ = [
-    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "DDPHookState", "Decision",
-    "DistributedOptimizer", "ddp_comm_hook",
+    "BlobFormatError", "BroadcastError", "CgxPsError", "CheckpointError", "Checkpoints", "Compression", "ConfigError",
+    "DDPHookState", "Decision", "DistributedOptimizer", "ddp_comm_hook",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
     "shutdown", "size",

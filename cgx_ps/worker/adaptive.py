@@ -99,6 +99,18 @@ class RunningAverage:
         """Start a new averaging window; the buffers are kept and reused."""
         self._count.clear()
 
+    def state_dict(self) -> dict:
+        """The window's averages and counts (copies), for a checkpoint."""
+        return {"averages": {n: self._avg[n].detach().cpu().clone() for n in self.names()},
+                "counts": {n: self._count[n] for n in self.names()}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        averages, counts = state["averages"], state["counts"]
+        if set(averages) != set(counts) or not all(isinstance(t, torch.Tensor) for t in averages.values()):
+            raise ValueError("a running average's state needs one tensor and one count per name")
+        self._count = {n: int(c) for n, c in counts.items()}
+        self._avg = {n: t.to(torch.float32, copy=True) for n, t in averages.items()}
+
 
 @dataclass(frozen=True)
 class TensorEstimate:

@@ -96,6 +96,17 @@ class ModeChooser:
     def record(self, step_s: float) -> None:
         self.samples.append(step_s)
 
+    def state_dict(self) -> dict:
+        """Plain data for a checkpoint: what was measured and where the exploration stands."""
+        return {"decisions": self.decisions, "samples": list(self.samples),
+                "measured": {int(mode): [s, k] for mode, (s, k) in self.measured.items()},
+                "incumbent": self._incumbent}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decisions, self.samples = int(state["decisions"]), [float(s) for s in state["samples"]]
+        self.measured = {bool(mode): (float(s), int(k)) for mode, (s, k) in state["measured"].items()}
+        self._incumbent = state["incumbent"]
+
     def medians(self) -> dict[str, float]:
         """The latest median step time of each mode measured so far."""
         return {("compressed" if mode else "uncompressed"): s for mode, (s, _) in self.measured.items()}

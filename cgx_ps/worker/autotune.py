@@ -32,6 +32,7 @@ from ..v1 import ps_pb2
 from .adaptive import DEFAULT_CANDIDATES, RunningAverage, choose_bits, estimate_tensor
 from .automode import AutoFigures, ModeChooser, measure
 from .broadcast import broadcast_object
+from .errors import CheckpointError
 from .layout import Compression
 
 if TYPE_CHECKING:
@@ -136,6 +137,32 @@ class Tuner:
             return
         mine = self._decide(due_auto, due_adaptive).as_dict() if self.rank0 else None
         self._apply(Decision.from_dict(broadcast_object(mine, root_rank=0)))
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The decisions so far, and rank 0's gradient averages and step-time measurements (plain
+        data and CPU tensors). The settings decided live in the target's own state."""
+        return {"history": [d.as_dict() for d in self.history],
+                "average": self.average.state_dict() if self.average is not None else None,
+                "modes": self.modes.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state_dict()``. A rank-0 state restores the averaging window exactly;
+        without one (another rank's checkpoint) the window starts empty at the next step."""
+        try:
+            history = [Decision.from_dict(d) for d in state["history"]]
+            average = state.get("average")
+            if self.average is not None and average is not None:
+                unknown = set(average["averages"]) - set(self.names.values())
+                if unknown:
+                    raise ValueError(f"averages of tensors this layout does not compress: {sorted(unknown)[:3]}")
+                self.average.load_state_dict(average)
+            self.modes.load_state_dict(state["modes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the tuner's state in the checkpoint does not fit: {exc!r}") from None
+        self.history = history
+        self._last_step_end, self._skip_sample = None, True  # a resumed step pays one-off costs
 
     # ---- rank 0 -------------------------------------------------------------------------------------
 

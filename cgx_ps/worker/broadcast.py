@@ -63,8 +63,11 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Any, root_rank: in
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
-    """Give every rank root_rank's optimizer state (momentum buffers, step counts, lr...)."""
-    state = broadcast_object(optimizer.state_dict(), root_rank)
+    """Give every rank root_rank's optimizer state (momentum buffers, step counts, lr...).
+    A DistributedOptimizer's own part (``"cgx_ps"``: counters, residuals) stays each rank's own."""
+    state = optimizer.state_dict()
+    state.pop("cgx_ps", None)  # per rank and per node: the residuals of root's blocks are not ours
+    state = broadcast_object(state, root_rank)
     if current_config().rank != root_rank:
         try:
             optimizer.load_state_dict(state)

@@ -51,7 +51,7 @@ def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsE
 class ShardClient:
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
                  connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
-                 security: ChannelSecurity = _PLAIN) -> None:
+                 security: ChannelSecurity = _PLAIN, incarnation: int = 0) -> None:
         self.address = address
         self.node_id = node_id
         self.num_nodes = num_nodes
@@ -60,6 +60,7 @@ class ShardClient:
         self.connect_timeout_s = connect_timeout_s
         self.job_id = job_id
         self.member = member
+        self.incarnation = incarnation
         self.security = security
         self._metadata = security.metadata()  # the job token, sent with every call
         self.registration: ps_pb2.RegisterResponse | None = None
@@ -80,7 +81,7 @@ class ShardClient:
         stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
                                          layout_hash=self.layout_hash, client_version=__version__,
-                                         job_id=self.job_id, member=self.member)
+                                         job_id=self.job_id, member=self.member, incarnation=self.incarnation)
         deadline = time.monotonic() + self.connect_timeout_s
         delay = 0.1
         while True:
@@ -156,11 +157,11 @@ class ShardClient:
 
     # ---- control: adaptive settings, link probe -------------------------------------------------
 
-    async def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
+    async def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec], resume: bool = False) -> None:
         stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         try:
             await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks,
-                                                         session_id=self.session_id),
+                                                         session_id=self.session_id, resume=resume),
                                  timeout=30, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise ShardRejectedError(self.address, exc.code().name, exc.details() or "") from None

@@ -8,6 +8,8 @@
     CGX_PS_SERVERS                                     "host:port,host:port" or a template with
                                                        {i}, expanded for i < CGX_PS_NUM_SHARDS
     CGX_PS_JOB_ID                                      the same for every worker of one job
+    CGX_PS_INCARNATION, else TORCHELASTIC_RESTART_COUNT which start of the job this is: a
+                                                       restarted job registers a new session
     CGX_PS_INTRANODE                                   how local ranks reduce: auto (CUDA IPC for
                                                        models on a GPU, else shared memory), shm
                                                        (host shared memory even for GPU models),
@@ -51,6 +53,8 @@ class WorkerConfig:
     connect_timeout_s: float = 60.0
     # the training job, shared by all its workers (lets a shard tell a new job from a restart)
     job_id: str = ""
+    # which start of the job (torchrun counts its restarts): a higher one starts a new shard session
+    incarnation: int = 0
     # intra-node reduction transport: "auto", "shm" or "cuda"
     intranode: str = "auto"
     # how to reach the shards: job token, TLS (docs/security.md)
@@ -66,6 +70,7 @@ class WorkerConfig:
              f"WORLD_SIZE={self.world_size} != {self.num_nodes} nodes x LOCAL_WORLD_SIZE={self.local_world_size}"),
             (self.intranode in INTRANODE_TRANSPORTS,
              f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
+            (0 <= self.incarnation < 1 << 32, f"incarnation {self.incarnation} is not in 0..2^32-1"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
         ]
         for ok, message in checks:
@@ -115,6 +120,7 @@ class WorkerConfig:
                      servers=servers,
                      connect_timeout_s=env_float(env, "CGX_PS_CONNECT_TIMEOUT", 60.0, error=ConfigError),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
+                     incarnation=num("CGX_PS_INCARNATION", num("TORCHELASTIC_RESTART_COUNT", 0)),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
                      security=security)
         return replace(config, **overrides) if overrides else config

@@ -163,6 +163,19 @@ class DDPHookState:
 
         return torch.futures.collect_all([pipe.future(b) for b in waiting]).then(averaged)
 
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What cgx-ps adds to a checkpoint for this model (counters, codec settings, this rank's
+        error-feedback residuals, the tuner's state): save it next to the model's and the
+        optimizer's state, e.g. ``{"model": ..., "optimizer": ..., "cgx_ps": state.state_dict()}``."""
+        return self._opened().state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``'s output, before the first step (registers with the
+        shards now if the first backward has not yet); CheckpointError if it does not fit."""
+        self.open().load_state_dict(state)
+
     # ---- what it shows -----------------------------------------------------------------------
 
     def _opened(self) -> StepDriver:

@@ -56,7 +56,8 @@ class CommEngine:
             raise ConfigError(f"layout has {layout.num_shards} shards, CGX_PS_SERVERS lists "
                               f"{len(self.config.servers)}")
         self.clients = [ShardClient(a, self.node_id, self.num_nodes, layout, self.config.connect_timeout_s,
-                                    self.config.job_id, self.member, self.config.security)
+                                    self.config.job_id, self.member, self.config.security,
+                                    incarnation=self.config.incarnation)
                         for a in self.config.servers]
 
         async def connect_all() -> None:
@@ -116,10 +117,11 @@ class CommEngine:
 
     # ---- control (adaptive compression, auto mode) ------------------------------------------------
 
-    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
-        """Announce new block settings to every shard (each keeps the blocks it owns)."""
+    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec], resume: bool = False) -> None:
+        """Announce new block settings to every shard (each keeps the blocks it owns); with
+        ``resume``, the blocks start at ``from_round`` (a job resuming from a checkpoint)."""
         async def announce() -> None:
-            await asyncio.gather(*[c.set_codecs(from_round, blocks) for c in self.clients])
+            await asyncio.gather(*[c.set_codecs(from_round, blocks, resume) for c in self.clients])
 
         self._call(announce())
 
@@ -204,9 +206,9 @@ class EngineShare:
     def shard_error(self, shard: int) -> CgxPsError | None:
         return self.engine.shard_error(shard)
 
-    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
+    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec], resume: bool = False) -> None:
         self.engine.set_codecs(from_round, [ps_pb2.BlockCodec(block_id=self.offset + b.block_id, codec=b.codec)
-                                            for b in blocks])
+                                            for b in blocks], resume)
 
     def probe(self, nbytes_per_shard: int) -> float:
         return self.engine.probe(nbytes_per_shard)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
-           "ConfigError", "IntraNodeError", "BroadcastError", "BlobFormatError"]
+           "ConfigError", "IntraNodeError", "BroadcastError", "BlobFormatError", "CheckpointError"]
 
 
 class CgxPsError(RuntimeError):
@@ -45,3 +45,8 @@ class BroadcastError(CgxPsError):
 
 class BlobFormatError(CgxPsError):
     """A value cannot be broadcast, or a received broadcast blob is corrupt or not one at all."""
+
+
+class CheckpointError(CgxPsError, ValueError):
+    """A saved cgx-ps state does not fit this job (another model layout, a damaged file) or was
+    loaded at a moment it cannot take effect (after training steps)."""

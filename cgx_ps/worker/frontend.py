@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..v1 import ps_pb2
 from .autotune import Decision, Tuner
 from .buffers import TensorOf
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .metrics import after_step as export_step_metrics
 from .pipeline import BlockPipeline, PipelineSpec, StepStats
@@ -133,6 +133,21 @@ class StepDriver:
         if self.tuner is not None:
             self.tuner.after_step()
         export_step_metrics(self.pipe.stats, self.tuner.history if self.tuner is not None else ())
+
+    # ---- checkpoints (both front ends put this under their "cgx_ps" entry) --------------------
+
+    def state_dict(self) -> dict:
+        """Counters, codec settings, residuals (``BlockPipeline.state_dict``) and the tuner's state."""
+        return {"pipeline": self.pipe.state_dict(),
+                "tuner": self.tuner.state_dict() if self.tuner is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """What ``state_dict`` gave, before the first step; CheckpointError if it does not fit."""
+        if not isinstance(state, dict) or "pipeline" not in state:
+            raise CheckpointError("the checkpoint's \"cgx_ps\" entry is not a cgx-ps front end's state")
+        self.pipe.load_state_dict(state["pipeline"])
+        if self.tuner is not None and state.get("tuner") is not None:
+            self.tuner.load_state_dict(state["tuner"])
 
     # ---- what the front ends show ------------------------------------------------------------
 

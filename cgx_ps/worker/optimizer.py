@@ -165,6 +165,20 @@ class _DistributedMixin:
     def _cgx_finite(self) -> bool:
         return all(bool(torch.isfinite(self._cgx_pipe.buffers[b]).all()) for b in range(self._cgx_pipe.num_blocks))
 
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:  # noqa: D102 - torch's, plus what cgx-ps adds
+        state = super().state_dict()
+        state["cgx_ps"] = self._cgx_driver.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102 - torch's, plus what cgx-ps adds
+        state = dict(state_dict)
+        ours = state.pop("cgx_ps", None)  # absent in a plain torch checkpoint: cgx-ps starts fresh
+        if ours is not None:
+            self._cgx_driver.load_state_dict(ours)
+        super().load_state_dict(state)
+
     @property
     def stats(self) -> StepStats:
         return self._cgx_driver.stats
@@ -218,6 +232,10 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
             with opt.skip_synchronize():
                 scaler.step(opt)
             scaler.update()
+
+    ``state_dict()`` adds a ``"cgx_ps"`` entry to the wrapped optimizer's state (counters, codec
+    settings, auto/adaptive state, this rank's error-feedback residuals); ``load_state_dict()``
+    before the first step resumes bit for bit (``cgx.Checkpoints``, docs/deploy.md).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")

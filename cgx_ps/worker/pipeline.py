@@ -37,6 +37,7 @@ rank; without it the step fails, naming the tensors.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 import zlib
@@ -46,17 +47,21 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from ..kernels import Codec, CodecError, ErrorFeedback, dequantize, encode_block
-from ..layout import codec_of
+from ..layout import codec_of, layout_hash
 from ..v1 import ps_pb2
 from .buffers import BlockBuffers, TensorOf
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
-from .errors import CgxPsError
+from .errors import CgxPsError, CheckpointError
 from .intranode import node_reducer
 from .layout import Compression, TensorInfo, build_layout
 from .runtime import current_config, engines_for_layouts
 
-__all__ = ["BlockPipeline", "PipelineSpec", "StepStats"]
+__all__ = ["BlockPipeline", "PipelineSpec", "StepStats", "STATE_VERSION"]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1  # of BlockPipeline.state_dict(); a checkpoint of another version is refused
 
 @dataclass
 class StepStats:
@@ -92,7 +97,8 @@ class _Block:
     tensors: int  # distinct tensors in the block: arrivals that complete it
     settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
     feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
-    round: int = 0  # rounds submitted so far: the next one's id
+    round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
+    base: int = 0  # the round this process's session began at: the intra-node flags count from it
     # this step: tensors arrived, whether it was handed to the communication thread, and its result
     arrived: set[str] = field(default_factory=set)
     submitted: bool = False
@@ -131,6 +137,7 @@ class BlockPipeline:
         self.steps = 0  # finished steps
         self.stats = StepStats()
         self._engine = engine
+        self._exchanged = False  # a block went to the shards in this session (a resume must come first)
         self._reducer = node_reducer(layout, config, set(devices.values()), engine.round_timeout_s,
                                      run_tag=engine.session_id)
         self._lock = threading.Lock()  # tensors_ready may run on several autograd threads
@@ -207,7 +214,8 @@ class BlockPipeline:
         """Copy block ``block_id``'s gradients in (``grad_of(name)``: the tensor's gradient, or
         None for zeros) and start its exchange; returns ``future(block_id)``."""
         block, reducer = self._blocks[block_id], self._reducer
-        seq = block.round + 1
+        self._exchanged = True
+        round_, seq = block.round, block.round - block.base + 1  # the job's round; the session's count
         if reducer is not None:
             reducer.before_write(block_id, seq)  # the owner: peers took the last result from our buffer
         self.buffers.fill(block_id, grad_of)
@@ -220,7 +228,7 @@ class BlockPipeline:
         if reducer is not None and reducer.owner(block_id) != self.config.local_rank:
             work = self._fetch(block, seq)
         else:
-            work = self._exchange(block, seq, ready, self.compressing)
+            work = self._exchange(block, round_, seq, ready, self.compressing)
         running = self._engine.submit(work)
         block.round += 1
         running.add_done_callback(lambda done, future=block.future: _settle(future, done))
@@ -285,17 +293,18 @@ class BlockPipeline:
     def compressing(self) -> bool:
         return self.steps >= self.warmup_steps and self.compress
 
-    async def _exchange(self, block: _Block, seq: int, ready, compressed: bool) -> int:
-        """Owner of the block for this node: (local sum,) encode, push, pull, decode, publish."""
+    async def _exchange(self, block: _Block, round_: int, seq: int, ready, compressed: bool) -> int:
+        """Owner of the block for this node: (local sum,) encode, push, pull, decode, publish.
+        ``round_`` numbers the job's rounds (wire and seed), ``seq`` this session's (local ranks)."""
         engine, reducer, spec = self._engine, self._reducer, block.spec
-        seed = zlib.crc32(f"{self.config.node_rank}/{spec.block_id}/{seq - 1}".encode())
+        seed = zlib.crc32(f"{self.config.node_rank}/{spec.block_id}/{round_}".encode())
         if ready is not None:
             await engine.in_thread(ready.synchronize)
         if reducer is not None:
             await reducer.reduce(spec.block_id, seq, engine.in_thread)
         payload = await engine.in_thread(self._encode, block, compressed, seed)
         self._span.note(first=time.perf_counter())  # first byte out
-        result = await engine.push_pull(spec.shard, spec.block_id, seq - 1, payload)
+        result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
         await engine.in_thread(self._decode, block, result)
         self._span.note(last=time.perf_counter())  # last result in
         if reducer is not None:
@@ -354,6 +363,129 @@ class BlockPipeline:
             self.compress = compress
         for block_id, settings in changes.items():
             self._blocks[block_id].settings = settings
+
+
+    # ---- checkpoints: what a resumed job needs to continue bit for bit --------------------------------
+
+    def state_dict(self) -> dict:
+        """This process's part of a checkpoint (between steps): the step and round counters (the
+        rounds give the seeds), each block's codec settings (adaptive bits), auto mode's choice,
+        and the error-feedback residuals of the blocks this process pushes. Plain data and CPU
+        tensors (``torch.load(weights_only=True)`` reads it)."""
+        self._check_between_steps("state_dict()")
+        c = self.config
+        return {
+            "version": STATE_VERSION,
+            "layout_hash": layout_hash(self.layout),
+            "owner": {"node_rank": c.node_rank, "local_rank": c.local_rank, "num_nodes": c.num_nodes,
+                      "local_world_size": c.local_world_size},
+            "steps": self.steps,
+            "compress": self.compress,
+            "rounds": [b.round for b in self._blocks],
+            "settings": [_settings_to_list(b.settings) for b in self._blocks],
+            "residuals": {b.spec.block_id: b.feedback.residual.detach().cpu().clone() for b in self._blocks
+                          if b.feedback is not None and b.feedback.residual is not None},
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from ``state_dict()`` of a checkpoint, before this process's first step:
+        counters, settings and auto mode's choice are restored, and every shard resumes the
+        blocks at the checkpoint's rounds. Residuals are restored when the checkpoint was saved
+        by the same node and local rank of a job of the same shape; otherwise (another rank's
+        file, another node count) they start from zero, as in a fresh job (module doc of
+        ``optimizer.py``). Raises ``CheckpointError`` for another layout or a damaged state."""
+        self._check_between_steps("load_state_dict()")
+        if self._exchanged:
+            raise CheckpointError("load the checkpoint before the first step: this process has already "
+                                  "exchanged gradients in the shards' current session")
+        restored = _parse_state(state, self.layout)
+        keep_residuals = restored.owner == {"node_rank": self.config.node_rank, "local_rank": self.config.local_rank,
+                                            "num_nodes": self.config.num_nodes,
+                                            "local_world_size": self.config.local_world_size}
+        if restored.residuals and not keep_residuals:
+            log.warning("checkpoint saved by node %s local rank %s of %s node(s): its error-feedback residuals "
+                        "are not this process's and start from zero", restored.owner.get("node_rank"),
+                        restored.owner.get("local_rank"), restored.owner.get("num_nodes"))
+        for block, round_, settings in zip(self._blocks, restored.rounds, restored.settings):
+            block.round = block.base = round_
+            block.settings = settings
+            if block.feedback is not None:
+                residual = restored.residuals.get(block.spec.block_id) if keep_residuals else None
+                block.feedback.residual = None if residual is None else residual.to(block.buffer.device, copy=True)
+        self.steps, self.compress = restored.steps, restored.compress
+        self.stats = StepStats(step=max(0, restored.steps - 1), compressed=self.compressing)
+        by_round: dict[int, list[ps_pb2.BlockCodec]] = {}
+        for block in self._blocks:
+            by_round.setdefault(block.round, []).append(ps_pb2.BlockCodec(block_id=block.spec.block_id,
+                                                                         codec=block.settings))
+        for round_, blocks in sorted(by_round.items()):
+            self._engine.set_codecs(round_, blocks, resume=True)
+
+    def _check_between_steps(self, what: str) -> None:
+        with self._lock:
+            busy = any(b.submitted or b.arrived for b in self._blocks)
+        if busy:
+            raise CheckpointError(f"{what} in the middle of a step: call it between steps (after step())")
+
+
+@dataclass(frozen=True)
+class _Restored:
+    owner: dict
+    steps: int
+    compress: bool
+    rounds: list[int]
+    settings: list[ps_pb2.CodecSettings]
+    residuals: dict[int, torch.Tensor]
+
+
+def _settings_to_list(s: ps_pb2.CodecSettings) -> list:
+    return [int(s.codec), int(s.bits), int(s.bucket_size), bool(s.stochastic)]
+
+
+def _parse_state(state: Mapping, layout: ps_pb2.Layout) -> _Restored:
+    """Check a pipeline state against this job's layout; raises ``CheckpointError`` naming the
+    first thing that does not fit."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"the cgx-ps state is a {type(state).__name__}, not a dict")
+    missing = [k for k in ("version", "layout_hash", "owner", "steps", "compress", "rounds", "settings", "residuals")
+               if k not in state]
+    if missing:
+        raise CheckpointError(f"the cgx-ps state lacks {', '.join(missing)}: not saved by state_dict()?")
+    if state["version"] != STATE_VERSION:
+        raise CheckpointError(f"cgx-ps state version {state['version']!r}, this cgx-ps reads version {STATE_VERSION}")
+    mine = layout_hash(layout)
+    if state["layout_hash"] != mine:
+        raise CheckpointError(f"the checkpoint is of another model layout (layout hash {str(state['layout_hash'])[:12]}… "
+                              f"vs this job's {mine[:12]}…): same model, compression, block_bytes and number of "
+                              f"shards are needed to resume")
+    n = len(layout.blocks)
+    rounds, settings = state["rounds"], state["settings"]
+    if len(rounds) != n or len(settings) != n:
+        raise CheckpointError(f"the checkpoint has {len(rounds)} rounds and {len(settings)} settings for {n} blocks")
+    if not all(isinstance(r, int) and 0 <= r < 1 << 32 for r in rounds):
+        raise CheckpointError("the checkpoint's rounds must be integers in 0..2^32-1")
+    if not isinstance(state["steps"], int) or state["steps"] < 0:
+        raise CheckpointError(f"the checkpoint's step count {state['steps']!r} is not an integer >= 0")
+    parsed = []
+    for spec, item in zip(layout.blocks, settings):
+        try:
+            codec, bits, bucket, stochastic = item
+            parsed.append(ps_pb2.CodecSettings(codec=codec, bits=bits, bucket_size=bucket, stochastic=stochastic))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"block {spec.block_id}: codec settings {item!r} are not [codec, bits, bucket, "
+                                  f"stochastic]: {exc}") from None
+        if (parsed[-1].codec == ps_pb2.CODEC_MAXMIN) != (spec.codec.codec == ps_pb2.CODEC_MAXMIN):
+            raise CheckpointError(f"block {spec.block_id}: the checkpoint's codec {parsed[-1].codec} does not fit the "
+                                  f"layout's {spec.codec.codec}")
+    residuals = state["residuals"]
+    numel = {b.block_id: b.numel for b in layout.blocks}
+    for block_id, residual in residuals.items():
+        if not isinstance(residual, torch.Tensor) or block_id not in numel or residual.numel() != numel[block_id] \
+                or residual.dtype != torch.float32:
+            raise CheckpointError(f"the checkpoint's residual for block {block_id!r} does not fit the layout (a "
+                                  f"float32 tensor of the block's {numel.get(block_id, '?')} elements is needed)")
+    return _Restored(dict(state["owner"]), state["steps"], bool(state["compress"]), list(rounds), parsed,
+                     dict(residuals))
 
 
 def _settle(future: torch.futures.Future, done: concurrent.futures.Future) -> None:
