@@ -237,41 +237,31 @@ def _unpack(src, out, mn, unit, bits, accumulate, lv_buf):
     """Decode len(out) levels from src into out: mn + unit * level (two roundings, no FMA).
     lv_buf (uint8, at least len(out)) is scratch for the 1/3/5/6/7-bit widths."""
     m = out.shape[0]
+    # Every width splits the bytes into a level buffer, then one shared decode pass: both loops
+    # vectorize. Decoding straight from the bytes (two or four interleaved stores per byte) ran
+    # 3x slower at 4 bits (0.44 vs 0.14 ms per 1M levels, accumulating; AVX2, one thread).
     if bits == 8:
-        for j in range(m):
-            y = mn + unit * np.float32(src[j])
-            out[j] = out[j] + y if accumulate else y
+        _decode_levels(src[:m], out, mn, unit, accumulate)
     elif bits == 4:
-        # two separate loops: a branch inside the body stops LLVM from vectorizing it
-        if accumulate:
-            for j in range(m // 2):
-                v = src[j]
-                out[2 * j] += mn + unit * np.float32(v & np.uint8(15))
-                out[2 * j + 1] += mn + unit * np.float32(v >> np.uint8(4))
-        else:
-            for j in range(m // 2):
-                v = src[j]
-                out[2 * j] = mn + unit * np.float32(v & np.uint8(15))
-                out[2 * j + 1] = mn + unit * np.float32(v >> np.uint8(4))
-        if m % 2:
-            y = mn + unit * np.float32(src[m // 2] & np.uint8(15))
-            out[m - 1] = out[m - 1] + y if accumulate else y
+        full = (m // 2) * 2
+        lv = lv_buf[:full]
+        for j in range(m // 2):
+            v = src[j]
+            lv[2 * j] = v & np.uint8(15)
+            lv[2 * j + 1] = v >> np.uint8(4)
+        _decode_levels(lv, out[:full], mn, unit, accumulate)
+        _unpack_tail(src, out, mn, unit, bits, accumulate, full)
     elif bits == 2:
-        if accumulate:
-            for j in range(m // 4):
-                v = src[j]
-                out[4 * j] += mn + unit * np.float32(v & np.uint8(3))
-                out[4 * j + 1] += mn + unit * np.float32((v >> np.uint8(2)) & np.uint8(3))
-                out[4 * j + 2] += mn + unit * np.float32((v >> np.uint8(4)) & np.uint8(3))
-                out[4 * j + 3] += mn + unit * np.float32(v >> np.uint8(6))
-        else:
-            for j in range(m // 4):
-                v = src[j]
-                out[4 * j] = mn + unit * np.float32(v & np.uint8(3))
-                out[4 * j + 1] = mn + unit * np.float32((v >> np.uint8(2)) & np.uint8(3))
-                out[4 * j + 2] = mn + unit * np.float32((v >> np.uint8(4)) & np.uint8(3))
-                out[4 * j + 3] = mn + unit * np.float32(v >> np.uint8(6))
-        _unpack_tail(src, out, mn, unit, bits, accumulate, (m // 4) * 4)
+        full = (m // 4) * 4
+        lv = lv_buf[:full]
+        for j in range(m // 4):
+            v = src[j]
+            lv[4 * j] = v & np.uint8(3)
+            lv[4 * j + 1] = (v >> np.uint8(2)) & np.uint8(3)
+            lv[4 * j + 2] = (v >> np.uint8(4)) & np.uint8(3)
+            lv[4 * j + 3] = v >> np.uint8(6)
+        _decode_levels(lv, out[:full], mn, unit, accumulate)
+        _unpack_tail(src, out, mn, unit, bits, accumulate, full)
     else:
         # 1, 3, 5, 6, 7 bits: 8 levels fill `bits` bytes. Splitting whole 8-level groups into a
         # level buffer, then one shared decode pass, vectorizes both loops; decoding straight
