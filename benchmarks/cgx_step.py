@@ -5,7 +5,8 @@ Launched once per worker with RANK, WORLD_SIZE, CGX_PS_SERVERS (and CGX_PS_NODE_
 CGX_PS_NUM_NODES / CGX_PS_JOB_ID); trains the model of ``--model`` with cgx-ps compression
 ``--compression`` and prints one JSON line. Besides ddp_step.py's fields it reports
 ``exposed_comm_s`` (median time step() waited for communication after overlap) and
-``bytes_pushed_per_step`` / ``fp32_bytes_per_step``.
+``bytes_pushed_per_step`` / ``fp32_bytes_per_step``; ``host_cpu_s_per_step`` counts the colocated
+shards named in CGX_PS_BENCH_HOST_PIDS (netcluster.run_cgx sets it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step import MODELS, Teacher, batch_seed, build_model, iface_bytes, make_batch  # noqa: E402
+from ddp_step import MODELS, HostCpu, Teacher, batch_seed, build_model, iface_bytes, make_batch  # noqa: E402
 
 import cgx_ps.worker as cgx  # noqa: E402
 
@@ -67,9 +68,11 @@ def main(argv=None) -> int:
     times, exposed, pushed, fp32 = [], [], 0, 0
     counters0 = None
     loss = float("nan")
+    cpu = HostCpu()
     for step, (x, y) in enumerate(batches):
         if step == args.warmup:
             counters0 = iface_bytes(args.iface)
+            cpu.start()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_t = F.cross_entropy(model(x), y)
@@ -81,6 +84,7 @@ def main(argv=None) -> int:
             exposed.append(opt.stats.exposed_comm_s)
             pushed += opt.stats.bytes_pushed
             fp32 += opt.stats.fp32_bytes
+    cpu.stop()
     counters1 = iface_bytes(args.iface)
     timed = times[args.warmup:]
     tx = rx = None
@@ -96,7 +100,7 @@ def main(argv=None) -> int:
         "exposed_comm_s": statistics.median(exposed) if exposed else None,
         "bytes_pushed_per_step": pushed / max(args.steps, 1), "fp32_bytes_per_step": fp32 / max(args.steps, 1),
         "train_loss": loss, "eval_loss": eval_loss(), "iface": args.iface,
-        "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, "torch": torch.__version__,
+        "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, **cpu.per_step(args.steps), "torch": torch.__version__,
         # adaptive/auto decisions: bits per tensor, compress on/off and the figures behind them
         "tuning": [d.as_dict() for d in opt.tuning_history],
     }

@@ -21,6 +21,13 @@ batch) is measured in every cluster, so
 
     comm time       = median step time - single-process compute
     link-bound ideal = bytes on the busiest link direction per step / link rate
+    CPU s/step/host = user + system CPU seconds of a worker process and the shard on its host
+                      over the timed steps, per step (mean over worker hosts; /proc, all threads)
+
+The CPU figure is the cost of a step on a host, independent of how many cores the host has: the
+single-process row gives the compute alone, so the cost of communication and compression is
+the difference.  With dedicated shard hosts it is the worker's alone (the shards' CPU is in
+"shard CPU s/step", averaged over the whole job, start-up included).
 
 where the bytes are the tx/rx counters of each worker host's eth0 over the timed steps (TCP/IP
 headers included; with colocated shards the traffic between a worker and its own shard stays on
@@ -65,7 +72,8 @@ CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compres
     "cgx-4bit": ("cgx", "4bit", "cgx-ps 4-bit"),
     "cgx-2bit": ("cgx", "2bit", "cgx-ps 2-bit"),
 }
-TARGETS = {"comm_cut_vs_ddp_fp32": 4.0, "comm_cut_vs_ddp_fp16": 2.0, "comm_over_ideal": 1.5, "loss_rel": 0.02}
+TARGETS = {"comm_cut_vs_ddp_fp32": 4.0, "comm_cut_vs_ddp_fp16": 2.0, "comm_over_ideal": 1.5, "loss_rel": 0.02,
+           "cpu_over_compute": 1.5}
 
 
 def _log(msg: str) -> None:
@@ -114,6 +122,11 @@ def _summarize(res: nc.JobResult, steps: int, warmup: int) -> dict:
         row["tx_bytes"] = statistics.mean(tx)
         row["rx_bytes"] = statistics.mean(rx)
         row["link_bytes"] = max(max(tx), max(rx))  # busiest direction of the busiest worker link
+    host = [r.get("host_cpu_s_per_step") for r in ok]
+    if all(v is not None for v in host):
+        row["host_cpu_s_per_step"] = statistics.mean(host)
+        row["worker_cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in ok)
+        row["colocated_cpu_s_per_step"] = statistics.mean(r["colocated_cpu_s_per_step"] for r in ok)
     if "exposed_comm_s" in ok[0]:
         row["exposed_comm_s"] = max(r["exposed_comm_s"] for r in ok)
         row["pushed_bytes"] = ok[0]["bytes_pushed_per_step"]
@@ -172,8 +185,10 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
     # compute time: the less disturbed of the two measurements (others' jobs only ever slow it down)
     measured = [r["step_s"] for r in singles if r.get("step_s") is not None]
     compute = min(measured) if measured else None
+    cpus = [r["host_cpu_s_per_step"] for r in singles if r.get("host_cpu_s_per_step") is not None]
     for row in singles + rows:
         row["compute_s"] = compute
+        row["compute_cpu_s"] = min(cpus) if cpus else None  # CPU of the compute alone, per step
         _finish_row(row, rate_bps, topology)
     _relative(rows)
     return singles + rows
@@ -187,7 +202,8 @@ def _single(cluster: nc.Cluster, base: dict, kw: dict, args: argparse.Namespace,
     r0 = res.results[0] if res.ok else None
     row = {**base, "config": "single", "label": f"single process ({when})", "status": res.status,
            "load_before": _loadavg(), "step_s": r0 and r0["single_process_compute_s"],
-           "step_times_s": r0 and [r0["step_times_s"]], "eval_loss": r0 and r0["eval_loss"], "wall_s": res.wall_s}
+           "step_times_s": r0 and [r0["step_times_s"]], "eval_loss": r0 and r0["eval_loss"], "wall_s": res.wall_s,
+           "host_cpu_s_per_step": r0 and r0.get("host_cpu_s_per_step")}
     _cpu_usage(row, res, args)
     _log(f"  single-process compute ({when}): {res.status}, {_f(row['step_s'])} s/step"
          f" (others' load {_f(row.get('other_cores'), '.2f')} cores)")
@@ -256,6 +272,14 @@ def _f(x, spec: str = ".3f", suffix: str = "") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec) + suffix
 
 
+def host_cpu(r: dict) -> str:
+    """CPU s/step/host, split into the worker's and its shard's where a shard shares the host."""
+    total, shard = r.get("host_cpu_s_per_step"), r.get("colocated_cpu_s_per_step")
+    if total is None or not shard:
+        return _f(total)
+    return f"{total:.3f} = {r['worker_cpu_s_per_step']:.3f} + {shard:.3f}"
+
+
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     out: list[str] = []
     groups: dict[tuple, list[dict]] = {}
@@ -270,15 +294,17 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         out.append(f"batch {r0['batch_size']}/worker, {r0['threads']} thread/worker, median of {r0['steps']} steps "
                    f"after {r0['warmup']} warm-up; single-process compute {_f(r0['compute_s'])} s/step "
                    f"(the smaller of {', '.join(_f(r.get('step_s')) for r in singles)} measured at the start and "
-                   f"the end); load average {_f(r0.get('load_before'), '.2f')} at start\n")
-        out.append("| configuration | step (s) | vs DDP fp32 | comm (s) = step - compute | exposed comm (s) "
+                   f"the end), its CPU {_f(r0.get('compute_cpu_s'))} s/step; load average "
+                   f"{_f(r0.get('load_before'), '.2f')} at start\n")
+        out.append("| configuration | step (s) | CPU s/step/host: worker + its shard | vs DDP fp32 "
+                   "| comm (s) = step - compute | exposed comm (s) "
                    "| MB/step/host tx / rx | link-bound ideal (s) | comm / ideal | eval loss | loss vs DDP fp32 "
                    "| shard CPU s/step | CPU cores busy: ours + irq + others' | status |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rs:
             tx = (f"{r['tx_bytes'] / 1e6:.1f} / {r['rx_bytes'] / 1e6:.1f}" if r.get("tx_bytes") is not None else "-")
             out.append(
-                f"| {r['label']} | {_f(r.get('step_s'))} | {_f(r.get('speedup_vs_ddp_fp32'), '.2f', 'x')} "
+                f"| {r['label']} | {_f(r.get('step_s'))} | {host_cpu(r)} | {_f(r.get('speedup_vs_ddp_fp32'), '.2f', 'x')} "
                 f"| {_f(r.get('comm_s'))} | {_f(r.get('exposed_comm_s'))} | {tx} | {_f(r.get('ideal_s'))} "
                 f"| {_f(r.get('comm_over_ideal'), '.2f', 'x')} | {_f(r.get('eval_loss'), '.4f')} "
                 f"| {_f(None if r.get('loss_rel_vs_ddp_fp32') is None else 100 * r['loss_rel_vs_ddp_fp32'], '+.2f', '%')} "
@@ -311,6 +337,11 @@ def target_checks(rs: list[dict]) -> list[tuple[str, bool]]:
         out.append((f"comm time {c4['comm_s']:.3f} s vs link-bound ideal {c4['ideal_s']:.3f} s for its own bytes: "
                     f"{c4['comm_over_ideal']:.2f}x (target <= {TARGETS['comm_over_ideal']:g}x)",
                     c4["comm_over_ideal"] <= TARGETS["comm_over_ideal"]))
+    if c4.get("host_cpu_s_per_step") is not None and c4.get("compute_cpu_s"):
+        ratio = c4["host_cpu_s_per_step"] / c4["compute_cpu_s"]
+        out.append((f"CPU per step per host {c4['host_cpu_s_per_step']:.3f} s vs the compute alone "
+                    f"{c4['compute_cpu_s']:.3f} s: {ratio:.2f}x (target <= {TARGETS['cpu_over_compute']:g}x)",
+                    ratio <= TARGETS["cpu_over_compute"]))
     if c4.get("loss_rel_vs_ddp_fp32") is not None:
         rel = c4["loss_rel_vs_ddp_fp32"]
         out.append((f"eval loss {c4['eval_loss']:.4f} vs DDP fp32 {by['ddp-fp32']['eval_loss']:.4f}: "

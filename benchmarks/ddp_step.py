@@ -18,7 +18,11 @@ Output (one line of JSON on stdout), among others: ``step_times_s`` (every
 step, warm-up included), ``median_step_s`` (after warm-up), ``eval_loss``
 (held-out loss after training), ``train_loss`` (last local batch),
 ``tx_bytes_per_step``/``rx_bytes_per_step`` (from /proc/net/dev of
-``--iface``, over the timed steps; null if the interface is absent).
+``--iface``, over the timed steps; null if the interface is absent),
+``cpu_s_per_step`` (user + system CPU seconds of this process, all threads,
+over the timed steps) and ``host_cpu_s_per_step`` (the same plus the
+processes named in ``CGX_PS_BENCH_HOST_PIDS``, the colocated cgx-ps shards:
+what one host spends per step; equal to ``cpu_s_per_step`` for DDP).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from netcluster import HOST_PIDS_ENV  # noqa: E402 - stdlib only: the variable run_cgx sets
 
 MODELS = ("tiny", "mlp17m", "mlp25m", "convnet")
 HOOKS = ("none", "fp16", "powersgd")
@@ -134,6 +141,53 @@ def iface_bytes(iface: str | None) -> tuple[int, int] | None:
     return None
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime + stime, fields 14 and 15 of proc(5)
+
+
+class HostCpu:
+    """CPU seconds of this process and of the other processes on its host (``HOST_PIDS_ENV``)
+    between ``start()`` and ``stop()``: the CPU cost of the timed steps, per host."""
+
+    def __init__(self, env: dict | None = None) -> None:
+        raw = (os.environ if env is None else env).get(HOST_PIDS_ENV, "")
+        self.pids = [int(p) for p in raw.split(",") if p.strip()]
+        self._start: tuple[float, list[float | None]] | None = None
+        self.own_s: float | None = None
+        self.others_s: float | None = None
+
+    def _sample(self) -> tuple[float, list[float | None]]:
+        return time.process_time(), [_proc_cpu_s(p) for p in self.pids]
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def stop(self) -> None:
+        if self._start is None:
+            return
+        own, others = self._sample()
+        self.own_s = own - self._start[0]
+        pairs = list(zip(self._start[1], others))
+        # a colocated process that is gone cannot be accounted for: no host figure then
+        self.others_s = None if any(a is None or b is None for a, b in pairs) else sum(b - a for a, b in pairs)
+
+    def per_step(self, steps: int) -> dict[str, float | None]:
+        if self.own_s is None or steps <= 0:
+            return {"cpu_s_per_step": None, "colocated_cpu_s_per_step": None, "host_cpu_s_per_step": None}
+        own = self.own_s / steps
+        others = None if self.others_s is None else self.others_s / steps
+        return {"cpu_s_per_step": own, "colocated_cpu_s_per_step": others,
+                "host_cpu_s_per_step": None if others is None else own + others}
+
+
 def register_hook(ddp: nn.parallel.DistributedDataParallel, hook: str, seed: int, rank_pq: int) -> object:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -226,9 +280,11 @@ def main(argv=None) -> int:
 
     times, loss = [], float("nan")
     counters0 = None
+    cpu = HostCpu()
     for step, (x, y) in enumerate(batches):
         if step == args.warmup:
             counters0 = iface_bytes(args.iface)
+            cpu.start()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         out = net(x)
@@ -237,6 +293,7 @@ def main(argv=None) -> int:
         opt.step()
         times.append(time.perf_counter() - t0)
         loss = loss_t.item()
+    cpu.stop()
     counters1 = iface_bytes(args.iface)
 
     timed = times[args.warmup:]
@@ -268,6 +325,7 @@ def main(argv=None) -> int:
         "iface": args.iface,
         "tx_bytes_per_step": tx,
         "rx_bytes_per_step": rx,
+        **cpu.per_step(args.steps),
         "torch": torch.__version__,
     }
     if distributed:

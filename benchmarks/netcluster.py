@@ -16,7 +16,9 @@ exceptions, so the ``finally``/``__exit__`` runs) and, as a backstop, atexit.
 
 A second cluster never starts over leftovers of an earlier run: any ``cgxb-``
 namespace or link makes ``Cluster`` refuse, naming the command that removes
-them (``python benchmarks/netcluster.py --cleanup``).
+them (``python benchmarks/netcluster.py --cleanup``).  ``CGX_PS_NETNS_PREFIX`` (default
+``cgxb-``) gives a run a prefix of its own, so runs by different people on one machine neither
+collide nor count as each other's leftovers; ``--cleanup`` removes that prefix's objects only.
 
 CLI (needs root)::
 
@@ -92,7 +94,12 @@ __all__ = [
     "main",
 ]
 
-PREFIX = "cgxb-"
+# Every namespace and link starts with this; CGX_PS_NETNS_PREFIX gives a run its own (two people
+# benchmarking on one machine must not see each other's hosts as leftovers). At most 8 characters:
+# Linux link names are 15 at most, and the longest here is PREFIX + "p" + a host number.
+PREFIX = os.environ.get("CGX_PS_NETNS_PREFIX", "cgxb-")
+if not (0 < len(PREFIX) <= 8 and all(c.isascii() and (c.isalnum() or c == "-") for c in PREFIX)):
+    raise SystemExit(f"CGX_PS_NETNS_PREFIX={PREFIX!r}: use 1-8 ASCII letters, digits or '-'")
 SWITCH_NS = PREFIX + "sw"
 BRIDGE = PREFIX + "br0"
 HOST_IFACE = "eth0"
@@ -101,6 +108,8 @@ HERE = Path(__file__).resolve().parent
 DDP_STEP = HERE / "ddp_step.py"
 CGX_STEP = HERE / "cgx_step.py"
 REPO_ROOT = HERE.parent
+# pids of the cgx-ps shards on a worker's host: ddp_step.HostCpu adds their CPU to the host's per step
+HOST_PIDS_ENV = "CGX_PS_BENCH_HOST_PIDS"
 
 
 # --------------------------------------------------------------------------
@@ -868,9 +877,11 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
 
         def env(i: int) -> dict[str, str]:
             rank = worker_hosts.index(i)
+            # the shards on this worker's host: the worker adds their CPU to its host's per step
+            colocated = ",".join(str(p.pid) for h, p in zip(shards.hosts, shards.procs) if h == i)
             return _repo_env({"RANK": rank, "WORLD_SIZE": len(worker_hosts), "CGX_PS_NODE_RANK": rank,
                               "CGX_PS_NUM_NODES": len(worker_hosts), "CGX_PS_SERVERS": shards.servers,
-                              "CGX_PS_TOKEN_FILE": shards.token_file,
+                              "CGX_PS_TOKEN_FILE": shards.token_file, HOST_PIDS_ENV: colocated,
                               "CGX_PS_JOB_ID": job_id, **_thread_env(threads)})
 
         argv = _cgx_argv(model, compression, steps, warmup, batch_size, threads, seed, extra_args)

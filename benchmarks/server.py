@@ -3,6 +3,7 @@ token, over TLS and over mutual TLS; raw TCP (and TLS) copies as the peers.
 
     .venv/bin/python benchmarks/server.py [--nodes 4] [--mb 100] [--rounds 5] [--bits 4]
                                           [--configs plain,token,tls,mtls] [--sequential]
+                                          [--baseline DIR]
 
 Each configuration gets its own shard process (``cgx-ps server``), started together; the nodes are
 asyncio clients in this process with payloads encoded up front, so the figure is the shard's:
@@ -14,6 +15,14 @@ time, each shard's CPU time (/proc) over its timed rounds is reported: on a shar
 ratio of CPU per round is the steadier estimate of what TLS costs a shard with a core of its own.
 The peers are a plain TCP socket and a Python ``ssl`` socket moving the same compressed bytes
 between two processes on loopback, in the same run.
+
+``--baseline DIR`` adds one more plaintext shard whose code is the ``cgx_ps`` package under DIR
+(say, ``git archive <commit> cgx_ps | tar -x -C DIR``), listed first and interleaved with the
+others: before/after figures of a change from the same run, on the same load.
+
+The shard's capacity is also given per CPU-second (compressed input / the shard's CPU time):
+what one shard process would take in with a core of its own, which on this 2-core machine,
+shared with the nodes' process and with other work, the wall time cannot show.
 
 Certificates come from a throwaway CA (``trustme``) written to a temporary directory that is
 removed at exit: no key material is ever written into the repository.
@@ -48,7 +57,7 @@ from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
 CONFIG_ORDER = ("plain", "token", "tls", "mtls")
-DESCRIPTIONS = {"plain": "plaintext, no token", "token": "token only", "tls": "TLS + token",
+DESCRIPTIONS = {"baseline": "plaintext, the --baseline code", "plain": "plaintext, no token", "token": "token only", "tls": "TLS + token",
                 "mtls": "mutual TLS + token"}
 TLS_TARGET = 0.8  # issue: TLS must keep >= 0.8x of plaintext throughput
 
@@ -85,7 +94,7 @@ def make_credentials(directory: str) -> Credentials:
 def shard_setup(config: str, creds: Credentials) -> tuple[str, list[str], ChannelSecurity]:
     """(token file for the shard, extra shard args, the clients' security) of a configuration."""
     tls_args = ["--tls-cert", creds.server_cert, "--tls-key", creds.server_key]
-    if config == "plain":
+    if config in ("plain", "baseline"):
         return "", [], ChannelSecurity()
     if config == "token":
         return creds.token, [], ChannelSecurity(token_file=creds.token)
@@ -204,6 +213,23 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
     return out
 
 
+@contextlib.contextmanager
+def shard_source(directory: str | None):
+    """Shards started inside import cgx_ps from ``directory`` (None: as this process does)."""
+    if directory is None:
+        yield
+        return
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(directory).resolve()), *([old] if old else [])])
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=4)
@@ -215,11 +241,17 @@ def main() -> None:
                         help=f"comma-separated subset of {','.join(CONFIG_ORDER)} (default: all, in that order)")
     parser.add_argument("--sequential", action="store_true",
                         help="run each configuration's rounds back to back instead of interleaving them")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also run a plaintext shard from the cgx_ps package under DIR, listed first")
     args = parser.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIG_ORDER]
     if unknown or not configs or len(set(configs)) != len(configs):
         parser.error(f"--configs: choose distinct names from {', '.join(CONFIG_ORDER)}, got {args.configs!r}")
+    if args.baseline:
+        if not (Path(args.baseline) / "cgx_ps" / "server").is_dir():
+            parser.error(f"--baseline: no cgx_ps package under {args.baseline}")
+        configs.insert(0, "baseline")
 
     numel = int(args.mb * 1e6 / 4)
     layout = build_layout([TensorInfo("grad", (numel,))], 1, Compression(bits=args.bits, compress_1d=True),
@@ -235,8 +267,9 @@ def main() -> None:
         targets = {}
         for name in configs:
             token_file, extra, security = shard_setup(name, creds)
-            cluster = stack.enter_context(LocalCluster(1, extra_args=["--log-level", "WARNING", *extra],
-                                                       token_file=token_file))
+            with shard_source(args.baseline if name == "baseline" else None):
+                cluster = stack.enter_context(LocalCluster(1, extra_args=["--log-level", "WARNING", *extra],
+                                                           token_file=token_file))
             targets[name] = (cluster.addresses[0], cluster.procs[0].pid, security)
         measured = asyncio.run(run_rounds(targets, args.nodes, layout, payloads, args.rounds,
                                        interleave=not args.sequential))
@@ -256,8 +289,8 @@ def main() -> None:
           f"{load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} CPUs)")
     print(f"| configuration | round time (median) | compressed input into the shard, median (min–max) | "
           f"× {base}: ratio of medians; median of per-round ratios | shard CPU per round | × {base} by shard "
-          f"CPU | nodes' CPU per round | fp32 summed |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"CPU | input per shard CPU-second | nodes' CPU per round | fp32 summed |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     base_t = statistics.median(measured[base].wall)
     base_cpu = measured[base].shard_cpu
     for name in configs:
@@ -270,17 +303,20 @@ def main() -> None:
             mark = " ✓" if base_t / t >= TLS_TARGET else f" ✗ (target ≥ {TLS_TARGET})"
         print(f"| {name}: {DESCRIPTIONS[name]} | {t * 1e3:.0f} ms | {mb_s(t):.0f} MB/s ({min(rates):.0f}–"
               f"{max(rates):.0f}) | {base_t / t:.2f}; {paired:.2f}{mark} | {m.shard_cpu / args.rounds * 1e3:.0f} ms | "
-              f"{base_cpu / m.shard_cpu:.2f} | {m.client_cpu / args.rounds * 1e3:.0f} ms | "
+              f"{base_cpu / m.shard_cpu:.2f} | {mb_s(m.shard_cpu / args.rounds):.0f} MB/s | "
+              f"{m.client_cpu / args.rounds * 1e3:.0f} ms | "
               f"{args.nodes * numel * 4 / t / 1e6:.0f} MB/s |")
     print(f"| peer: raw TCP copy of the same compressed bytes, loopback | | {mb_s(tcp_s):.0f} MB/s | "
-          f"{mb_s(tcp_s) / mb_s(base_t):.1f} | | | | |")
+          f"{mb_s(tcp_s) / mb_s(base_t):.1f} | | | | | |")
     print(f"| peer: TLS (Python ssl) copy of the same bytes, loopback | | {mb_s(tls_s):.0f} MB/s | "
-          f"{mb_s(tls_s) / mb_s(base_t):.1f} | | | | |")
+          f"{mb_s(tls_s) / mb_s(base_t):.1f} | | | | | |")
     print(f"shard CPU: user+system seconds of the shard process during the timed rounds; '× {base} by shard CPU' "
           f"is the throughput ratio a shard with a core of its own would see (less sensitive to other load)")
-    best = mb_s(base_t)
-    print(f"{base} shard input / raw TCP: {best / mb_s(tcp_s):.2f}; 1 Gbit/s link (125 MB/s) covered: "
-          f"{best / 125:.1f}x")
+    for name in configs:
+        wall = mb_s(statistics.median(measured[name].wall))
+        per_cpu = mb_s(measured[name].shard_cpu / args.rounds)
+        print(f"{name} shard input / raw TCP: {wall / mb_s(tcp_s):.2f} by wall time, {per_cpu / mb_s(tcp_s):.2f} "
+              f"per shard CPU-second; 1 Gbit/s link (125 MB/s) covered: {wall / 125:.1f}x")
 
 
 if __name__ == "__main__":

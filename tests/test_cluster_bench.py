@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cluster.py"
 NETCLUSTER = ROOT / "benchmarks" / "netcluster.py"
 
+PREFIX = os.environ.get("CGX_PS_NETNS_PREFIX", "cgxb-")  # as benchmarks/netcluster.py names its objects
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 HAVE_IP = shutil.which("ip") is not None and shutil.which("tc") is not None
 root_only = pytest.mark.skipif(not (IS_ROOT and HAVE_IP), reason="needs root and iproute2 (ip, tc)")
@@ -35,7 +36,7 @@ def _leftover_objects() -> list[str]:
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.split("\n")
     names = [line.split()[0] for line in ns if line.strip()]
     names += [part.split(":", 2)[1].strip().split("@")[0] for part in links if part.count(":") >= 2]
-    return [n for n in names if n.startswith("cgxb-")]
+    return [n for n in names if n.startswith(PREFIX)]
 
 
 def _shard_processes() -> list[str]:
@@ -90,13 +91,18 @@ def test_cluster_benchmark_smoke(clean_slate, tmp_path):
         assert row["step_s"] > 0 and len(row["step_s_per_rank"]) == 2
         assert row["tx_bytes"] > 0 and row["rx_bytes"] > 0  # gradients crossed the shaped links
         assert row["ideal_s"] > 0 and row["comm_s"] is not None
+        # CPU over the timed steps (/proc counts 10 ms ticks: a tiny model's 3 steps may read 0)
+        assert row["compute_cpu_s"] >= 0 and row["worker_cpu_s_per_step"] >= 0
+    assert rows[0]["host_cpu_s_per_step"] == rows[0]["worker_cpu_s_per_step"]  # DDP: the worker is the host
     cgx = rows[1]
+    assert cgx["colocated_cpu_s_per_step"] is not None  # the colocated shard was accounted for
+    assert cgx["host_cpu_s_per_step"] == pytest.approx(cgx["worker_cpu_s_per_step"] + cgx["colocated_cpu_s_per_step"])
     assert cgx["exposed_comm_s"] is not None and cgx["pushed_bytes"] < cgx["fp32_bytes"]  # 4-bit is smaller
     assert len(cgx["shard_cpu_s"]) == 2 and all(c is not None and c > 0 for c in cgx["shard_cpu_s"])
     # both replicas trained the same model: every worker decodes the same aggregates
     assert cgx["eval_loss_per_rank"][0] == cgx["eval_loss_per_rank"][1]
     md = out_md.read_text()
-    assert "| DDP gloo fp32 |" in md and "| cgx-ps 4-bit |" in md
+    assert "| DDP gloo fp32 |" in md and "| cgx-ps 4-bit |" in md and "CPU s/step/host" in md
     assert "| DDP gloo fp32 |" in r.stdout  # the table also goes to stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

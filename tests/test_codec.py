@@ -84,6 +84,19 @@ def test_odd_widths_byte_identical_and_decode_like_reference(bits: int, stochast
         assert torch.equal(out, base + expected), n
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_whole_byte_widths_accumulate_like_reference_with_partial_last_bytes(bits: int) -> None:
+    # 2/4/8 bits split bytes into a level buffer before the decode pass; odd lengths and buckets
+    # leave a bucket's last levels in a partial byte (the tail path)
+    for n, bucket_size in ((1, 8), (7, 8), (1023, 104), (100_003, 1024)):
+        ref = quantize(_data(n, seed=n + bits), bits, bucket_size, stochastic=True, seed=5,
+                       impl="reference").to_bytes()
+        base = _data(n, seed=n + 200)
+        out = base.clone()
+        dequantize(ref, out=out, accumulate=True, impl="cpu")
+        assert torch.equal(out, base + dequantize(ref, impl="reference")), n
+
+
 @pytest.mark.parametrize("bits", ODD_BITS)
 def test_odd_widths_every_level_in_every_slot(bits: int) -> None:
     # Integer data spanning 0..2**bits - 1 in each bucket: unit = 1 and min = 0, so the levels are

@@ -239,7 +239,8 @@ class Aggregator:
 
     # ---- the hot path ---------------------------------------------------------------------------
 
-    async def push(self, node_id: str, member: int, block_id: int, round_: int, payload: bytes) -> PushOutcome:
+    async def push(self, node_id: str, member: int, block_id: int, round_: int, payload: bytes | memoryview
+                   ) -> PushOutcome:
         block = self._block(block_id)
         async with block.lock:
             outcome = self._check_round(block, node_id, member, round_)
@@ -292,7 +293,7 @@ class Aggregator:
         kind = "stale" if round_ < block.round else "far-future"
         raise WrongRound(f"block {block.spec.block_id}: {kind} round {round_}, the shard expects round {block.round}")
 
-    def _check_header(self, block: _Block, payload: bytes) -> tuple[int, int, int]:
+    def _check_header(self, block: _Block, payload: bytes | memoryview) -> tuple[int, int, int]:
         """The push's (codec, bits, bucket): the declared one or FP32, and the round's."""
         spec = block.spec
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from .budget import ByteBudget
@@ -56,11 +56,12 @@ class _Block:
     total: int  # also the bytes reserved for it
     deadline: float  # time.monotonic() by which the last chunk must have arrived
     filled: int = 0
-    parts: list[bytes] = field(default_factory=list)
+    buffer: bytearray | None = None  # the whole block, once a second chunk shows it needs one
+    first: bytes | memoryview = b""  # the first chunk, kept as it came until then
 
 
 class PushAssembler:
-    """The block one Exchange stream is pushing, chunk by chunk (ps_pb2.PushChunk)."""
+    """The block one Exchange stream is pushing, chunk by chunk (frames.PushFrame)."""
 
     def __init__(self, inflight: InflightPushes, round_timeout_s: float) -> None:
         self.inflight = inflight
@@ -80,7 +81,8 @@ class PushAssembler:
                            f"in {self.round_timeout_s:g}s; a block must arrive whole within the "
                            f"round timeout") from None
 
-    async def add(self, chunk: Any, allowed_sizes: Callable[[int, int], tuple[int, ...]]) -> bytes | None:
+    async def add(self, chunk: Any, allowed_sizes: Callable[[int, int], tuple[int, ...]]
+                  ) -> bytes | memoryview | bytearray | None:
         """Add a chunk to its block; the payload once the block is complete. ``allowed_sizes``
         (block id, round): the wire sizes the layout allows (it raises for unknown blocks)."""
         b = self.partial
@@ -97,13 +99,21 @@ class PushAssembler:
         if n == 0 or b.filled + n > b.total:
             raise BadRequest(f"block {chunk.block_id}: chunk of {n} bytes at offset {chunk.offset} "
                              f"overruns the block's {b.total} bytes")
-        b.parts.append(chunk.data)
+        # One chunk (the common case for compressed blocks): no copy. Several: each is copied
+        # once into a buffer of the block's size, allocated when the second one arrives.
+        if b.filled == 0:
+            b.first = chunk.data
+        else:
+            if b.buffer is None:
+                b.buffer = bytearray(b.total)
+                b.buffer[:len(b.first)] = b.first
+                b.first = b""
+            b.buffer[b.filled:b.filled + n] = chunk.data
         b.filled += n
         if b.filled < b.total:
             return None
         self.partial = None
-        # One chunk: no copy. Several: one join (cheaper than growing a bytearray chunk by chunk).
-        return b.parts[0] if len(b.parts) == 1 else b"".join(b.parts)
+        return b.first if b.buffer is None else b.buffer
 
     async def _start(self, chunk: Any, sizes: tuple[int, ...]) -> _Block:
         if chunk.total_bytes not in sizes:

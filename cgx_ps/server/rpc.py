@@ -175,8 +175,9 @@ def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | N
     """Register ``service`` (a ParameterServerService) behind the gate, and ``status`` (a
     ShardStatus, cgx_ps/server/status.py) for the Status method."""
     gate = _Gate(service, token)
-    def serialize(message: Message) -> bytes:
-        return message.SerializeToString()
+    def serialize(message: Message | bytes) -> bytes:
+        # results are serialized once for all nodes (frames.result_frames) and pass as they are
+        return message if isinstance(message, bytes) else message.SerializeToString()
 
     def unary(method: str, request_cls: type[Message], target: Any = service) -> Handler:
         async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:

@@ -30,11 +30,12 @@ from .budget import ByteBudget
 from .config import ServerConfig
 from .errors import (BadRequest, Conflict, Forbidden, InternalError, NotMember, ProtocolError, SessionEnded,
                      ShuttingDown, StreamAborted, TimedOut, shown)
+from .frames import PushFrame, read_push, result_frames
 from .metrics import ShardMetrics
 from .reassembly import InflightPushes, PushAssembler
 from .rpc import grpc_status, read_message
 from .session import Session
-from .stream import NodeStream, result_messages
+from .stream import NodeStream
 
 __all__ = ["ParameterServerService"]
 
@@ -140,12 +141,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         cancelled = False
         try:
             while True:
-                request = await assembler.next_message(lambda: read_message(context, ps_pb2.ExchangeRequest))
-                if request is grpc.aio.EOF:
+                raw = await assembler.next_message(context.read)
+                if raw is grpc.aio.EOF:
                     break
-                if request.WhichOneof("kind") != "push":
-                    raise BadRequest("expected a PushChunk after Hello")
-                chunk = request.push
+                chunk = read_push(raw)
                 self._check_push(session, chunk)
                 payload = await assembler.add(chunk, session.aggregator.allowed_sizes)
                 if payload is not None:
@@ -182,13 +181,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         log.warning("node %s: %s", stream.node_id, error.message)
         return error.with_traceback(None)
 
-    def _check_push(self, session: Session, chunk: ps_pb2.PushChunk) -> None:
+    def _check_push(self, session: Session, chunk: PushFrame) -> None:
         if session.failed is not None or session is not self.session:
             raise SessionEnded("session is no longer active")
         if self.draining and session.aggregator.opens_round(chunk.block_id, chunk.round):
             raise ShuttingDown("shard is shutting down; no new rounds")
 
-    async def _push(self, session: Session, stream: NodeStream, chunk: ps_pb2.PushChunk, payload: bytes) -> None:
+    async def _push(self, session: Session, stream: NodeStream, chunk: PushFrame, payload: bytes | memoryview
+                    ) -> None:
         try:
             outcome = await session.aggregator.push(stream.node_id, stream.member, chunk.block_id, chunk.round,
                                                     payload)
@@ -202,7 +202,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self.inflight.release(len(payload))
         self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
         if outcome.resend is not None:  # a retry of the round just finished: its result again
-            stream.send(result_messages(chunk.block_id, chunk.round, outcome.resend), len(outcome.resend))
+            stream.send(result_frames(chunk.block_id, chunk.round, outcome.resend), len(outcome.resend))
 
     # ---- blobs (broadcasts) ---------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ from .blobs import BlobStore
 from .config import ServerConfig
 from .errors import ProtocolError, StreamAborted
 from .metrics import ShardMetrics
-from .stream import NodeStream, result_messages
+from .frames import result_frames
+from .stream import NodeStream
 
 __all__ = ["Session", "owned_blocks"]
 
@@ -115,7 +116,7 @@ class Session:
 
     def deliver(self, block_id: int, round_: int, result: bytes, pushers: Mapping[str, int]) -> None:
         """Send a round's result to the stream of every member that pushed it (one per node)."""
-        messages = result_messages(block_id, round_, result)
+        messages = result_frames(block_id, round_, result)
         streams = [s for s in map(self.streams.get, pushers.items()) if s is not None]
         for stream in streams:
             stream.send(messages, len(result))

@@ -12,11 +12,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from ..transport import chunks
 from ..v1 import ps_pb2
 from .errors import LimitExceeded, ProtocolError
 
-__all__ = ["NodeStream", "result_messages"]
+__all__ = ["NodeStream"]
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +33,9 @@ class NodeStream:
     push_tasks: set[asyncio.Task] = field(default_factory=set)  # its pushes still being summed
     stopping: bool = False
 
-    def send(self, messages: list[ps_pb2.ExchangeResponse], nbytes: int) -> None:
-        """Queue a result for the writer, unless the client has stopped reading."""
+    def send(self, messages: list[bytes], nbytes: int) -> None:
+        """Queue a result (serialized once, frames.result_frames, and shared by every node's
+        stream) for the writer, unless the client has stopped reading."""
         if self.queued_bytes + nbytes > self.result_cap:
             self.stop(LimitExceeded(f"node {self.node_id} member {self.member} is not reading its results "
                                     f"({self.queued_bytes} bytes waiting)"))
@@ -81,9 +81,3 @@ class NodeStream:
                     return
             self.queued_bytes -= nbytes
 
-
-def result_messages(block_id: int, round_: int, data: bytes) -> list[ps_pb2.ExchangeResponse]:
-    """One result as PullChunk messages, built once and written to every node's stream."""
-    return [ps_pb2.ExchangeResponse(pull=ps_pb2.PullChunk(round=round_, block_id=block_id, total_bytes=len(data),
-                                                          offset=off, data=piece))
-            for off, piece in chunks(data)]

@@ -1,0 +1,77 @@
+"""The shard's raw-bytes reading of pushes and framing of results (cgx_ps/server/frames.py) must
+agree with protobuf on every input: what the fast path accepts, protobuf reads the same way, and
+what it frames, protobuf would have written byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cgx_ps.server import frames
+from cgx_ps.server.errors import BadRequest
+from cgx_ps.transport import CHUNK_BYTES
+from cgx_ps.v1 import ps_pb2
+
+u64 = st.integers(0, (1 << 64) - 1)
+u32 = st.integers(0, (1 << 32) - 1)
+pushes = st.builds(ps_pb2.PushChunk, round=u64, block_id=u32, total_bytes=u64, offset=u64,
+                   data=st.binary(max_size=300))
+
+
+def fields(chunk) -> tuple:
+    return chunk.round, chunk.block_id, chunk.total_bytes, chunk.offset, bytes(chunk.data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pushes)
+def test_a_push_as_clients_send_it_takes_the_fast_path_and_reads_as_protobuf_reads_it(chunk) -> None:
+    raw = ps_pb2.ExchangeRequest(push=chunk).SerializeToString()
+    frame = frames._fast_push(raw)
+    assert frame is not None
+    assert fields(frame) == fields(chunk)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pushes, st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=4),
+       st.integers(0, 400), st.binary(max_size=12))
+def test_on_any_bytes_the_fast_path_agrees_with_protobuf_or_leaves_them_to_it(chunk, edits, cut, extra) -> None:
+    raw = bytearray(ps_pb2.ExchangeRequest(push=chunk).SerializeToString())
+    for at, value in edits:  # flipped bytes, a cut-off end, trailing garbage
+        if raw:
+            raw[at % len(raw)] = value
+    raw = bytes(raw[:cut] if cut < len(raw) else raw) + extra
+    frame = frames._fast_push(raw)
+    try:
+        parsed = ps_pb2.ExchangeRequest.FromString(raw)
+    except Exception:  # noqa: BLE001 - any protobuf refusal: the fast path must not accept it
+        assert frame is None
+        with pytest.raises(BadRequest):
+            frames.read_push(raw)
+        return
+    if frame is not None:
+        assert parsed.WhichOneof("kind") == "push"
+        assert fields(frame) == fields(parsed.push)
+    if parsed.WhichOneof("kind") == "push":
+        assert fields(frames.read_push(raw)) == fields(parsed.push)
+    else:
+        with pytest.raises(BadRequest, match="expected a PushChunk"):
+            frames.read_push(raw)
+
+
+def test_a_hello_or_an_empty_message_is_not_a_push() -> None:
+    hello = ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id="n")).SerializeToString()
+    for raw in (hello, b""):
+        with pytest.raises(BadRequest, match="expected a PushChunk"):
+            frames.read_push(raw)
+
+
+@settings(max_examples=30, deadline=None)
+@given(u64, u32, st.sampled_from([0, 1, 1000, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 5]))
+def test_result_frames_are_the_bytes_protobuf_would_write(round_, block_id, size) -> None:
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    got = frames.result_frames(block_id, round_, data)
+    want = [ps_pb2.ExchangeResponse(pull=ps_pb2.PullChunk(round=round_, block_id=block_id, total_bytes=size,
+                                                          offset=off, data=data[off:off + CHUNK_BYTES]))
+            .SerializeToString() for off in range(0, max(size, 1), CHUNK_BYTES)]
+    assert got == want
