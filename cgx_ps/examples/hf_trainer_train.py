@@ -20,7 +20,8 @@ import tempfile
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+from transformers import (BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainerControl,
+                          TrainerState, TrainingArguments)
 
 import cgx_ps.worker as cgx
 from cgx_ps.examples.ddp_train import replica_fingerprint
@@ -34,7 +35,8 @@ class CgxCommHook(TrainerCallback):
         self.trainer, self.options = trainer, options
         self._hooked: DistributedDataParallel | None = None
 
-    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 (TrainerCallback's signature)
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: object) -> None:
         ddp = self.trainer.model_wrapped
         if ddp is self._hooked:
             return  # train() again: Trainer reuses its DDP model, which keeps the hook
