@@ -9,7 +9,8 @@ numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks on
 imports nothing else of cgx_ps, so it can be reused on its own.
 """
 
-from .api import EncodedBlock, Impl, decode_header, dequantize, encode, encode_with_feedback, quantize
+from .api import (EncodedBlock, Impl, decode_header, dequantize, encode, encode_with_feedback, non_finite_block,
+                  quantize)
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block
 from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
@@ -29,5 +30,6 @@ __all__ = [
     "encode",
     "encode_block",
     "encode_with_feedback",
+    "non_finite_block",
     "quantize",
 ]

@@ -20,7 +20,7 @@ from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header
 
 __all__ = ["EncodedBlock", "encode", "encode_with_feedback", "quantize", "dequantize", "decode_header",
-           "Impl"]
+           "non_finite_block", "Impl"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host runs torch training today
     raise ImportError("cgx_ps.kernels reads and writes little-endian buffers in place")
@@ -105,8 +105,14 @@ def encode(
     stochastic: bool = False,
     seed: int = 0,
     impl: Impl = "auto",
+    allow_non_finite: bool = False,
 ) -> EncodedBlock:
-    """Encode ``tensor`` with any codec of the wire format (FP32, FP16, BF16, MAXMIN)."""
+    """Encode ``tensor`` with any codec of the wire format (FP32, FP16, BF16, MAXMIN).
+
+    A tensor holding NaN/Inf, or values the codec cannot represent (a bucket's range or an
+    fp16 value overflowing), raises CodecError; with ``allow_non_finite`` it becomes instead a
+    non-finite block (``non_finite_block``): the header alone, decoding as NaN everywhere.
+    """
     codec = _as_codec(codec)
     if not isinstance(tensor, torch.Tensor):
         raise CodecError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -121,6 +127,25 @@ def encode(
         x = x.to(torch.float32).contiguous()
     header = Header(codec, bits, wire.FLAG_STOCHASTIC if stochastic and codec == Codec.MAXMIN else 0,
                     x.numel(), bucket_size, 0)
+    try:
+        # Settings and dtype are checked above: what the kernels refuse now is the values.
+        return _encode_values(x, header, seed, impl)
+    except CodecError:
+        if not allow_non_finite:
+            raise
+        return non_finite_block(codec, bits, bucket_size, x.numel())
+
+
+def non_finite_block(codec: Codec | int, bits: int, bucket_size: int, numel: int) -> EncodedBlock:
+    """The block of a tensor that was not finite: its header (with ``FLAG_NONFINITE``) alone."""
+    codec = _as_codec(codec)
+    if codec != Codec.MAXMIN:
+        bits, bucket_size = _FP_BITS[codec], 0
+    header = Header(codec, bits, wire.FLAG_NONFINITE, numel, bucket_size, 0)
+    return EncodedBlock(header, np.frombuffer(wire.pack_header(header), dtype=np.uint8).copy())
+
+
+def _encode_values(x: torch.Tensor, header: Header, seed: int, impl: str) -> EncodedBlock:
     if impl == "cuda":
         from . import cuda
 
@@ -128,10 +153,10 @@ def encode(
     payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
     payload[:HEADER_SIZE] = np.frombuffer(wire.pack_header(header), dtype=np.uint8)
     body = payload[HEADER_SIZE:]
-    if codec == Codec.MAXMIN:
+    if header.codec == Codec.MAXMIN:
         _encode_maxmin_cpu(x, body, header, seed, impl)
     else:
-        _encode_float_cpu(x, body, codec)
+        _encode_float_cpu(x, body, header.codec)
     return EncodedBlock(header, payload)
 
 
@@ -200,11 +225,17 @@ def _encode_float_cpu(x: torch.Tensor, body: np.ndarray, codec: Codec) -> None:
 
 
 def encode_with_feedback(tensor: torch.Tensor, residual: torch.Tensor, codec: Codec | int, *, bits: int,
-                         bucket_size: int, stochastic: bool, seed: int) -> EncodedBlock:
+                         bucket_size: int, stochastic: bool, seed: int,
+                         allow_non_finite: bool = False) -> EncodedBlock:
     """Error feedback: encode ``tensor + residual`` and leave in ``residual`` what the encoding
-    left out, to be added next time. ``tensor`` is updated in place (it holds the sum)."""
+    left out, to be added next time. ``tensor`` is updated in place (it holds the sum). A
+    non-finite block (``allow_non_finite``) leaves the residual as it was: that step's gradient
+    is thrown away by every rank (a loss scaler skips it), its error with it."""
     tensor.add_(residual)
-    encoded = encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed)
+    encoded = encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed,
+                     allow_non_finite=allow_non_finite)
+    if encoded.header.non_finite:
+        return encoded
     dequantize(encoded, out=residual)
     residual.neg_().add_(tensor)
     return encoded
@@ -248,6 +279,10 @@ def dequantize(
     device = target.device if target is not None else (
         payload.device if isinstance(payload, torch.Tensor) else torch.device("cpu"))
     impl = _pick_impl(impl, device)
+    if header.non_finite:  # NaN + anything is NaN: accumulating or not, the result is NaN
+        if target is None:
+            return torch.full((header.numel,), float("nan"), dtype=torch.float32, device=device)
+        return target.fill_(float("nan"))
     if impl == "cuda":
         from . import cuda
 

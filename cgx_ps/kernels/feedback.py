@@ -28,13 +28,15 @@ class ErrorFeedback:
 
 
 def encode_block(tensor: torch.Tensor, codec: Codec | int, *, bits: int, bucket_size: int, stochastic: bool,
-                 seed: int, feedback: ErrorFeedback | None = None) -> EncodedBlock:
+                 seed: int, feedback: ErrorFeedback | None = None, allow_non_finite: bool = False) -> EncodedBlock:
     """Encode ``tensor`` with ``codec``. With ``feedback`` and max-min quantization, encode
     ``tensor + feedback.residual`` instead (``tensor`` is updated in place: it holds that sum)
-    and keep in the residual what this encoding left out."""
+    and keep in the residual what this encoding left out. ``allow_non_finite``: a tensor with
+    NaN/Inf becomes a non-finite block instead of an error (the residual is kept as it was)."""
     if feedback is None or int(codec) != Codec.MAXMIN:
-        return encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed)
+        return encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed,
+                      allow_non_finite=allow_non_finite)
     if feedback.residual is None:
         feedback.residual = torch.zeros_like(tensor)
     return encode_with_feedback(tensor, feedback.residual, codec, bits=bits, bucket_size=bucket_size,
-                                stochastic=stochastic, seed=seed)
+                                stochastic=stochastic, seed=seed, allow_non_finite=allow_non_finite)

@@ -20,6 +20,7 @@ __all__ = [
     "WIRE_VERSION",
     "MAGIC",
     "FLAG_STOCHASTIC",
+    "FLAG_NONFINITE",
     "body_size",
     "num_buckets",
     "parse_header",
@@ -33,7 +34,11 @@ WIRE_VERSION = 1
 _HEADER = struct.Struct("<4sBBBBQII8s")
 HEADER_SIZE = _HEADER.size  # 32: keeps the float32 metadata that follows 8-byte aligned
 FLAG_STOCHASTIC = 0x01
-_KNOWN_FLAGS = FLAG_STOCHASTIC
+# The tensor held NaN/Inf (or values its codec cannot represent): the payload is the header
+# alone and decodes as NaN everywhere. Mixed precision needs it: a loss scaler's overflow on
+# one rank must reach every rank as non-finite, so every rank skips the same step.
+FLAG_NONFINITE = 0x02
+_KNOWN_FLAGS = FLAG_STOCHASTIC | FLAG_NONFINITE
 _RESERVED = bytes(8)
 MAX_BUCKET_SIZE = 1 << 24
 
@@ -64,7 +69,13 @@ class Header:
         return bool(self.flags & FLAG_STOCHASTIC)
 
     @property
+    def non_finite(self) -> bool:
+        return bool(self.flags & FLAG_NONFINITE)
+
+    @property
     def body_size(self) -> int:
+        if self.non_finite:
+            return 0
         return body_size(self.codec, self.numel, self.bits, self.bucket_size)
 
 

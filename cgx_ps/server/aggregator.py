@@ -7,6 +7,12 @@ with the block's codec and the same bytes go to every node: the sink (the sessio
 result with the member of each node that pushed it. Blocks are independent, so early blocks are
 returned while later ones are still arriving.
 
+Mixed precision: a node whose gradient overflowed pushes a non-finite block (the header alone,
+``FLAG_NONFINITE``). It is validated like any push (header, exact size, crc), decodes as NaN
+into the sum, and makes the round's result a non-finite block too, so every node sees the
+overflow and its loss scaler skips the same step. Only a flagged push does that: a sum that
+overflows from finite pushes still fails the round.
+
 A block records who pushed it (node -> member) for the round under way and the one before, and
 decides under its lock: a node's first push counts, its retry is a duplicate (or, for the round
 just finished, gets the result again), and another member of the same node is refused: one
@@ -75,6 +81,7 @@ class _Block:
     last_result: bytes | None = None  # result of round - 1, for retried pushes
     last_pushed: Mapping[str, int] = field(default_factory=dict)  # node -> member, round - 1
     round_encoding: tuple[int, int, int] | None = None  # (codec, bits, bucket) of this round
+    round_non_finite: bool = False  # a node pushed a non-finite block this round: the result is one
     # adaptive compression: (from_round, settings) announced with SetCodecs, ascending
     schedule: list[tuple[int, ps_pb2.CodecSettings]] = field(default_factory=list)
 
@@ -129,11 +136,12 @@ class Aggregator:
     # ---- queries used by the service ----------------------------------------------------------
 
     def allowed_sizes(self, block_id: int, round_: int) -> tuple[int, ...]:
-        """Wire sizes a push of this block may have in a round: its codec then, or uncompressed."""
+        """Wire sizes a push of this block may have in a round: its codec then, uncompressed, or
+        a non-finite block (the header alone)."""
         block = self._block(block_id)
         s = block.settings_for(round_)
         size = HEADER_SIZE + body_size(codec_of(s), block.spec.numel, s.bits, s.bucket_size)
-        return size, HEADER_SIZE + 4 * block.spec.numel
+        return size, HEADER_SIZE + 4 * block.spec.numel, HEADER_SIZE  # the last: a non-finite block
 
     def set_codecs(self, from_round: int, changes: list[tuple[int, ps_pb2.CodecSettings]]) -> None:
         """Schedule new settings for blocks from a round on (all or none are applied)."""
@@ -206,9 +214,12 @@ class Aggregator:
                 block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
             block.pushed[node_id] = member
             block.round_encoding = encoding
+            non_finite = decode_header(payload).non_finite  # checked above; decoded into the sum as NaN
+            block.round_non_finite |= non_finite
             if self.metrics:
                 self.metrics.bytes_in.inc(len(payload))
-                self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
+                if not non_finite:
+                    self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
             if len(block.pushed) == self.num_nodes:
                 await self._finish(block, round_)
             return PushOutcome(accepted=True)
@@ -277,6 +288,7 @@ class Aggregator:
         block.last_pushed = block.pushed
         block.pushed = {}
         block.round_encoding = None
+        block.round_non_finite = False
         block.round += 1
         if self.metrics:
             self.metrics.rounds.inc()
@@ -291,7 +303,8 @@ class Aggregator:
         acc, seed = block.acc, result_seed(block.spec.block_id, round_)
         stochastic = block.settings_for(round_).stochastic
         return encode_block(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed,
-                            feedback=block.feedback if self.error_feedback else None).to_bytes()
+                            feedback=block.feedback if self.error_feedback else None,
+                            allow_non_finite=block.round_non_finite).to_bytes()
 
     # ---- failure --------------------------------------------------------------------------------
 

@@ -9,8 +9,14 @@ data-parallel training against the cgx-ps shards.
     cgx.broadcast_optimizer_state(opt, root_rank=0)
     ... loss.backward(); opt.step()
 
+or, under DDP (and every trainer built on it: Lightning, Accelerate, the HF Trainer)::
+
+    ddp = DDP(model)
+    ddp.register_comm_hook(cgx.DDPHookState(ddp, compression="4bit"), cgx.ddp_comm_hook)
+
     config.py     the job from the environment         layout.py     blocks from sorted names
     optimizer.py  front end: hooks, .grad, step()       pipeline.py   a step's per-block work
+    ddp_hook.py   front end: DDP buckets, futures       frontend.py   what both front ends share
     buffers.py    the blocks' flat buffers              engine.py     the communication thread
     client.py     one shard connection                  broadcast.py  root -> all via shard 0
     intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
@@ -22,6 +28,7 @@ from .autotune import Decision
 from .blobformat import BlobFormatError
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .config import WorkerConfig
+from .ddp_hook import DDPHookState, ddp_comm_hook
 from .errors import (BroadcastError, CgxPsError, ConfigError, IntraNodeError, RoundFailedError, ShardRejectedError,
                      ShardUnavailableError)
 from .layout import Compression
@@ -29,7 +36,8 @@ from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
 __all__ = [
-    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "Decision", "DistributedOptimizer",
+    "BlobFormatError", "BroadcastError", "CgxPsError", "Compression", "ConfigError", "DDPHookState", "Decision",
+    "DistributedOptimizer", "ddp_comm_hook",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
     "shutdown", "size",

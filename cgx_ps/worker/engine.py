@@ -23,7 +23,7 @@ from .client import ShardClient
 from .config import WorkerConfig
 from .errors import CgxPsError, ConfigError
 
-__all__ = ["CommEngine"]
+__all__ = ["CommEngine", "EngineShare"]
 
 
 class CommEngine:
@@ -172,3 +172,41 @@ class CommEngine:
         except grpc.aio.AioRpcError as exc:
             raise CgxPsError(f"{what} on shard {self.config.servers[0]} failed: "
                              f"{exc.code().name}: {exc.details()}") from None
+
+
+class EngineShare:
+    """One model's share of the process's engine, when several models train in one process (a
+    GAN's two DDP models): the session's layout is theirs end to end (``merge_layouts``), and
+    this share's block ``b`` is block ``offset + b`` on the shards. What a block pipeline uses
+    of a ``CommEngine``, with its own block ids."""
+
+    def __init__(self, engine: CommEngine, offset: int, index: int) -> None:
+        self.engine, self.offset, self.index = engine, offset, index
+
+    @property
+    def round_timeout_s(self) -> float:
+        return self.engine.round_timeout_s
+
+    @property
+    def session_id(self) -> str:
+        """Names this share's intra-node rendezvous: each model's local ranks meet on their own."""
+        return f"{self.engine.session_id}/{self.index}"
+
+    def submit(self, coro: Awaitable[int]) -> concurrent.futures.Future[int]:
+        return self.engine.submit(coro)
+
+    async def in_thread(self, fn: Callable, *args):
+        return await self.engine.in_thread(fn, *args)
+
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
+        return await self.engine.push_pull(shard, self.offset + block_id, round_, payload)
+
+    def shard_error(self, shard: int) -> CgxPsError | None:
+        return self.engine.shard_error(shard)
+
+    def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec]) -> None:
+        self.engine.set_codecs(from_round, [ps_pb2.BlockCodec(block_id=self.offset + b.block_id, codec=b.codec)
+                                            for b in blocks])
+
+    def probe(self, nbytes_per_shard: int) -> float:
+        return self.engine.probe(nbytes_per_shard)

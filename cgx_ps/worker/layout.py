@@ -22,7 +22,7 @@ from ..layout import LayoutError, block_payload_size, validate_layout
 from ..v1 import ps_pb2
 from .errors import ConfigError
 
-__all__ = ["Compression", "TensorInfo", "build_layout", "largest_first", "DEFAULT_BLOCK_BYTES"]
+__all__ = ["Compression", "TensorInfo", "build_layout", "merge_layouts", "largest_first", "DEFAULT_BLOCK_BYTES"]
 
 DEFAULT_BLOCK_BYTES = 4 << 20  # fp32 bytes per block: big enough to amortize RPC, small to pipeline
 
@@ -135,6 +135,33 @@ def build_layout(tensors: Iterable[TensorInfo], num_shards: int, compression: Co
     except LayoutError as exc:  # the shared check's error, in the worker's own tree
         raise ConfigError(f"these tensors and options give no usable layout: {exc}") from exc
     return layout
+
+
+def merge_layouts(parts: Sequence[ps_pb2.Layout]) -> tuple[ps_pb2.Layout, list[int]]:
+    """One session's layout from several models' layouts (models trained in one process): part
+    ``i``'s tensors are named ``model{i}/<name>``, its blocks follow the earlier parts' blocks,
+    and keep their shards. Returns the layout and each part's first block id."""
+    if len(parts) == 1:
+        return parts[0], [0]
+    merged = ps_pb2.Layout(num_shards=parts[0].num_shards)
+    offsets = []
+    for i, part in enumerate(parts):
+        first_tensor = len(merged.tensors)
+        offsets.append(len(merged.blocks))
+        for t in part.tensors:
+            merged.tensors.add().CopyFrom(t)
+            merged.tensors[-1].name = f"model{i}/{t.name}"
+        for b in part.blocks:
+            block = merged.blocks.add()
+            block.CopyFrom(b)
+            block.block_id = offsets[-1] + b.block_id
+            for seg in block.segments:
+                seg.tensor_index += first_tensor
+    try:
+        validate_layout(merged)
+    except LayoutError as exc:
+        raise ConfigError(f"the models' layouts do not merge into one: {exc}") from exc
+    return merged, offsets
 
 
 def _cut_blocks(layout: ps_pb2.Layout, members: list[int], block_numel: int) -> None:

@@ -24,17 +24,16 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
-import time
 from typing import Iterable, Iterator
 
 import torch
 
 from ..v1 import ps_pb2
-from .autotune import Decision, Tuner
+from .autotune import Decision
 from .errors import CgxPsError, ConfigError
+from .frontend import StepDriver, SyncOptions
 from .layout import DEFAULT_BLOCK_BYTES, Compression
-from .metrics import after_step as _export_step_metrics
-from .pipeline import BlockPipeline, StepStats
+from .pipeline import StepStats
 
 __all__ = ["DistributedOptimizer", "StepStats"]
 
@@ -44,12 +43,10 @@ class _DistributedMixin:
     ``isinstance(opt, torch.optim.SGD)`` keep working). The front end of the block pipeline:
     it knows the parameters, their hooks and ``.grad``; the pipeline knows blocks."""
 
-    def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], compression: Compression,
-                   backward_passes_per_step: int, error_feedback: bool, warmup_steps: int, block_bytes: int) -> None:
-        for name, value, least in [("backward_passes_per_step", backward_passes_per_step, 1),
-                                   ("warmup_steps", warmup_steps, 0), ("block_bytes", block_bytes, 4)]:
-            if not isinstance(value, numbers.Integral) or value < least:
-                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+    def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], options: SyncOptions,
+                   backward_passes_per_step: int) -> None:
+        if not isinstance(backward_passes_per_step, numbers.Integral) or backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         names = [n for n, _ in named_parameters]
         if len(set(names)) != len(names):
             raise ConfigError("named_parameters has duplicate names")
@@ -69,35 +66,32 @@ class _DistributedMixin:
         self._cgx_frozen = [p for p in all_params if id(p) not in named_ids]
         self._cgx_params = dict(named_parameters)
         self._cgx_name_of = {id(p): n for n, p in named_parameters}
-        self._cgx_pipe = BlockPipeline.open(named_parameters, compression, block_bytes,
-                                            error_feedback=error_feedback, warmup_steps=warmup_steps)
+        self._cgx_driver = StepDriver.open_together([named_parameters], [options])[0]
+        self._cgx_pipe = self._cgx_driver.pipe
         self._cgx_backward_passes = backward_passes_per_step
         self._cgx_lock = threading.Lock()
         self._cgx_synchronized = False
         self._cgx_skip = False
         self._cgx_passes: dict[int, int] = {}  # backward passes seen this step, per parameter
-        self._cgx_first_hook: float | None = None  # this step's first gradient hook
-        self._cgx_last_hook = 0.0
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad)
                            for p in self._cgx_params.values() if p.requires_grad]
-        self._cgx_tuner = Tuner(self._cgx_pipe, compression) if compression.adaptive or compression.auto else None
 
     # ---- hooks: gradients enter here --------------------------------------------------------------
 
     def _cgx_on_grad(self, param: torch.nn.Parameter) -> None:
         name = self._cgx_name_of[id(param)]
+        if self._cgx_driver.gradient_arrived():
+            # a new step: the last one ended in synchronize() without step() (a GradScaler skips
+            # step() after an overflow), or in step()
+            self._cgx_synchronized = False
         with self._cgx_lock:
-            self._cgx_last_hook = time.perf_counter()
-            if self._cgx_first_hook is None:
-                self._cgx_first_hook = self._cgx_last_hook
             passes = self._cgx_passes.get(id(param), 0) + 1
             self._cgx_passes[id(param)] = passes
         if passes > self._cgx_backward_passes:  # its block is already on its way: this pass would be lost
             raise CgxPsError(f"{name}: gradient computed {passes} times before step(), but backward_passes_per_step="
                              f"{self._cgx_backward_passes}; raise it to the number of backward passes per step")
         if passes == self._cgx_backward_passes:  # else accumulating: communicate after the last pass
-            for block in self._cgx_pipe.tensors_ready([name]):
-                self._cgx_pipe.submit(block, self._cgx_grad_of)
+            self._cgx_driver.submit_ready([name], self._cgx_grad_of)
 
     def _cgx_grad_of(self, name: str) -> torch.Tensor | None:
         return self._cgx_params[name].grad
@@ -113,7 +107,6 @@ class _DistributedMixin:
     def _cgx_next_step(self) -> None:
         with self._cgx_lock:
             self._cgx_passes = {}
-            self._cgx_first_hook = None
 
     # ---- synchronize / step ---------------------------------------------------------------------
 
@@ -122,21 +115,19 @@ class _DistributedMixin:
         wait for every block, and write the averaged gradients into ``.grad``."""
         if self._cgx_synchronized:
             return
-        pipe = self._cgx_pipe
+        pipe, driver = self._cgx_pipe, self._cgx_driver
         thawed = [p for p in self._cgx_frozen if p.requires_grad and p.grad is not None]
         if thawed:
-            pipe.abort_step()
+            driver.abort()
             self._cgx_next_step()
             raise CgxPsError(f"{len(thawed)} tensor(s) were frozen (requires_grad=False) when the "
                              f"DistributedOptimizer was created but have gradients now; ranks would update them "
                              f"apart: create the DistributedOptimizer after unfreezing")
-        first = self._cgx_first_hook
         try:
-            for block in pipe.take_unsubmitted():
-                pipe.submit(block, self._cgx_grad_of)
-            pipe.finish_step(self._cgx_last_hook - first if first is not None else 0.0)
+            driver.submit_rest(self._cgx_grad_of)
+            driver.finish()
         except BaseException:
-            pipe.abort_step()
+            driver.abort()
             self._cgx_next_step()
             raise
         for block in range(pipe.num_blocks):
@@ -155,19 +146,28 @@ class _DistributedMixin:
 
     def step(self, closure=None):  # noqa: D102 - same contract as torch.optim.Optimizer.step
         if not self._cgx_skip:
+            synchronizing_here = not self._cgx_synchronized
             self.synchronize()
+            if synchronizing_here and self._cgx_driver.options.allow_non_finite and not self._cgx_finite():
+                # A GradScaler read .grad before step() averaged it: ranks decided apart.
+                self._cgx_synchronized = False
+                raise CgxPsError("a rank's gradient was not finite (NaN/Inf), and step() averaged the gradients "
+                                 "only now, after the GradScaler looked at them: call opt.synchronize() before "
+                                 "scaler.unscale_(opt) / scaler.step(opt), and scaler.step(opt) inside "
+                                 "opt.skip_synchronize(), so every rank's scaler sees the same gradients")
         elif not self._cgx_synchronized:
             raise CgxPsError("step() inside skip_synchronize() needs synchronize() first")
         result = super().step(closure)
         self._cgx_synchronized = False
-        if self._cgx_tuner is not None:
-            self._cgx_tuner.after_step()
-        _export_step_metrics(self.stats, self._cgx_tuner.history if self._cgx_tuner is not None else ())
+        self._cgx_driver.after_step()
         return result
+
+    def _cgx_finite(self) -> bool:
+        return all(bool(torch.isfinite(self._cgx_pipe.buffers[b]).all()) for b in range(self._cgx_pipe.num_blocks))
 
     @property
     def stats(self) -> StepStats:
-        return self._cgx_pipe.stats
+        return self._cgx_driver.stats
 
     @property
     def layout(self) -> ps_pb2.Layout:
@@ -182,7 +182,7 @@ class _DistributedMixin:
     def tuning_history(self) -> list[Decision]:
         """The decisions of adaptive bits and auto mode so far, oldest first (empty otherwise);
         ``Decision.as_dict()`` gives each as plain data."""
-        return list(self._cgx_tuner.history) if self._cgx_tuner is not None else []
+        return self._cgx_driver.tuning_history
 
 
 def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns (Horovod's API)
@@ -193,6 +193,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     error_feedback: bool = False,
     warmup_steps: int = 0,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    allow_non_finite: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` averages gradients across all workers through the
     shards, compressed.
@@ -207,6 +208,16 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     error_feedback: carry each block's compression error into the next step (worker side).
     warmup_steps: the first steps travel uncompressed.
     block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
+    allow_non_finite: for mixed precision with a ``torch.amp.GradScaler``: a NaN/Inf gradient on
+        any rank reaches every rank as NaN (instead of an error), so every scaler skips the same
+        step. Synchronize before the scaler looks at the gradients::
+
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)              # optional: clip here
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -221,6 +232,6 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedMixin, type(optimizer)), {})
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)  # share param_groups, state and hooks
-    dist._cgx_setup(named, Compression.parse(compression), backward_passes_per_step, error_feedback,
-                    warmup_steps, block_bytes)
+    options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite)
+    dist._cgx_setup(named, options, backward_passes_per_step)
     return dist

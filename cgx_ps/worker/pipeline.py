@@ -60,13 +60,13 @@ from ..layout import codec_of
 from ..v1 import ps_pb2
 from .buffers import BlockBuffers, TensorOf
 from .config import WorkerConfig
-from .engine import CommEngine
+from .engine import CommEngine, EngineShare
 from .errors import CgxPsError
 from .intranode import node_reducer
 from .layout import Compression, TensorInfo, build_layout
-from .runtime import current_config, engine_for_layout
+from .runtime import current_config, engines_for_layouts
 
-__all__ = ["BlockPipeline", "StepStats"]
+__all__ = ["BlockPipeline", "PipelineSpec", "StepStats"]
 
 @dataclass
 class StepStats:
@@ -83,6 +83,16 @@ class StepStats:
     @property
     def ratio(self) -> float:
         return self.fp32_bytes / self.bytes_pushed if self.bytes_pushed else 0.0
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What ``BlockPipeline.open_together`` needs for one model."""
+
+    named_tensors: Sequence[tuple[str, torch.Tensor]]
+    compression: Compression
+    block_bytes: int
+    options: Mapping[str, object] = field(default_factory=dict)  # error_feedback, warmup_steps, allow_non_finite
 
 
 @dataclass(eq=False)
@@ -120,9 +130,13 @@ class BlockPipeline:
     """The per-block exchange of one process (see the module doc); also the ``Tunable`` that
     ``autotune.Tuner`` reads and adjusts."""
 
-    def __init__(self, layout: ps_pb2.Layout, engine: CommEngine, config: WorkerConfig,
-                 devices: Mapping[str, torch.device], *, error_feedback: bool = False, warmup_steps: int = 0) -> None:
+    def __init__(self, layout: ps_pb2.Layout, engine: CommEngine | EngineShare, config: WorkerConfig,
+                 devices: Mapping[str, torch.device], *, error_feedback: bool = False, warmup_steps: int = 0,
+                 allow_non_finite: bool = False) -> None:
         self.layout, self.config, self.warmup_steps = layout, config, warmup_steps
+        # a gradient with NaN/Inf travels as a non-finite block (every rank decodes NaN) instead of
+        # failing the step: for loss scalers (mixed precision), which then skip it on every rank
+        self.allow_non_finite = allow_non_finite
         self.compress = True  # auto mode may turn compression off (all ranks at once)
         self.steps = 0  # finished steps
         self.stats = StepStats()
@@ -147,11 +161,20 @@ class BlockPipeline:
     def open(cls, named_tensors: Sequence[tuple[str, torch.Tensor]], compression: Compression, block_bytes: int,
              **options) -> "BlockPipeline":
         """Lay the tensors out in blocks, register the layout with every shard and set up the
-        node's intra-node reduction; ``options``: ``error_feedback``, ``warmup_steps``."""
-        layout = build_layout([TensorInfo.of(n, t) for n, t in named_tensors], len(current_config().servers),
-                              compression, block_bytes)
-        engine, config = engine_for_layout(layout)
-        return cls(layout, engine, config, {n: t.device for n, t in named_tensors}, **options)
+        node's intra-node reduction; ``options``: ``error_feedback``, ``warmup_steps``,
+        ``allow_non_finite``."""
+        return cls.open_together([PipelineSpec(list(named_tensors), compression, block_bytes, options)])[0]
+
+    @classmethod
+    def open_together(cls, specs: Sequence["PipelineSpec"]) -> list["BlockPipeline"]:
+        """One pipeline per spec (several models of one process), registered with the shards as
+        one session: the process's one engine carries them all."""
+        num_shards = len(current_config().servers)
+        layouts = [build_layout([TensorInfo.of(n, t) for n, t in spec.named_tensors], num_shards, spec.compression,
+                                spec.block_bytes) for spec in specs]
+        engines, config = engines_for_layouts(layouts)
+        return [cls(layout, engine, config, {n: t.device for n, t in spec.named_tensors}, **spec.options)
+                for layout, engine, spec in zip(layouts, engines, specs)]
 
     # ---- the front ends' side ----------------------------------------------------------------------
 
@@ -218,14 +241,16 @@ class BlockPipeline:
         pushed it) once its averaged gradient is in the pipeline's buffer, or with the error."""
         return self._blocks[block_id].future
 
-    def finish_step(self, backward_s: float = 0.0) -> StepStats:
+    def finish_step(self, backward_s: float = 0.0, waiting_since: float | None = None) -> StepStats:
         """Wait for every block of the step, then start the next step. Raises the first block's
         error; a gradient the codec refuses (NaN/Inf) is named. ``backward_s``: the front end's
-        first to last gradient of the step (auto mode's overlap)."""
+        first to last gradient of the step (auto mode's overlap). ``waiting_since``: when the
+        front end began to wait for communication (``time.perf_counter()``; default: now), the
+        start of the step's exposed communication."""
         if any(not b.submitted for b in self._blocks):
             self.abort_step()
             raise CgxPsError("finish_step() before every block was submitted (take_unsubmitted() gives the rest)")
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if waiting_since is None else waiting_since
         stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s)
         try:
             for block in self._blocks:
@@ -234,7 +259,9 @@ class BlockPipeline:
                 except CodecError as exc:  # e.g. NaN/Inf in a gradient: say whose
                     names = sorted(set(self.buffers.tensors_in(block.spec.block_id)))
                     raise CgxPsError(f"rank {self.config.rank}: cannot encode the gradient of "
-                                     f"{', '.join(names)}: {exc}") from exc
+                                     f"{', '.join(names)}: {exc}. With mixed precision (a GradScaler), pass "
+                                     f"allow_non_finite=True: every rank then sees the overflow and the "
+                                     f"scaler skips the step everywhere") from exc
                 stats.bytes_pushed += pushed
                 stats.fp32_bytes += 4 * block.spec.numel if pushed else 0
         except BaseException:
@@ -242,7 +269,7 @@ class BlockPipeline:
             # an interrupted notebook cell must not find this step's stale futures again.
             self.abort_step()
             raise
-        stats.exposed_comm_s = time.perf_counter() - t0
+        stats.exposed_comm_s = max(0.0, time.perf_counter() - t0)
         stats.comm_window_s = self._span.take()
         self.stats, self.steps = stats, self.steps + 1
         self._next_step()
@@ -297,7 +324,8 @@ class BlockPipeline:
         s = block.settings
         codec = codec_of(s) if compressed else Codec.FP32
         return encode_block(block.buffer, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
-                            stochastic=s.stochastic, seed=seed, feedback=block.feedback).to_bytes()
+                            stochastic=s.stochastic, seed=seed, feedback=block.feedback,
+                            allow_non_finite=self.allow_non_finite).to_bytes()
 
     def _decode(self, block: _Block, result: bytes) -> None:  # on a codec thread
         dequantize(result, out=block.buffer)

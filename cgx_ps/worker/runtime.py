@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import atexit
 import threading
+from typing import Sequence
 
 from ..v1 import ps_pb2
 from .config import WorkerConfig
-from .engine import CommEngine
+from .engine import CommEngine, EngineShare
 from .errors import ConfigError
+from .layout import merge_layouts
 
-__all__ = ["init", "shutdown", "current_config", "engine_for_layout", "connected_engine", "rank", "size"]
+__all__ = ["init", "shutdown", "current_config", "engine_for_layout", "engines_for_layouts", "connected_engine", "rank",
+           "size"]
 
 _lock = threading.Lock()
 _config: WorkerConfig | None = None
@@ -42,11 +45,21 @@ def size() -> int:
 
 def engine_for_layout(layout: ps_pb2.Layout) -> tuple[CommEngine, WorkerConfig]:
     """Start the communication engine and register the layout with every shard."""
+    engines, config = engines_for_layouts([layout])
+    return engines[0], config
+
+
+def engines_for_layouts(layouts: Sequence[ps_pb2.Layout]) -> tuple[list[CommEngine | EngineShare], WorkerConfig]:
+    """Start the communication engine and register these layouts with every shard, as one
+    session (several models of one process: ``merge_layouts``); one engine (share) per layout."""
     global _engine
     config = current_config()
     with _lock:
         if _engine is not None:
-            raise ConfigError("one DistributedOptimizer per process: a second one would need its own session")
+            raise ConfigError("one DistributedOptimizer per process: this process already registered its "
+                              "model with the shards (one session per process); several DDP models (a GAN) "
+                              "work: create each one's DDPHookState before the first backward")
+        layout, offsets = merge_layouts(layouts)
         # The node is what the shards count; each local rank speaks for it as one member.
         engine = CommEngine(config, node_id=config.node_id, num_nodes=config.num_nodes, member=config.local_rank)
         try:
@@ -55,7 +68,9 @@ def engine_for_layout(layout: ps_pb2.Layout) -> tuple[CommEngine, WorkerConfig]:
             engine.close()
             raise
         _engine = engine
-        return engine, config
+        if len(layouts) == 1:
+            return [engine], config
+        return [EngineShare(engine, offset, i) for i, offset in enumerate(offsets)], config
 
 
 def connected_engine() -> CommEngine:

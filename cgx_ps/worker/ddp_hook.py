@@ -1,0 +1,198 @@
+"""The DDP communication hook: cgx-ps under any trainer built on ``DistributedDataParallel``.
+
+    cgx.init()
+    dist.init_process_group("gloo")                    # or "nccl": DDP needs its own group
+    ddp = DDP(model)
+    ddp.register_comm_hook(cgx.DDPHookState(ddp, compression="4bit"), cgx.ddp_comm_hook)
+
+Lightning: ``DDPStrategy(ddp_comm_hook=cgx.ddp_comm_hook,
+ddp_comm_state=cgx.DDPHookState(lightning_module))``; the state needs only a module whose
+parameters are the DDP model's (the DDP wrapper, the model it wraps, or a module Lightning wraps
+later), and registers with the shards at the first backward, not before.
+
+DDP calls the hook once per bucket of gradients, in bucket order, as backward produces them. The
+hook is the second front end of the block pipeline (``pipeline.py``): it names the bucket's
+gradients by matching the bucket's parameters to the module's by identity, so blocks are keyed
+by parameter names (the same layout on every rank, whatever DDP's bucket order or rebuild does),
+starts every block whose tensors have all arrived, and returns a future that completes once the
+bucket's blocks are decoded and averaged into the bucket. DDP's overlap of communication with
+backward works unchanged; the last bucket also starts the blocks of tensors DDP never handed over
+(zeros), waits for every block and ends the step. The tuner (adaptive bits, auto mode) runs at
+the next step's first bucket, on the training thread.
+
+With DDP, DDP itself divides by nothing when a hook is registered: the pipeline averages (it
+divides the aggregate by the world size), as torch's ``allreduce_hook`` does. ``no_sync()``
+steps never call the hook: gradients accumulate in the parameters and travel at the next
+synchronized step. Unused parameters (``find_unused_parameters=True``) arrive as zeros in their
+bucket on every rank. Mixed precision: ``allow_non_finite`` is on by default, as DDP's own
+allreduce lets NaN/Inf through: a rank's overflow reaches every rank as NaN, and a GradScaler
+skips the same step everywhere.
+"""
+
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
+# annotations with dist.GradBucket and Future[Tensor] as objects, and refuses strings.
+import threading
+import time
+from typing import Iterable
+
+import torch
+
+from ..v1 import ps_pb2
+from .autotune import Decision
+from .errors import CgxPsError, ConfigError
+from .frontend import StepDriver, SyncOptions
+from .layout import DEFAULT_BLOCK_BYTES, Compression
+from .pipeline import StepStats
+
+__all__ = ["DDPHookState", "ddp_comm_hook"]
+
+# States created but not yet registered with the shards. The first backward of any of them
+# registers them all as one session (several DDP models in one process: a GAN), so create them
+# all before training starts.
+_waiting: list["DDPHookState"] = []
+_waiting_lock = threading.Lock()
+
+
+class DDPHookState:
+    """The state ``ddp_comm_hook`` takes: one DDP model's side of the block pipeline.
+
+    module: any ``nn.Module`` whose parameters are the DDP model's own tensors (the DDP wrapper,
+        the wrapped model, or a LightningModule); tensors are named by ``named_parameters()``.
+    compression, error_feedback, warmup_steps, block_bytes: as for ``DistributedOptimizer``.
+    allow_non_finite: NaN/Inf gradients reach every rank as NaN (default, as DDP's allreduce
+        does; a GradScaler then skips the step on every rank); False raises instead.
+    """
+
+    def __init__(self, module: torch.nn.Module, compression: str | Compression | None = "4bit", *,
+                 error_feedback: bool = False, warmup_steps: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 allow_non_finite: bool = True) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"DDPHookState needs the model (an nn.Module), got {type(module).__name__}")
+        self.options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite)
+        self.module = module
+        # set when registered with the shards (the first backward)
+        self._driver: StepDriver | None = None
+        self._params: dict[str, torch.Tensor] = {}
+        self._name_of: dict[int, str] = {}
+        # this step: gradients of buckets handed over whose blocks may still wait for other buckets
+        self._grads: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        with _waiting_lock:
+            _waiting.append(self)
+
+    # ---- registration ------------------------------------------------------------------------
+
+    def open(self) -> StepDriver:
+        """Register with the shards (done by the first backward; call it earlier to fail early).
+        Every state of the process not yet registered registers with it, as one session."""
+        if self._driver is not None:
+            return self._driver
+        with _waiting_lock:
+            if self._driver is None:
+                states = [s for s in _waiting if s._driver is None]
+                if self not in states:
+                    states.append(self)
+                named = [s._named_tensors() for s in states]
+                drivers = StepDriver.open_together(named, [s.options for s in states])
+                for state, tensors, driver in zip(states, named, drivers):
+                    state._params = dict(tensors)
+                    state._name_of = {id(t): n for n, t in tensors}
+                    state._driver = driver
+                _waiting[:] = [s for s in _waiting if s._driver is None]
+        return self._driver
+
+    def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        module = self.module
+        inner = getattr(module, "module", None)
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel) and isinstance(inner, torch.nn.Module):
+            module = inner  # its names without DDP's "module." prefix: the same as the model's
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError(f"{type(self.module).__name__} has no parameters that require gradients")
+        return named
+
+    def _names(self, params: Iterable[torch.Tensor]) -> list[str]:
+        names = []
+        for p in params:
+            name = self._name_of.get(id(p))
+            if name is None or self._params[name] is not p:
+                raise CgxPsError(
+                    f"DDP hands over the gradient of a parameter of shape {tuple(p.shape)} that is not among "
+                    f"the trainable parameters of the {type(self.module).__name__} given to DDPHookState when "
+                    f"it registered: give it the DDP model (or the model DDP wraps), and create it after "
+                    f"freezing or unfreezing parameters")
+            names.append(name)
+        return names
+
+    # ---- one bucket --------------------------------------------------------------------------
+
+    def communicate(self, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """What ``ddp_comm_hook`` does: start the bucket's blocks, return its future."""
+        driver = self.open()
+        pipe = driver.pipe
+        try:
+            driver.gradient_arrived()
+            names = self._names(bucket.parameters())
+            grads = dict(zip(names, bucket.gradients()))  # views into bucket.buffer()
+            with self._lock:
+                self._grads.update(grads)
+            driver.submit_ready(names, self._grads.get)
+            last = bucket.is_last()  # DDP hands buckets over in order: every other one came before
+            if last:
+                driver.submit_rest(self._grads.get)  # tensors no bucket held: zeros
+                with self._lock:
+                    self._grads = {}
+        except BaseException:
+            driver.abort()
+            with self._lock:
+                self._grads = {}
+            raise
+        blocks = pipe.blocks_of(names)
+        waiting = list(range(pipe.num_blocks)) if last else blocks
+        waiting_since = time.perf_counter()
+        buffer = bucket.buffer()
+
+        def averaged(done: torch.futures.Future) -> torch.Tensor:
+            if last:
+                driver.finish(waiting_since)  # every block is done: raises the first error, named
+            for future in done.value():
+                future.wait()
+            for block in blocks:
+                pipe.copy_out(block, grads.get)  # this bucket's tensors only
+            return buffer
+
+        return torch.futures.collect_all([pipe.future(b) for b in waiting]).then(averaged)
+
+    # ---- what it shows -----------------------------------------------------------------------
+
+    def _opened(self) -> StepDriver:
+        if self._driver is None:
+            raise CgxPsError("the DDPHookState registers with the shards at the first backward (or open())")
+        return self._driver
+
+    @property
+    def stats(self) -> StepStats:
+        """The last finished step: bytes pushed, exposed communication (from the last bucket
+        handed over to the last block decoded), backward and transfer windows."""
+        return self._opened().stats
+
+    @property
+    def layout(self) -> ps_pb2.Layout:
+        return self._opened().layout
+
+    @property
+    def intranode(self) -> str | None:
+        """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
+        return self._opened().intranode
+
+    @property
+    def tuning_history(self) -> list[Decision]:
+        return self._opened().tuning_history
+
+
+def ddp_comm_hook(state: DDPHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``ddp.register_comm_hook(DDPHookState(ddp), ddp_comm_hook)``.
+    Averages the bucket's gradients across all workers through the cgx-ps shards, compressed."""
+    if not isinstance(state, DDPHookState):
+        raise ConfigError(f"ddp_comm_hook needs a DDPHookState as its state, got {type(state).__name__}")
+    return state.communicate(bucket)

@@ -1,0 +1,153 @@
+"""What both front ends share around the block pipeline: their options, the step's timing,
+and the work after a step (the tuner, metrics).
+
+``DistributedOptimizer`` (a hook per parameter, ``.grad``) and the DDP communication hook (a
+future per DDP bucket) differ only in where gradients come from and go to. Each holds a
+``StepDriver``:
+
+    driver.gradient_arrived()                # each hook call: the step's timing; the last
+                                             # step's after-work if nobody ran it yet
+    driver.submit_ready(names, grad_of)      # these tensors are final: start their full blocks
+    driver.submit_rest(grad_of)              # end of backward: the blocks still waiting (zeros)
+    driver.finish(waiting_since)             # every block done: the step's stats
+    driver.after_step()                      # the tuner (its broadcast blocks) and metrics
+
+``after_step`` runs once per finished step: from ``DistributedOptimizer.step()``, or, when no one
+called it (DDP has no step; a GradScaler that skipped ``step()``), at the next step's first
+gradient, on the training thread, never on the communication thread.
+"""
+
+from __future__ import annotations
+
+import numbers
+import threading
+import time
+from dataclasses import dataclass
+
+from ..v1 import ps_pb2
+from .autotune import Decision, Tuner
+from .buffers import TensorOf
+from .errors import ConfigError
+from .layout import DEFAULT_BLOCK_BYTES, Compression
+from .metrics import after_step as export_step_metrics
+from .pipeline import BlockPipeline, PipelineSpec, StepStats
+
+__all__ = ["StepDriver", "SyncOptions"]
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """The compression options both front ends take, checked once."""
+
+    compression: Compression
+    error_feedback: bool = False  # carry each block's compression error into the next step
+    warmup_steps: int = 0  # the first steps travel uncompressed
+    block_bytes: int = DEFAULT_BLOCK_BYTES  # fp32 bytes per block
+    allow_non_finite: bool = False  # NaN/Inf gradients reach every rank as NaN instead of an error
+
+    @classmethod
+    def of(cls, compression: "str | Compression | None", error_feedback: bool = False, warmup_steps: int = 0,
+           block_bytes: int = DEFAULT_BLOCK_BYTES, allow_non_finite: bool = False) -> "SyncOptions":
+        for name, value, least in [("warmup_steps", warmup_steps, 0), ("block_bytes", block_bytes, 4)]:
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+        for name, flag in [("error_feedback", error_feedback), ("allow_non_finite", allow_non_finite)]:
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        return cls(Compression.parse(compression), error_feedback, int(warmup_steps), int(block_bytes),
+                   allow_non_finite)
+
+    def spec(self, named_tensors) -> PipelineSpec:
+        return PipelineSpec(named_tensors, self.compression, self.block_bytes,
+                            {"error_feedback": self.error_feedback, "warmup_steps": self.warmup_steps,
+                             "allow_non_finite": self.allow_non_finite})
+
+
+class StepDriver:
+    """One front end's pipeline and the bookkeeping of its steps (see the module doc)."""
+
+    def __init__(self, pipe: BlockPipeline, options: SyncOptions) -> None:
+        self.pipe, self.options = pipe, options
+        compression = options.compression
+        self.tuner = Tuner(pipe, compression) if compression.adaptive or compression.auto else None
+        self._lock = threading.Lock()  # gradients may arrive on several autograd threads
+        self._first: float | None = None  # this step's first gradient
+        self._last = 0.0  # and its latest
+        self._after_pending = False  # a step finished and its after-work has not run
+
+    @classmethod
+    def open_together(cls, named_tensors_per_model: list, options: list[SyncOptions]) -> list["StepDriver"]:
+        pipes = BlockPipeline.open_together([o.spec(t) for t, o in zip(named_tensors_per_model, options)])
+        return [cls(p, o) for p, o in zip(pipes, options)]
+
+    # ---- a step ------------------------------------------------------------------------------
+
+    def gradient_arrived(self) -> bool:
+        """Note a gradient's arrival; True when it is the step's first (the last step's
+        after-work ran first, if it was still due)."""
+        with self._lock:
+            first = self._first is None
+        if first:
+            self.after_step()
+        with self._lock:
+            self._last = time.perf_counter()
+            if self._first is None:
+                self._first = self._last
+        return first
+
+    @property
+    def last_gradient_at(self) -> float:
+        return self._last
+
+    def submit_ready(self, names, grad_of: TensorOf) -> None:
+        for block in self.pipe.tensors_ready(names):
+            self.pipe.submit(block, grad_of)
+
+    def submit_rest(self, grad_of: TensorOf) -> None:
+        for block in self.pipe.take_unsubmitted():
+            self.pipe.submit(block, grad_of)
+
+    def finish(self, waiting_since: float | None = None) -> StepStats:
+        """Wait for every block (raises the first error, the step aborted), end the step."""
+        with self._lock:
+            backward_s = self._last - self._first if self._first is not None else 0.0
+            self._first = None
+        stats = self.pipe.finish_step(backward_s, waiting_since)
+        with self._lock:
+            self._after_pending = True
+        return stats
+
+    def abort(self) -> None:
+        """Forget this step (after an error): the next gradient starts a new one."""
+        self.pipe.abort_step()
+        with self._lock:
+            self._first = None
+
+    def after_step(self) -> None:
+        """The tuner (a collective over the shards: every rank runs it after the same step) and
+        the step's metrics; once per finished step."""
+        with self._lock:
+            due, self._after_pending = self._after_pending, False
+        if not due:
+            return
+        if self.tuner is not None:
+            self.tuner.after_step()
+        export_step_metrics(self.pipe.stats, self.tuner.history if self.tuner is not None else ())
+
+    # ---- what the front ends show ------------------------------------------------------------
+
+    @property
+    def stats(self) -> StepStats:
+        return self.pipe.stats
+
+    @property
+    def layout(self) -> ps_pb2.Layout:
+        return self.pipe.layout
+
+    @property
+    def intranode(self) -> str | None:
+        return self.pipe.intranode
+
+    @property
+    def tuning_history(self) -> list[Decision]:
+        return list(self.tuner.history) if self.tuner is not None else []

@@ -1,0 +1,155 @@
+"""The DDP communication hook with real processes: DDP over gloo, two real shards, two workers.
+
+One launch runs every scenario in sequence (tests/workers/ddp_worker.py), a second one the
+same hook with the two ranks as local ranks of one node. Each scenario is checked for
+bit-identical replicas, and against the DistributedOptimizer (exactly: the same blocks, seeds
+and shards), plain DDP, or exact expectations."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgx_ps.server import LocalCluster
+from cgx_ps.v1 import ps_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "workers"))
+from step_worker import rank_gradient  # noqa: E402
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ddp_workers(cluster: LocalCluster, out: Path, *args: str, timeout: float = 300) -> list[dict]:
+    port, job = str(_free_port()), f"ddp-{uuid.uuid4().hex[:8]}"
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, **cluster.worker_env(), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0",
+                   LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(WORLD),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1",
+                   CGX_PS_CONNECT_TIMEOUT="20")
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/ddp_worker.py"),
+                                       "--out", str(out / f"rank{rank}.pt"), *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, err) in enumerate(zip(procs, errs)):
+        assert p.returncode == 0, f"rank {rank}:\n{err[-4000:]}"
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for name in results[0]:
+        for r in range(WORLD):
+            assert "crash" not in results[r][name], f"{name} on rank {r}:\n{results[r][name]['crash']}"
+    return results
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{what}: {name} differs"
+
+
+def expected_fp32(initial: dict, steps: int, ranks_of=lambda name: range(WORLD)) -> dict:
+    """fp32 through the shards: every node pushes its gradient, the shard sums, the worker
+    halves; SGD with lr 1. ``ranks_of(name)``: the ranks whose gradient of ``name`` is not zero."""
+    params = {n: t.clone() for n, t in initial.items()}
+    for step in range(steps):
+        for name, p in params.items():
+            total = torch.zeros_like(p)
+            for r in ranks_of(name):
+                total = total + rank_gradient(name, p, r, step, 0)
+            p.sub_(total * (1.0 / WORLD))
+    return params
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(2, extra_args=["--round-timeout", "10", "--log-level", "WARNING"]) as c:
+        yield c
+
+
+def test_hook_in_every_ddp_configuration(cluster, tmp_path):
+    results = run_ddp_workers(cluster, tmp_path)
+    assert {"hook_4bit", "gan", "amp_ddp", "bf16", "local:hook_4bit", "local:gan"} <= results[0].keys()
+    for name in results[0]:  # replicas bit-identical in every scenario
+        if "final" in results[0][name]:
+            final = [r[name]["final"] for r in results]
+            flat = [{f"{k}.{n}": t for k, d in f.items() for n, t in d.items()} if "gan" in name else f for f in final]
+            assert_same(flat[0], flat[1], f"{name}: rank 0 vs rank 1")
+    r0 = results[0]
+
+    # the hook is the DistributedOptimizer's pipeline: the same layout, the same bits
+    assert r0["hook_4bit"]["layout"] == r0["optimizer_4bit"]["layout"]
+    layout = ps_pb2.Layout.FromString(r0["hook_4bit"]["layout"])
+    assert len(layout.blocks) > 2 and {b.shard for b in layout.blocks} == {0, 1}
+    assert_same(r0["hook_4bit"]["final"], r0["optimizer_4bit"]["final"], "hook vs DistributedOptimizer")
+    assert_same(r0["hook_static_graph"]["final"], r0["hook_4bit"]["final"], "static_graph")
+    assert_same(r0["hook_no_sync"]["final"], r0["optimizer_accumulate"]["final"], "no_sync vs accumulation")
+    stats = r0["hook_4bit"]["stats"]
+    assert stats["fp32_bytes"] / stats["bytes_pushed"] > 5 and stats["exposed_comm_s"] >= 0
+    assert r0["hook_4bit"]["intranode"] is None
+
+    # against plain DDP: fp32 through the shards agrees to rounding; 4 bits within quantization error
+    plain, initial = r0["plain_ddp"]["final"], r0["plain_ddp"]["initial"]
+    for name, value in plain.items():
+        torch.testing.assert_close(r0["hook_fp32"]["final"][name], value, rtol=0, atol=1e-5)
+        update, update_4bit = value - initial[name], r0["hook_4bit"]["final"][name] - initial[name]
+        assert (update_4bit - update).norm() < 0.5 * update.norm(), name
+
+    # find_unused_parameters: the branch only rank 0 used contributes zeros from rank 1
+    unused = r0["unused"]
+    want = expected_fp32(unused["initial"], 2, lambda n: [0] if n.startswith("extra.") else range(WORLD))
+    for name, value in want.items():
+        torch.testing.assert_close(unused["final"][name], value, rtol=1e-6, atol=1e-6)
+
+    # two DDP models in one process: one session, each model exact
+    gan = r0["gan"]
+    for model in ("gen", "disc"):
+        want = expected_fp32(gan["initial"][model], 2)
+        for name, value in want.items():
+            torch.testing.assert_close(gan["final"][model][name], value, rtol=1e-6, atol=1e-6)
+
+    # AMP: rank 1 overflows at step 1; every rank's GradScaler skips that step and halves its scale
+    for front_end in ("amp_ddp", "amp_optimizer"):
+        per_rank = [r[front_end] for r in results]
+        for run in per_rank:
+            assert run["changed"] == [True, False, True], (front_end, run["changed"])
+            assert run["scales"] == [1024.0, 512.0, 512.0], (front_end, run["scales"])
+            assert all(torch.isfinite(t).all() for t in run["final"].values())
+
+    # bf16 gradients: the overflow of one rank reaches every rank as non-finite
+    for r in results:
+        assert r["bf16"]["finite"] == [True, False, True] and r["bf16"]["grad_dtypes"] == ["torch.bfloat16"]
+
+    # local ranks: two ranks of one node reduce through shared memory, then push once
+    for r in results:
+        assert r["local:hook_4bit"]["intranode"] == "shm"
+    for model in ("gen", "disc"):
+        want = expected_fp32(r0["local:gan"]["initial"][model], 2)  # fp32: the node's sum, then the average
+        for name, value in want.items():
+            torch.testing.assert_close(r0["local:gan"]["final"][model][name], value, rtol=1e-6, atol=1e-6)
+
+    # a state given another model's module: named, on every rank
+    for r in results:
+        error = r["foreign_module"]["error"]
+        assert error and "not among the trainable parameters of the Sequential given to DDPHookState" in error
+
+

@@ -1,0 +1,275 @@
+"""A worker for tests/test_ddp_hook.py: DDP (gloo) with the cgx-ps hook, scenario after scenario.
+
+Every scenario opens its own session on the shards (``cgx.shutdown()`` and a barrier between
+them), so one pair of processes covers them all. Gradients are known exactly (``rank_gradient``
+of step_worker.py: loss = sum(param * g) + 0 * model(x)), so the parent test can compare the
+hook with the DistributedOptimizer, with plain DDP, and with exact expectations. Saves
+{scenario: results} with torch.save to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from step_worker import model_for, rank_gradient
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import cgx_ps.worker as cgx
+
+HIDDEN = 300
+BLOCK_BYTES = 16384
+BUCKET_MB = 0.02  # about 5000 floats: several buckets, blocks that span two of them
+
+
+def _loss(module: torch.nn.Module, named, rank: int, step: int, part: int = 0) -> torch.Tensor:
+    """d loss / d p = rank_gradient(p) exactly; the forward through the DDP model keeps DDP's
+    bookkeeping real (0 * out adds exact zeros)."""
+    x = torch.ones(2, 64, dtype=next(module.parameters()).dtype)
+    out = module(x)
+    return (out * 0).sum() + sum((p * rank_gradient(n, p, rank, step, part)).sum() for n, p in named)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _ddp(model, **kw) -> DDP:
+    return DDP(model, bucket_cap_mb=BUCKET_MB, **kw)
+
+
+def _model(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same start on every rank (DDP broadcasts it anyway)
+    return model_for(dtype, HIDDEN)
+
+
+def hook_run(rank: int, compression: str = "4bit", steps: int = 3, accumulate: int = 1, **ddp_kw) -> dict:
+    model = _model()
+    ddp = _ddp(model, **ddp_kw)
+    state = cgx.DDPHookState(ddp, compression=compression, block_bytes=BLOCK_BYTES)
+    ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        for part in range(accumulate):
+            sync = part == accumulate - 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                _loss(ddp, named, rank, step, part).backward()
+        opt.step()
+    return {"final": _snapshot(model), "layout": state.layout.SerializeToString(), "stats": vars(state.stats),
+            "intranode": state.intranode}
+
+
+def optimizer_run(rank: int, compression: str = "4bit", steps: int = 3, accumulate: int = 1) -> dict:
+    model = _model()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression=compression, backward_passes_per_step=accumulate,
+                                   block_bytes=BLOCK_BYTES)
+    named = list(model.named_parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        for part in range(accumulate):
+            _loss(model, named, rank, step, part).backward()
+        opt.step()
+    return {"final": _snapshot(model), "layout": opt.layout.SerializeToString()}
+
+
+def plain_ddp_run(rank: int, steps: int = 3) -> dict:
+    model = _model()
+    initial = _snapshot(model)
+    ddp = _ddp(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+    return {"initial": initial, "final": _snapshot(model)}
+
+
+class TwoBranches(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Linear(64, 64)
+        self.extra = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        out = self.main(x)
+        return out + self.extra(x) if use_extra else out
+
+
+def unused_run(rank: int, steps: int = 2) -> dict:
+    """find_unused_parameters: ``extra`` is used on rank 0 only (fp32: exact expectations)."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    initial = _snapshot(model)
+    ddp = _ddp(model, find_unused_parameters=True)
+    ddp.register_comm_hook(cgx.DDPHookState(ddp, compression="fp32", block_bytes=BLOCK_BYTES), cgx.ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    for step in range(steps):
+        opt.zero_grad()
+        use = rank == 0
+        named = [(n, p) for n, p in model.named_parameters() if use or not n.startswith("extra.")]
+        out = ddp(torch.ones(2, 64), use)
+        loss = (out * 0).sum() + sum((p * rank_gradient(n, p, rank, step, 0)).sum() for n, p in named)
+        loss.backward()
+        opt.step()
+    return {"initial": initial, "final": _snapshot(model)}
+
+
+def gan_run(rank: int, steps: int = 2) -> dict:
+    """Two DDP models in one process, each with its own state: one session, two layouts."""
+    torch.manual_seed(0)
+    gen, disc = model_for(torch.float32, 200), model_for(torch.float32, 100)
+    initial = {"gen": _snapshot(gen), "disc": _snapshot(disc)}
+    g_ddp, d_ddp = _ddp(gen), _ddp(disc)
+    g_state = cgx.DDPHookState(g_ddp, compression="fp32", block_bytes=BLOCK_BYTES)
+    d_state = cgx.DDPHookState(d_ddp, compression="fp32", block_bytes=BLOCK_BYTES)
+    g_ddp.register_comm_hook(g_state, cgx.ddp_comm_hook)
+    d_ddp.register_comm_hook(d_state, cgx.ddp_comm_hook)
+    g_opt, d_opt = torch.optim.SGD(gen.parameters(), lr=1.0), torch.optim.SGD(disc.parameters(), lr=1.0)
+    for step in range(steps):
+        for ddp, model, opt in [(d_ddp, disc, d_opt), (g_ddp, gen, g_opt)]:  # discriminator first
+            opt.zero_grad()
+            _loss(ddp, list(model.named_parameters()), rank, step).backward()
+            opt.step()
+    return {"initial": initial, "final": {"gen": _snapshot(gen), "disc": _snapshot(disc)},
+            "layouts": [g_state.layout.SerializeToString(), d_state.layout.SerializeToString()]}
+
+
+def _inject_inf(model: torch.nn.Module, name: str) -> torch.utils.hooks.RemovableHandle:
+    """Overflow one element of one parameter's gradient (before DDP or cgx-ps sees it)."""
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(-1)[5] = float("inf")
+        return grad
+
+    return dict(model.named_parameters())[name].register_hook(poison)
+
+
+def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1) -> dict:
+    """fp16 autocast + GradScaler; at ``overflow_step`` rank 1's gradient overflows."""
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    if front_end == "ddp":
+        net = _ddp(model)
+        net.register_comm_hook(cgx.DDPHookState(net, compression="4bit", block_bytes=BLOCK_BYTES), cgx.ddp_comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        net = model
+        opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       compression="4bit", block_bytes=BLOCK_BYTES, allow_non_finite=True)
+    named = list(model.named_parameters())
+    scales, changed = [], []
+    for step in range(steps):
+        before = _snapshot(model)
+        opt.zero_grad()
+        handle = _inject_inf(model, "2.weight") if step == overflow_step and rank == 1 else None
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(net, named, rank, step)
+        scaler.scale(loss).backward()
+        if handle is not None:
+            handle.remove()
+        if front_end == "ddp":
+            scaler.step(opt)
+        else:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        after = _snapshot(model)
+        changed.append(any(not torch.equal(before[n], after[n]) for n in after))
+    return {"final": _snapshot(model), "scales": scales, "changed": changed}
+
+
+def bf16_run(rank: int, steps: int = 3, overflow_step: int = 1) -> dict:
+    """bf16 parameters and gradients under the hook; rank 1's gradient overflows at one step:
+    every rank must see a non-finite gradient then (and skips that step, as a scaler would)."""
+    model = _model(torch.bfloat16)
+    ddp = _ddp(model)
+    ddp.register_comm_hook(cgx.DDPHookState(ddp, compression="8bit", block_bytes=BLOCK_BYTES), cgx.ddp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    named = list(model.named_parameters())
+    finite = []
+    for step in range(steps):
+        opt.zero_grad()
+        handle = _inject_inf(model, "0.weight") if step == overflow_step and rank == 1 else None
+        _loss(ddp, named, rank, step).backward()
+        if handle is not None:
+            handle.remove()
+        ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        finite.append(ok)
+        if ok:
+            opt.step()
+    return {"final": _snapshot(model), "finite": finite,
+            "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()})}
+
+
+def foreign_module_run(rank: int) -> dict:
+    """A state given a module that is not the DDP model's: the first backward says so."""
+    ddp = _ddp(_model())
+    ddp.register_comm_hook(cgx.DDPHookState(_model(), block_bytes=BLOCK_BYTES), cgx.ddp_comm_hook)
+    try:
+        _loss(ddp, list(ddp.module.named_parameters()), rank, 0).backward()
+    except Exception as exc:  # DDP re-raises the hook's error from its C++ reducer
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+SCENARIOS = {  # run in this order by default, then the local ranks' ones
+    "hook_4bit": lambda r: hook_run(r, "4bit"),
+    "optimizer_4bit": lambda r: optimizer_run(r, "4bit"),
+    "hook_static_graph": lambda r: hook_run(r, "4bit", static_graph=True),
+    "hook_fp32": lambda r: hook_run(r, "fp32"),
+    "plain_ddp": lambda r: plain_ddp_run(r),
+    "hook_no_sync": lambda r: hook_run(r, "4bit", steps=2, accumulate=2),
+    "optimizer_accumulate": lambda r: optimizer_run(r, "4bit", steps=2, accumulate=2),
+    "unused": unused_run,
+    "gan": gan_run,
+    "amp_ddp": lambda r: amp_run(r, "ddp"),
+    "amp_optimizer": lambda r: amp_run(r, "optimizer"),
+    "bf16": bf16_run,
+    "foreign_module": foreign_module_run,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--scenarios", default=",".join([*SCENARIOS, "local:hook_4bit", "local:gan"]),
+                   help="comma-separated; local:NAME runs NAME with every rank a local rank of one node")
+    args = p.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    results = {}
+    for name in args.scenarios.split(","):
+        local, _, scenario = name.rpartition(":")
+        if local:  # every rank a local rank of node 0: they reduce through shared memory first
+            cgx.init(local_rank=rank, local_world_size=world, node_rank=0, num_nodes=1)
+        else:
+            cgx.init(local_rank=0, local_world_size=1, node_rank=rank, num_nodes=world)
+        t0 = time.perf_counter()
+        try:
+            results[name] = SCENARIOS[scenario](rank)
+        except Exception:
+            results[name] = {"crash": traceback.format_exc()}
+        t1 = time.perf_counter()
+        cgx.shutdown()
+        dist.barrier()  # both ranks done with this session before either opens the next
+        print(f"rank {rank}: {name}: {t1 - t0:.2f}s, shutdown and barrier {time.perf_counter() - t1:.2f}s",
+              file=sys.stderr)
+    torch.save(results, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
