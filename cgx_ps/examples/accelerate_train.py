@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
 import cgx_ps.worker as cgx
-from cgx_ps.examples.ddp_train import replica_fingerprint
+from cgx_ps.examples.ddp_train import hook_report, replica_fingerprint
 from cgx_ps.examples.train import build_parser, load_data
 
 
@@ -43,10 +43,9 @@ def main() -> None:
                                 torch.nn.Linear(args.hidden, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # model is now DDP
-    model.register_comm_hook(                                              # cgx
-        cgx.DDPHookState(model, compression=args.compression, warmup_steps=args.warmup_steps,
-                         error_feedback=args.error_feedback),
-        cgx.ddp_comm_hook)
+    state = cgx.DDPHookState(model, compression=args.compression, warmup_steps=args.warmup_steps,  # cgx
+                             error_feedback=args.error_feedback)
+    model.register_comm_hook(state, cgx.ddp_comm_hook)                     # cgx
 
     step, total = 0, args.max_steps or args.epochs * len(loader)
     while step < total:
@@ -66,7 +65,7 @@ def main() -> None:
     with torch.no_grad():
         accuracy = (net(x_test.to(accelerator.device)).argmax(1).cpu() == y_test).float().mean().item()
     summary = {"event": "done", "rank": accelerator.process_index, "accuracy": accuracy, "steps": step,
-               **replica_fingerprint(net)}
+               **replica_fingerprint(net), **hook_report(state)}
     print(json.dumps(summary) if args.json else f"rank {accelerator.process_index}: accuracy {accuracy:.3f} after "
           f"{step} steps", flush=True)
     accelerator.end_training()

@@ -35,6 +35,13 @@ def replica_fingerprint(model: torch.nn.Module) -> dict[str, object]:
     return {"parameters": sum(p.numel() for p in params), "param_sha256": digest}
 
 
+def hook_report(state: cgx.DDPHookState) -> dict[str, object]:
+    """What the hook did: steps it ended, the layout's block count, the last step's bytes."""
+    stats = state.stats  # of the last step the hook ended (stats.step counts from 0)
+    return {"hook_steps": stats.step + 1, "blocks": len(state.layout.blocks), "bytes_pushed": stats.bytes_pushed,
+            "fp32_bytes": stats.fp32_bytes, "exposed_s": stats.exposed_comm_s}
+
+
 def main() -> None:
     parser = build_parser()
     parser.description = __doc__.split("\n")[0]
@@ -54,11 +61,11 @@ def main() -> None:
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, 10)).to(device)
     ddp = DDP(model)
+    state = None
     if not args.plain_ddp:
-        ddp.register_comm_hook(                                            # cgx
-            cgx.DDPHookState(ddp, compression=args.compression, warmup_steps=args.warmup_steps,
-                             error_feedback=args.error_feedback),
-            cgx.ddp_comm_hook)
+        state = cgx.DDPHookState(ddp, compression=args.compression, warmup_steps=args.warmup_steps,  # cgx
+                                 error_feedback=args.error_feedback)
+        ddp.register_comm_hook(state, cgx.ddp_comm_hook)                   # cgx
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
 
     steps_per_epoch = len(y_train) // args.batch_size
@@ -84,7 +91,8 @@ def main() -> None:
         logits = model(x_test.to(device))
         accuracy = (logits.argmax(1) == y_test.to(device)).float().mean().item()
     summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "steps": step,
-               **replica_fingerprint(model), "median_step_s": sorted(step_times)[len(step_times) // 2]}
+               **replica_fingerprint(model), "median_step_s": sorted(step_times)[len(step_times) // 2],
+               **(hook_report(state) if state else {})}
     print(json.dumps(summary) if args.json else f"rank {config.rank}: accuracy {accuracy:.3f} after {step} steps",
           flush=True)
     dist.destroy_process_group()

@@ -24,7 +24,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
                           TrainerState, TrainingArguments)
 
 import cgx_ps.worker as cgx
-from cgx_ps.examples.ddp_train import replica_fingerprint
+from cgx_ps.examples.ddp_train import hook_report, replica_fingerprint
 
 
 class CgxCommHook(TrainerCallback):
@@ -33,6 +33,7 @@ class CgxCommHook(TrainerCallback):
 
     def __init__(self, trainer: Trainer, **options: object) -> None:
         self.trainer, self.options = trainer, options
+        self.state: cgx.DDPHookState | None = None
         self._hooked: DistributedDataParallel | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -42,7 +43,8 @@ class CgxCommHook(TrainerCallback):
             return  # train() again: Trainer reuses its DDP model, which keeps the hook
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"CgxCommHook needs a distributed run (torchrun); the model is a {type(ddp).__name__}")
-        ddp.register_comm_hook(cgx.DDPHookState(ddp, **self.options), cgx.ddp_comm_hook)
+        self.state = cgx.DDPHookState(ddp, **self.options)
+        ddp.register_comm_hook(self.state, cgx.ddp_comm_hook)
         self._hooked = ddp
 
 
@@ -94,13 +96,13 @@ def main() -> None:
             report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True)
         trainer = Trainer(model=model, args=training_args,
                           train_dataset=FirstTokenTask(2048, vocab, 16, args.seed))
-        trainer.add_callback(CgxCommHook(trainer, compression=args.compression,  # cgx
-                                         warmup_steps=args.warmup_steps))
+        hook = CgxCommHook(trainer, compression=args.compression, warmup_steps=args.warmup_steps)  # cgx
+        trainer.add_callback(hook)                                         # cgx
         result = trainer.train()
 
     rank = trainer.args.process_index
     summary = {"event": "done", "rank": rank, "train_loss": result.training_loss, "steps": result.global_step,
-               **replica_fingerprint(trainer.model)}
+               **replica_fingerprint(trainer.model), **hook_report(hook.state)}
     print(json.dumps(summary) if args.json else f"rank {rank}: training loss {result.training_loss:.3f} after "
           f"{result.global_step} steps", flush=True)
     cgx.shutdown()                                                         # cgx

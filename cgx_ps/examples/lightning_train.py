@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import cgx_ps.worker as cgx
-from cgx_ps.examples.ddp_train import replica_fingerprint
+from cgx_ps.examples.ddp_train import hook_report, replica_fingerprint
 from cgx_ps.examples.train import build_parser, load_data
 
 try:  # the `lightning` package, or the standalone `pytorch-lightning`
@@ -42,12 +42,14 @@ class CgxCommHook(pl.Callback):
 
     def __init__(self, **options: object) -> None:
         self.options = options
+        self.state: cgx.DDPHookState | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ddp = trainer.strategy.model
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"CgxCommHook needs Lightning's DDP strategy; the model is a {type(ddp).__name__}")
-        ddp.register_comm_hook(cgx.DDPHookState(pl_module, **self.options), cgx.ddp_comm_hook)
+        self.state = cgx.DDPHookState(pl_module, **self.options)
+        ddp.register_comm_hook(self.state, cgx.ddp_comm_hook)
 
 
 class DigitsClassifier(pl.LightningModule):
@@ -81,13 +83,14 @@ def main() -> None:
     # Lightning puts a DistributedSampler in: each rank trains on its share of every epoch
     loader = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = DigitsClassifier(args.hidden, args.lr)
+    hook = CgxCommHook(compression=args.compression, warmup_steps=args.warmup_steps,  # cgx
+                       error_feedback=args.error_feedback)
     local, world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("WORLD_SIZE", "1"))
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=local,
         num_nodes=world // local,
         strategy=DDPStrategy(process_group_backend=None if torch.cuda.is_available() else "gloo"),
-        callbacks=[CgxCommHook(compression=args.compression, warmup_steps=args.warmup_steps,   # cgx
-                               error_feedback=args.error_feedback)],
+        callbacks=[hook],
         max_epochs=args.epochs, max_steps=args.max_steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)
@@ -95,7 +98,7 @@ def main() -> None:
     with torch.no_grad():
         accuracy = (model(x_test.to(model.device)).argmax(1).cpu() == y_test).float().mean().item()
     summary = {"event": "done", "rank": trainer.global_rank, "accuracy": accuracy, "steps": trainer.global_step,
-               **replica_fingerprint(model)}
+               **replica_fingerprint(model), **hook_report(hook.state)}
     print(json.dumps(summary) if args.json else f"rank {trainer.global_rank}: accuracy {accuracy:.3f} after "
           f"{trainer.global_step} steps", flush=True)
     cgx.shutdown()                                                         # cgx
