@@ -309,6 +309,42 @@ def test_nonfinite_float_payload_rejected() -> None:
         dequantize(_recrc(bytes(p)))
 
 
+@pytest.mark.parametrize("codec", [Codec.MAXMIN, Codec.FP32, Codec.FP16, Codec.BF16])
+def test_non_finite_block_is_the_header_alone_and_decodes_as_nan(codec: Codec) -> None:
+    """Mixed precision: with allow_non_finite, NaN/Inf (or an fp16 overflow) becomes a flagged
+    header that decodes as NaN, accumulating or not; without it, the error stays."""
+    x = _data(3000, seed=1)
+    x[2000] = float("inf") if codec != Codec.FP16 else 1e6  # 1e6: finite, but not in fp16
+    with pytest.raises(CodecError):
+        encode(x, codec, bits=4, bucket_size=24)
+    payload = encode(x, codec, bits=4, bucket_size=24, allow_non_finite=True).to_bytes()
+    header = decode_header(payload)
+    assert len(payload) == HEADER_SIZE and header.non_finite and header.codec == codec and header.numel == 3000
+    out = torch.ones(3000)
+    dequantize(payload, out=out, accumulate=True)
+    assert bool(out.isnan().all()) and bool(dequantize(payload).isnan().all())
+    residual = ErrorFeedback()
+    encode_block(_data(3000, seed=2), codec, bits=4, bucket_size=24, stochastic=True, seed=0, feedback=residual)
+    kept = None if residual.residual is None else residual.residual.clone()
+    encode_block(x.clone(), codec, bits=4, bucket_size=24, stochastic=True, seed=1, feedback=residual,
+                 allow_non_finite=True)
+    assert kept is None or torch.equal(residual.residual, kept)  # the skipped step's error is not kept
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda p: p + b"\x00" * 8, "payload too long"),  # a body after the flag
+    (lambda p: p[:20] + b"\x01\x00\x00\x00" + p[24:], "payload corrupted"),  # crc of an empty body is 0
+    (lambda p: p[:7] + b"\x06" + p[8:], "unknown header flags 0x06"),
+])
+def test_non_finite_block_is_validated(tamper, message) -> None:
+    payload = encode(torch.full((64,), float("nan")), Codec.MAXMIN, bits=4, bucket_size=32,
+                     allow_non_finite=True).to_bytes()
+    out = torch.zeros(64)
+    with pytest.raises(CodecError, match=message):
+        dequantize(tamper(payload), out=out, accumulate=True)
+    assert bool((out == 0).all())
+
+
 def test_error_feedback_carries_what_each_encoding_left_out() -> None:
     """encode_block (workers and shards share it): the residual starts at zero, each encoding
     sees the gradient plus what the last one dropped, and the float codecs leave it alone."""

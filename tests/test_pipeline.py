@@ -124,3 +124,19 @@ def test_blocks_without_gradients_are_sent_as_zeros_and_bad_gradients_are_named(
     pipe.finish_step()
     assert torch.equal(pipe.gradient("a.weight"), grads["a.weight"].view(-1))  # warm-up: fp32, exact
     assert not pipe.gradient("b.weight").any()
+
+
+def test_non_finite_gradients_travel_as_nan_when_allowed(engine):
+    """allow_non_finite (mixed precision): the block holding an Inf decodes as NaN, the others
+    as usual; the step does not fail."""
+    layout = build_layout([TensorInfo(n, s) for n, s in SHAPES.items()], 2, Compression(bits=3), block_bytes=8192)
+    pipe = BlockPipeline(layout, engine, engine.config, {n: torch.device("cpu") for n in SHAPES},
+                         allow_non_finite=True)
+    grads = _grads(0)
+    grads["c.weight"][3, 4] = float("inf")  # in the first of c.weight's blocks
+    for b in pipe.take_unsubmitted():
+        pipe.submit(b, grads.get)
+    pipe.finish_step()
+    first = pipe.blocks_of(["c.weight"])[0]
+    assert bool(pipe.buffers[first].isnan().all())
+    assert all(bool(pipe.buffers[b].isfinite().all()) for b in range(pipe.num_blocks) if b != first)

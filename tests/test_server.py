@@ -225,6 +225,10 @@ BAD_PUSHES = {
     "gap in offsets": (lambda blk: ps_pb2.PushChunk(round=0, block_id=blk.block_id, total_bytes=len(_good(blk)),
                                                     offset=64, data=b"x" * 10),
                        grpc.StatusCode.INVALID_ARGUMENT, "does not continue"),
+    "non-finite with a body": (lambda blk: ps_pb2.PushChunk(round=0, block_id=blk.block_id,
+                                                           total_bytes=len(_good(blk)), offset=0,
+                                                           data=_good(blk)[:7] + b"\x03" + _good(blk)[8:]),
+                               grpc.StatusCode.INVALID_ARGUMENT, "payload too long"),
     "far-future round": (lambda blk: ps_pb2.PushChunk(round=7, block_id=blk.block_id, total_bytes=len(_good(blk)),
                                                       offset=0, data=_good(blk)),
                          grpc.StatusCode.FAILED_PRECONDITION, "far-future round 7"),
@@ -275,6 +279,28 @@ async def test_nan_payload_rejected(shard: ShardServer) -> None:
     await expect_status(call, grpc.StatusCode.INVALID_ARGUMENT, "NaN/Inf (first at element 100)")
     await channel.close()
     await node.close()
+
+
+async def test_non_finite_push_makes_the_round_non_finite_for_every_node(shard: ShardServer) -> None:
+    """Mixed precision: one node's overflow (a flagged header) reaches every node as a
+    non-finite result, and the next round is finite again. A flagged push with a body is
+    refused like any malformed block (BAD_PUSHES: "non-finite with a body")."""
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    block = layout.blocks[0]
+    a, b = await connect(shard, layout, 2, prefix="amp")
+    try:
+        overflow = torch.randn(block.numel)
+        overflow[7] = float("inf")
+        flagged = encode(overflow, Codec.MAXMIN, bits=4, bucket_size=512, allow_non_finite=True).to_bytes()
+        results = await asyncio.gather(a.exchange(0, 0, flagged), b.exchange(0, 0, _good(block)))
+        assert results[0] == results[1] and len(results[0]) == 32
+        assert bool(dequantize(results[0]).isnan().all())
+        pushed = [_good(block), _good(block)]
+        results = await asyncio.gather(a.exchange(0, 1, pushed[0]), b.exchange(0, 1, pushed[1]))
+        assert results[0] == results[1]
+        check_aggregate(block, pushed, results[0], round_=1)
+    finally:
+        await close([a, b])
 
 
 async def test_push_before_register_refused(shard: ShardServer) -> None:

@@ -33,6 +33,7 @@ skips the same step everywhere.
 # annotations with dist.GradBucket and Future[Tensor] as objects, and refuses strings.
 import threading
 import time
+import weakref
 from typing import Iterable
 
 import torch
@@ -46,10 +47,11 @@ from .pipeline import StepStats
 
 __all__ = ["DDPHookState", "ddp_comm_hook"]
 
-# States created but not yet registered with the shards. The first backward of any of them
-# registers them all as one session (several DDP models in one process: a GAN), so create them
-# all before training starts.
-_waiting: list["DDPHookState"] = []
+# States created but not yet registered with the shards, in creation order (the same on every
+# rank: it names their tensors in the session). The first backward of any of them registers them
+# all as one session (several DDP models in one process: a GAN), so create them all before
+# training starts. Weak: a state dropped before training (no DDP model holds it) takes no part.
+_waiting: list[weakref.ref] = []
 _waiting_lock = threading.Lock()
 
 
@@ -78,7 +80,7 @@ class DDPHookState:
         self._grads: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         with _waiting_lock:
-            _waiting.append(self)
+            _waiting.append(weakref.ref(self))
 
     # ---- registration ------------------------------------------------------------------------
 
@@ -89,16 +91,14 @@ class DDPHookState:
             return self._driver
         with _waiting_lock:
             if self._driver is None:
-                states = [s for s in _waiting if s._driver is None]
-                if self not in states:
-                    states.append(self)
+                states = [s for s in (ref() for ref in _waiting) if s is not None and s._driver is None]
                 named = [s._named_tensors() for s in states]
                 drivers = StepDriver.open_together(named, [s.options for s in states])
                 for state, tensors, driver in zip(states, named, drivers):
                     state._params = dict(tensors)
                     state._name_of = {id(t): n for n, t in tensors}
                     state._driver = driver
-                _waiting[:] = [s for s in _waiting if s._driver is None]
+                _waiting[:] = [ref for ref in _waiting if ref() is not None and ref()._driver is None]
         return self._driver
 
     def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:

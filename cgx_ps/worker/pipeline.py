@@ -1,7 +1,7 @@
 """One block pipeline for every front end: the per-block work of a training step.
 
 A front end owns the gradients and knows when they are final: ``DistributedOptimizer`` (a hook
-per parameter, ``.grad``) today, a DDP communication hook (a flat tensor per DDP bucket) next.
+per parameter, ``.grad``) or the DDP communication hook (a flat tensor per DDP bucket).
 It feeds the pipeline blocks of the layout (``build_layout``: the same blocks on every worker)
 and takes the averaged gradients back, through a handful of calls::
 
@@ -21,27 +21,17 @@ auto mode says so); pushes it to the block's shard and pulls the aggregate of al
 decodes it, divides by the world size, and publishes it to the other local ranks, which copy it
 (their future completes then). Every rank decodes the same bytes: replicas stay bit-identical.
 
-How the DDP communication hook (``ddp.register_comm_hook(state, cgx.ddp_comm_hook)``) will
-drive it. DDP calls ``hook(state, bucket)`` once per bucket when the bucket's gradients are
-ready, and wants a ``torch.futures.Future`` of the bucket's flat tensor::
+The DDP communication hook (``ddp_hook.py``) drives it per DDP bucket: it names the bucket's
+gradients, submits the blocks ``tensors_ready`` returns (a block may wait for a later bucket's
+tensors), and returns ``torch.futures.collect_all`` of the bucket's ``blocks_of`` futures, then
+``copy_out`` into the bucket. The last bucket also submits ``take_unsubmitted()``, waits for every
+block and ends the step with ``finish_step`` (nothing is left to wait for by then); the tuner
+(``autotune.py``), whose broadcast blocks, runs from the next step's first hook, never on the
+communication thread. Both front ends share their step bookkeeping through ``frontend.py``.
 
-    def ddp_comm_hook(state, bucket):
-        grads = dict(zip(state.names(bucket), bucket.gradients()))  # views into bucket.buffer()
-        state.grads.update(grads)              # kept until the blocks that need them are submitted
-        for b in state.pipe.tensors_ready(grads):          # blocks now complete, each once per step
-            state.pipe.submit(b, state.grads.get)
-        blocks = state.pipe.blocks_of(grads)   # a block may also need a later bucket's tensors
-        ...                                    # the last bucket also submits take_unsubmitted()
-        def back(done):
-            done.wait()                        # raises the block's error (named), if any
-            for b in blocks:
-                state.pipe.copy_out(b, grads.get)          # writes this bucket's tensors only
-            return bucket.buffer()
-        return torch.futures.collect_all([state.pipe.future(b) for b in blocks]).then(back)
-
-The last bucket's future also waits for every block and ends the step with ``finish_step``
-(nothing is left to wait for by then); the tuner (``autotune.py``), whose broadcast blocks,
-runs from the next step's first hook, never on the communication thread.
+``allow_non_finite`` (mixed precision): a block holding NaN/Inf travels as a non-finite block
+(the header alone) and every rank decodes NaN for it, so a loss scaler skips the step on every
+rank; without it the step fails, naming the tensors.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cgx_ps.worker as cgx
 
 HIDDEN = 300
+OPTIONS_COMPRESSION = cgx.Compression(bits=3, exclude=("2.*",), overrides={"0.weight": 5})
+OPTIONS = {"error_feedback": True, "warmup_steps": 1}
 BLOCK_BYTES = 16384
 BUCKET_MB = 0.02  # about 5000 floats: several buckets, blocks that span two of them
 
@@ -49,10 +51,10 @@ def _model(dtype=torch.float32) -> torch.nn.Module:
     return model_for(dtype, HIDDEN)
 
 
-def hook_run(rank: int, compression: str = "4bit", steps: int = 3, accumulate: int = 1, **ddp_kw) -> dict:
+def hook_run(rank: int, compression="4bit", steps: int = 3, accumulate: int = 1, options=None, **ddp_kw) -> dict:
     model = _model()
     ddp = _ddp(model, **ddp_kw)
-    state = cgx.DDPHookState(ddp, compression=compression, block_bytes=BLOCK_BYTES)
+    state = cgx.DDPHookState(ddp, compression=compression, block_bytes=BLOCK_BYTES, **(options or {}))
     ddp.register_comm_hook(state, cgx.ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
     named = list(model.named_parameters())
@@ -64,21 +66,22 @@ def hook_run(rank: int, compression: str = "4bit", steps: int = 3, accumulate: i
                 _loss(ddp, named, rank, step, part).backward()
         opt.step()
     return {"final": _snapshot(model), "layout": state.layout.SerializeToString(), "stats": vars(state.stats),
-            "intranode": state.intranode}
+            "intranode": state.intranode, "tuning": [d.as_dict() for d in state.tuning_history]}
 
 
-def optimizer_run(rank: int, compression: str = "4bit", steps: int = 3, accumulate: int = 1) -> dict:
+def optimizer_run(rank: int, compression="4bit", steps: int = 3, accumulate: int = 1, options=None) -> dict:
     model = _model()
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
                                    compression=compression, backward_passes_per_step=accumulate,
-                                   block_bytes=BLOCK_BYTES)
+                                   block_bytes=BLOCK_BYTES, **(options or {}))
     named = list(model.named_parameters())
     for step in range(steps):
         opt.zero_grad()
         for part in range(accumulate):
             _loss(model, named, rank, step, part).backward()
         opt.step()
-    return {"final": _snapshot(model), "layout": opt.layout.SerializeToString()}
+    return {"final": _snapshot(model), "layout": opt.layout.SerializeToString(),
+            "tuning": [d.as_dict() for d in opt.tuning_history]}
 
 
 def plain_ddp_run(rank: int, steps: int = 3) -> dict:
@@ -230,6 +233,12 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "hook_static_graph": lambda r: hook_run(r, "4bit", static_graph=True),
     "hook_fp32": lambda r: hook_run(r, "fp32"),
     "plain_ddp": lambda r: plain_ddp_run(r),
+    # error feedback, warm-up, exclusions and overrides, adaptive bits: as the optimizer does them
+    "hook_options": lambda r: hook_run(r, OPTIONS_COMPRESSION, options=OPTIONS),
+    "optimizer_options": lambda r: optimizer_run(r, OPTIONS_COMPRESSION, options=OPTIONS),
+    "hook_adaptive": lambda r: hook_run(r, "adaptive:2", steps=4),
+    "optimizer_adaptive": lambda r: optimizer_run(r, "adaptive:2", steps=4),
+    "hook_auto": lambda r: hook_run(r, "auto", steps=2),
     "hook_no_sync": lambda r: hook_run(r, "4bit", steps=2, accumulate=2),
     "optimizer_accumulate": lambda r: optimizer_run(r, "4bit", steps=2, accumulate=2),
     "unused": unused_run,
