@@ -5,10 +5,13 @@
     ddp = DDP(model)
     ddp.register_comm_hook(cgx.DDPHookState(ddp, compression="4bit"), cgx.ddp_comm_hook)
 
-Lightning: ``DDPStrategy(ddp_comm_hook=cgx.ddp_comm_hook,
-ddp_comm_state=cgx.DDPHookState(lightning_module))``; the state needs only a module whose
-parameters are the DDP model's (the DDP wrapper, the model it wraps, or a module Lightning wraps
-later), and registers with the shards at the first backward, not before.
+Trainers that wrap the model themselves register the hook on the model they wrapped: Lightning
+in a callback's ``on_fit_start`` on ``trainer.strategy.model`` (its ``DDPStrategy(ddp_comm_hook=,
+ddp_comm_state=)`` registers hooks only on CUDA devices and silently ignores them elsewhere),
+Accelerate on what ``prepare`` returns, the HF Trainer on ``trainer.model_wrapped`` in a
+callback's ``on_train_begin`` (cgx_ps/examples/). The state needs only a module whose parameters
+are the DDP model's (the DDP wrapper, the model it wraps, or a LightningModule), and registers
+with the shards at the first backward, not before.
 
 DDP calls the hook once per bucket of gradients, in bucket order, as backward produces them. The
 hook is the second front end of the block pipeline (``pipeline.py``): it names the bucket's
