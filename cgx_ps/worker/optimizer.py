@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .. import timeline
 from ..v1 import ps_pb2
 from .autotune import Decision, Tuner
 from .errors import CgxPsError, ConfigError
@@ -158,7 +159,9 @@ class _DistributedMixin:
             self.synchronize()
         elif not self._cgx_synchronized:
             raise CgxPsError("step() inside skip_synchronize() needs synchronize() first")
-        result = super().step(closure)
+        with timeline.span("optimizer", self.stats.step):
+            result = super().step(closure)
+        timeline.step_ends(self.stats.step)
         self._cgx_synchronized = False
         if self._cgx_tuner is not None:
             self._cgx_tuner.after_step()
