@@ -175,3 +175,10 @@ def test_the_ring_buffer_keeps_the_newest_events_and_counts_the_rest(tmp_path):
     merged = tmp_path / "merged.json"
     assert timeline.main([str(merged), rec.path, rec.path]) == 0
     assert len(json.loads(merged.read_text())["traceEvents"]) == 2 * len(trace["traceEvents"])
+
+
+def test_the_clock_is_the_hosts_clock_monotonic():
+    # every process on the host reads this clock: worker and shard files line up
+    before = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    now = timeline.now_ns()
+    assert before <= now <= time.clock_gettime_ns(time.CLOCK_MONOTONIC)
