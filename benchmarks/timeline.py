@@ -55,14 +55,17 @@ def worker(args: argparse.Namespace) -> None:
         phase = (step - args.warmup) // args.phase_steps
         on = step >= args.warmup and phase % 2 == 1  # off first: a phase's order does not favour "on"
         if on:
-            timeline.start(rec)
+            timeline.start(rec)  # (a no-op while it records)
+        else:
+            # pause without writing: a write here would hold up the peer's next step
+            timeline.stop(rec, write=False)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
         rows.append({"step": step, "on": on, "s": time.perf_counter() - t0})
-        if on:
-            timeline.stop(rec)  # writes the file: between steps, outside the timed region
+    timeline.stop(rec, write=False)
+    rec.write()  # once, at the end: the trace of every "on" step
     cgx.shutdown()
     print(json.dumps({"rank": config.rank, "rows": rows[args.warmup:], "events": rec.recorded,
                       "on_steps": sum(r["on"] for r in rows)}), flush=True)
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                          "predicted_off": events_per_step * costs["off_ns"] * 1e-9 / off})
     summary = {"model": args.model, "block_mb": args.block_mb, "compression": args.compression,
                "phases": args.phases, "phase_steps": args.phase_steps, "load_before": load0,
-               "load_after": os.getloadavg()[0], **costs, "ranks": per_rank}
+               "load_after": os.getloadavg()[0], **costs, "ranks": per_rank,
+               "steps": {res["rank"]: res["rows"] for res in results}}
     print(f"{args.model}, {args.compression}, {args.block_mb:g} MB blocks, {args.phases} phases x "
           f"{args.phase_steps} steps; load {load0:.1f} -> {summary['load_after']:.1f}")
     print(f"one span call site: {costs['off_ns']:.0f} ns off, {costs['on_ns']:.0f} ns on")

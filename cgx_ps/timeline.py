@@ -385,15 +385,18 @@ def start(recorder: Recorder, *, handle_sigterm: bool = False) -> Recorder:
     return recorder
 
 
-def stop(recorder: Recorder | None = None) -> str | None:
+def stop(recorder: Recorder | None = None, write: bool = True) -> str | None:
     """Stop recording and write the file (only if ``recorder`` is the one recording, when
-    given); its path, or None when nothing was written."""
+    given; ``write`` False: only stop, as a benchmark pausing it does); its path, or None when
+    nothing was written."""
     global _recorder
     # no lock: a SIGTERM handler calls this, and the thread it interrupted may hold any lock
     rec = _recorder
     if rec is None or (recorder is not None and rec is not recorder):
         return None
     _recorder = None
+    if not write:
+        return None
     try:
         return rec.write()
     except OSError as exc:  # at exit: say so, do not turn a finished run into a failed one
