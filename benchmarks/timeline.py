@@ -59,11 +59,11 @@ def worker(args: argparse.Namespace) -> None:
         else:
             # pause without writing: a write here would hold up the peer's next step
             timeline.stop(rec, write=False)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        rows.append({"step": step, "on": on, "s": time.perf_counter() - t0})
+        rows.append({"step": step, "on": on, "s": time.perf_counter() - t0, "cpu": time.process_time() - cpu0})
     timeline.stop(rec, write=False)
     rec.write()  # once, at the end: the trace of every "on" step
     cgx.shutdown()
@@ -88,6 +88,19 @@ def span_costs() -> dict[str, float]:
         finally:
             timeline.stop()
     return {"off_ns": off * 1e9, "on_ns": on * 1e9}
+
+
+def paired_ratios(rows: list[dict], phase_steps: int) -> list[float]:
+    """Median "on" step of each phase over the median of the "off" phase just before it: load
+    that drifts over minutes on a shared machine cancels within a pair."""
+    phases = [rows[i:i + phase_steps] for i in range(0, len(rows), phase_steps)]
+    return [statistics.median(r["s"] for r in on) / statistics.median(r["s"] for r in off)
+            for off, on in zip(phases[0::2], phases[1::2])]
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], q[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         off = statistics.median(r["s"] for r in res["rows"] if not r["on"])
         on = statistics.median(r["s"] for r in res["rows"] if r["on"])
+        pairs = paired_ratios(res["rows"], args.phase_steps)
         events_per_step = res["events"] / max(res["on_steps"], 1)
         per_rank.append({"rank": res["rank"], "off_s": off, "on_s": on, "overhead": on / off - 1,
+                         "paired": statistics.median(pairs) - 1, "paired_q": quartiles(pairs),
+                         # CPU seconds of the whole worker process (all its threads) per step: what
+                         # the recorder adds, less exposed to other jobs' load than wall time
+                         "cpu_overhead": statistics.median(r["cpu"] for r in res["rows"] if r["on"])
+                         / statistics.median(r["cpu"] for r in res["rows"] if not r["on"]) - 1,
                          "events_per_step": events_per_step,
                          "predicted_on": events_per_step * costs["on_ns"] * 1e-9 / off,
                          "predicted_off": events_per_step * costs["off_ns"] * 1e-9 / off})
@@ -148,11 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, {args.compression}, {args.block_mb:g} MB blocks, {args.phases} phases x "
           f"{args.phase_steps} steps; load {load0:.1f} -> {summary['load_after']:.1f}")
     print(f"one span call site: {costs['off_ns']:.0f} ns off, {costs['on_ns']:.0f} ns on")
-    print("| rank | step off (median) | step on (median) | on / off - 1 | events/step | predicted: on | off |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| rank | step off (median) | step on (median) | on / off - 1 | paired phases: median (quartiles) "
+          "| CPU/step on / off - 1 | events/step | predicted: on | off |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in per_rank:
+        lo, hi = r["paired_q"]
         print(f"| {r['rank']} | {r['off_s'] * 1e3:.1f} ms | {r['on_s'] * 1e3:.1f} ms | {r['overhead']:+.2%} | "
-              f"{r['events_per_step']:.0f} | {r['predicted_on']:.3%} | {r['predicted_off']:.4%} |")
+              f"{r['paired']:+.2%} ({lo - 1:+.1%} .. {hi - 1:+.1%}) | {r['cpu_overhead']:+.2%} | "
+              f"{r['events_per_step']:.0f} | "
+              f"{r['predicted_on']:.3%} | {r['predicted_off']:.4%} |")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0
