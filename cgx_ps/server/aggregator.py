@@ -31,6 +31,7 @@ from typing import Collection, Mapping, Protocol
 
 import torch
 
+from .. import timeline
 from ..kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, body_size, decode_header, dequantize,
                        encode_block)
 from ..kernels.wire import validate_settings
@@ -251,7 +252,8 @@ class Aggregator:
             first = not block.pushed
             if block.acc is None:
                 block.acc = torch.empty(block.spec.numel, dtype=torch.float32)
-            decode = functools.partial(dequantize, payload, out=block.acc, accumulate=not first)
+            decode = timeline.wrapped(functools.partial(dequantize, payload, out=block.acc, accumulate=not first),
+                                      "sum", round_, block=block_id, node=node_id)
             try:
                 await loop.run_in_executor(self.executor, decode)
             except CodecError as exc:
@@ -324,7 +326,8 @@ class Aggregator:
         loop = asyncio.get_running_loop()
         wait = time.monotonic() - block.first_push_at
         try:
-            result = await loop.run_in_executor(self.executor, self._encode_sum, block, round_)
+            result = await loop.run_in_executor(self.executor, timeline.wrapped(
+                self._encode_sum, "re-encode", round_, block=block.spec.block_id), block, round_)
         except CodecError as exc:
             # One node sent huge finite values: the sum is not encodable. Fail loudly for all.
             self._fail(RoundFailure(block.spec.block_id, round_,

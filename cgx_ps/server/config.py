@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from ..envparse import env_flag, env_float, env_int, env_str
+from ..timeline import ENV_PATH as TIMELINE_ENV, ENV_STEPS as TIMELINE_STEPS_ENV, parse_steps
 from ..transport import CHUNK_BYTES, GRPC_OPTIONS
 
 __all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "SETTINGS", "ServerConfig",
@@ -56,6 +57,9 @@ class ServerConfig:
     # where metrics listen; None: the same address as the gRPC port
     metrics_host: str | None = None
     log_level: str = "INFO"
+    # a Chrome trace of the rounds (cgx_ps/timeline.py): its path (+ ".shard<index>"), which rounds
+    timeline: str | None = None
+    timeline_steps: str = ""
 
     @property
     def authenticates(self) -> bool:
@@ -81,6 +85,7 @@ class ServerConfig:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        parse_steps(self.timeline_steps, f"--timeline-steps ({TIMELINE_STEPS_ENV})")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "ServerConfig":
@@ -153,6 +158,12 @@ SETTINGS: dict[str, Setting] = {
     "tls_client_ca": Setting("CGX_PS_TLS_CLIENT_CA", "--tls-client-ca", "PEM CA bundle: require client "
                              "certificates it signed, mutual TLS", security=True),
     "log_level": Setting("CGX_PS_LOG_LEVEL", "--log-level", "log level", choices=LOG_LEVELS),
+    # The workers' variables: one export traces a local job's shards and workers, each process
+    # into a file of its own (trace.shard0.json, trace.rank0.json, ...).
+    "timeline": Setting(TIMELINE_ENV, "--timeline", "write a Chrome trace (Perfetto, chrome://tracing) of the "
+                        "rounds to PATH with .shard<index> before its extension, at exit"),
+    "timeline_steps": Setting(TIMELINE_STEPS_ENV, "--timeline-steps", "rounds the timeline records, a:b for "
+                              "a..b-1 (a: or :b open); default all (the newest 100000 events are kept)"),
 }
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
 _PARSE = {int: env_int, float: env_float, bool: env_flag, str: env_str}

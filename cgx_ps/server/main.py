@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from .. import timeline
 from ..security import CredentialError, read_token
 from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
@@ -75,6 +76,7 @@ class ShardServer:
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._metrics_httpd = None
+        self._timeline: timeline.Recorder | None = None
 
     def _bind(self, server: grpc.aio.Server, port: int, secure: bool, flag: str) -> int:
         address = f"{self.config.host}:{port}"
@@ -89,6 +91,8 @@ class ShardServer:
         return bound
 
     async def start(self) -> None:
+        self._timeline = timeline.start_shard(self.config.timeline, self.config.timeline_steps,
+                                              self.config.shard_index, self.config.num_shards)
         server = grpc.aio.server(options=GRPC_OPTIONS + _EXCLUSIVE_PORT,
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         add_parameter_server(server, self.service, self.token, status=self.status)
@@ -145,6 +149,9 @@ class ShardServer:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
         self.executor.shutdown(wait=True)
+        written = timeline.stop(self._timeline)
+        if written:
+            log.info("timeline written to %s", written)
         log.info("stopped")
         self.status.close()
 

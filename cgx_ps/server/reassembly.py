@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from .. import timeline
 from .budget import ByteBudget
 from .errors import BadRequest, LimitExceeded, TimedOut
 
@@ -58,15 +59,17 @@ class _Block:
     filled: int = 0
     buffer: bytearray | None = None  # the whole block, once a second chunk shows it needs one
     first: bytes | memoryview = b""  # the first chunk, kept as it came until then
+    started: int | None = None  # timeline.mark() at the first chunk
 
 
 class PushAssembler:
     """The block one Exchange stream is pushing, chunk by chunk (frames.PushFrame)."""
 
-    def __init__(self, inflight: InflightPushes, round_timeout_s: float) -> None:
+    def __init__(self, inflight: InflightPushes, round_timeout_s: float, track: str = "receive") -> None:
         self.inflight = inflight
         self.round_timeout_s = round_timeout_s
         self.partial: _Block | None = None
+        self.track = track  # the timeline's row for this stream's pushes
 
     async def next_message(self, read: Callable[[], Awaitable[Any]]) -> Any:
         """``read()``, bounded by the deadline of the block under way (one deadline per block,
@@ -113,15 +116,17 @@ class PushAssembler:
         if b.filled < b.total:
             return None
         self.partial = None
+        timeline.since(b.started, "receive", b.round, self.track, block=b.block_id, bytes=b.total)
         return b.first if b.buffer is None else b.buffer
 
     async def _start(self, chunk: Any, sizes: tuple[int, ...]) -> _Block:
         if chunk.total_bytes not in sizes:
             raise BadRequest(f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
                              f"says {sizes[0]} (or {sizes[1]} uncompressed)")
+        started = timeline.mark()  # waiting for room in the budget is part of receiving
         await self.inflight.reserve(chunk.total_bytes, chunk.block_id, 2 * self.round_timeout_s)
         self.partial = _Block(chunk.block_id, chunk.round, chunk.total_bytes,
-                              deadline=time.monotonic() + self.round_timeout_s)
+                              deadline=time.monotonic() + self.round_timeout_s, started=started)
         return self.partial
 
     def abandon(self) -> None:

@@ -137,7 +137,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         return session
 
     async def _read_pushes(self, context: grpc.aio.ServicerContext, session: Session, stream: NodeStream) -> None:
-        assembler = PushAssembler(self.inflight, self.config.round_timeout_s)
+        assembler = PushAssembler(self.inflight, self.config.round_timeout_s,
+                                  track=f"{stream.node_id}/{stream.member} receive")
         cancelled = False
         try:
             while True:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from .. import timeline
 from ..v1 import ps_pb2
 from .errors import LimitExceeded, ProtocolError
 
@@ -67,6 +68,7 @@ class NodeStream:
             if item is _STOP:
                 return
             messages, nbytes = item
+            sending = timeline.mark()
             for message in messages:
                 try:
                     await asyncio.wait_for(write(message), timeout_s)
@@ -79,5 +81,6 @@ class NodeStream:
                         self.queue.get_nowait()
                     self.queued_bytes = 0
                     return
+            timeline.result_sent(sending, messages[0], self.node_id, self.member)
             self.queued_bytes -= nbytes
 

@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from .. import __version__
+from .. import __version__, timeline
 from ..layout import layout_hash
 from ..security import ChannelSecurity
 from ..transport import CHUNK_BYTES, chunks
@@ -180,8 +180,12 @@ class ShardClient:
     async def exchange(self, block_id: int, round_: int, payload: bytes) -> bytes:
         """Push one block for a round and wait for the aggregate of all nodes."""
         future = self.expect(block_id, round_)
-        await self.push(block_id, round_, payload)
-        return await future
+        with timeline.span("push", round_, timeline.block_track(block_id), block=block_id, bytes=len(payload)):
+            await self.push(block_id, round_, payload)
+        pushed = timeline.mark()
+        result = await future
+        timeline.pulled(pushed, block_id, round_)
+        return result
 
     def expect(self, block_id: int, round_: int) -> asyncio.Future[bytes]:
         """Register interest in a result before pushing (so an early result is never missed)."""
@@ -218,6 +222,8 @@ class ShardClient:
                     continue
                 chunk = response.pull
                 key = (chunk.block_id, chunk.round)
+                if chunk.offset == 0:
+                    timeline.note(chunk.block_id, chunk.round)
                 parts = self._incoming.setdefault(key, [])
                 parts.append(chunk.data)
                 if chunk.offset + len(chunk.data) >= chunk.total_bytes:

@@ -26,6 +26,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import torch
 
+from .. import timeline
 from ..layout import block_payload_size
 from ..v1 import ps_pb2
 from .config import WorkerConfig
@@ -212,7 +213,7 @@ class NodeReducer:
             if self._gpu is not None:
                 torch.cuda.current_stream(mine.device).synchronize()
 
-        await run_in_thread(add)
+        await run_in_thread(timeline.wrapped(add, "local sum", seq - 1, block=block_id))
 
     def publish(self, block_id: int, seq: int) -> None:
         """Owner: the decoded result is in our buffer."""

@@ -28,6 +28,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .. import timeline
 from ..v1 import ps_pb2
 from .autotune import Decision
 from .errors import CgxPsError, ConfigError
@@ -157,7 +158,9 @@ class _DistributedMixin:
                                  "opt.skip_synchronize(), so every rank's scaler sees the same gradients")
         elif not self._cgx_synchronized:
             raise CgxPsError("step() inside skip_synchronize() needs synchronize() first")
-        result = super().step(closure)
+        with timeline.span("optimizer", self.stats.step):
+            result = super().step(closure)
+        timeline.step_ends(self.stats.step)
         self._cgx_synchronized = False
         self._cgx_driver.after_step()
         return result

@@ -46,6 +46,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from .. import timeline
 from ..kernels import Codec, CodecError, ErrorFeedback, dequantize, encode_block
 from ..layout import codec_of, layout_hash
 from ..v1 import ps_pb2
@@ -216,6 +217,8 @@ class BlockPipeline:
         block, reducer = self._blocks[block_id], self._reducer
         self._exchanged = True
         round_, seq = block.round, block.round - block.base + 1  # the job's round; the session's count
+        timeline.step_begins(round_)
+        hand_over = timeline.mark()
         if reducer is not None:
             reducer.before_write(block_id, seq)  # the owner: peers took the last result from our buffer
         self.buffers.fill(block_id, grad_of)
@@ -229,7 +232,9 @@ class BlockPipeline:
             work = self._fetch(block, seq)
         else:
             work = self._exchange(block, round_, seq, ready, self.compressing)
-        running = self._engine.submit(work)
+        timeline.since(hand_over, "backward-ready", round_, block=block_id)
+        running = self._engine.submit(timeline.traced(work, "block", round_, timeline.block_track(block_id),
+                                                      block=block_id, shard=block.spec.shard))
         block.round += 1
         running.add_done_callback(lambda done, future=block.future: _settle(future, done))
         return block.future
@@ -249,6 +254,7 @@ class BlockPipeline:
             self.abort_step()
             raise CgxPsError("finish_step() before every block was submitted (take_unsubmitted() gives the rest)")
         t0 = time.perf_counter() if waiting_since is None else waiting_since
+        waited = timeline.mark()
         stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s)
         try:
             for block in self._blocks:
@@ -268,6 +274,7 @@ class BlockPipeline:
             self.abort_step()
             raise
         stats.exposed_comm_s = max(0.0, time.perf_counter() - t0)
+        timeline.since(waited, "exposed wait", stats.step)
         stats.comm_window_s = self._span.take()
         self.stats, self.steps = stats, self.steps + 1
         self._next_step()
@@ -285,7 +292,8 @@ class BlockPipeline:
     def copy_out(self, block_id: int, out_of: TensorOf) -> None:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
         (skipping those for which it returns None)."""
-        self.buffers.copy_out(block_id, out_of)
+        with timeline.span("write-back", self._blocks[block_id].round - 1, block=block_id):
+            self.buffers.copy_out(block_id, out_of)
 
     # ---- one block, on the communication thread ------------------------------------------------------
 
@@ -301,11 +309,13 @@ class BlockPipeline:
         if ready is not None:
             await engine.in_thread(ready.synchronize)
         if reducer is not None:
-            await reducer.reduce(spec.block_id, seq, engine.in_thread)
-        payload = await engine.in_thread(self._encode, block, compressed, seed)
+            with timeline.span("reduce", round_, timeline.block_track(spec.block_id), block=spec.block_id):
+                await reducer.reduce(spec.block_id, seq, engine.in_thread)
+        payload = await engine.in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
+                                         block, compressed, seed)
         self._span.note(first=time.perf_counter())  # first byte out
         result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
-        await engine.in_thread(self._decode, block, result)
+        await engine.in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
         self._span.note(last=time.perf_counter())  # last result in
         if reducer is not None:
             reducer.publish(spec.block_id, seq)

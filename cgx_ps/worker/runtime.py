@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from typing import Sequence
 
+from .. import timeline
 from ..v1 import ps_pb2
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
@@ -26,6 +28,10 @@ def init(config: WorkerConfig | None = None, **overrides: object) -> WorkerConfi
     with _lock:
         if _config is None or config is not None or overrides:
             _config = config or WorkerConfig.from_env(**overrides)
+        # CGX_PS_TIMELINE: a bad step range or folder fails here, not at exit
+        timeline.start_from_env(os.environ, "rank", _config.rank, f"worker rank {_config.rank} "
+                                f"({_config.node_id}, local rank {_config.local_rank})", _config.rank,
+                                ConfigError, handle_sigterm=True)
         return _config
 
 
@@ -90,6 +96,7 @@ def shutdown() -> None:
     from .intranode import close_all
 
     close_all()
+    timeline.stop()  # writes CGX_PS_TIMELINE's file
 
 
 atexit.register(shutdown)
