@@ -23,6 +23,7 @@ or, under DDP (and every trainer built on it: Lightning, Accelerate, the HF Trai
     autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py
     metrics.py    optional Prometheus exporter (CGX_PS_WORKER_METRICS_PORT), fed by step()
     checkpoint.py a file per rank and step; resume from the newest complete one
+    pipeline_state.py  the pipeline's part of a checkpoint   stepstats.py  what a step measured
 """
 
 from .autotune import Decision

@@ -32,12 +32,14 @@ communication thread. Both front ends share their step bookkeeping through ``fro
 ``allow_non_finite`` (mixed precision): a block holding NaN/Inf travels as a non-finite block
 (the header alone) and every rank decodes NaN for it, so a loss scaler skips the step on every
 rank; without it the step fails, naming the tensors.
+
+Beside it: ``stepstats.py`` (what ``finish_step`` measured) and ``pipeline_state.py`` (the
+checkpoint, which ``state_dict`` / ``load_state_dict`` delegate to).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 import time
 import zlib
@@ -48,37 +50,19 @@ import torch
 
 from .. import timeline
 from ..kernels import Codec, CodecError, ErrorFeedback, dequantize, encode_block
-from ..layout import codec_of, layout_hash
+from ..layout import codec_of
 from ..v1 import ps_pb2
 from .buffers import BlockBuffers, TensorOf
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
-from .errors import CgxPsError, CheckpointError
+from .errors import CgxPsError
 from .intranode import node_reducer
 from .layout import Compression, TensorInfo, build_layout
+from .pipeline_state import pipeline_state, restore
 from .runtime import current_config, engines_for_layouts
+from .stepstats import CommSpan, StepStats
 
-__all__ = ["BlockPipeline", "PipelineSpec", "StepStats", "STATE_VERSION"]
-
-log = logging.getLogger(__name__)
-
-STATE_VERSION = 1  # of BlockPipeline.state_dict(); a checkpoint of another version is refused
-
-@dataclass
-class StepStats:
-    """What the last finished step sent, and how long it waited for communication."""
-
-    step: int = 0
-    bytes_pushed: int = 0  # compressed bytes this process pushed (its share of the node's blocks)
-    fp32_bytes: int = 0  # what the same blocks weigh uncompressed
-    exposed_comm_s: float = 0.0  # time finish_step() blocked waiting for blocks in flight
-    compressed: bool = True  # False during warm-up steps and when auto mode does not compress
-    backward_s: float = 0.0  # the front end's first to last gradient: what communication can hide behind
-    comm_window_s: float = 0.0  # this process's first push to its last result
-
-    @property
-    def ratio(self) -> float:
-        return self.fp32_bytes / self.bytes_pushed if self.bytes_pushed else 0.0
+__all__ = ["BlockPipeline", "PipelineSpec", "StepStats"]
 
 
 @dataclass(frozen=True)
@@ -106,23 +90,6 @@ class _Block:
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
-class _Span:
-    """First push to last result of a step: noted on the communication thread, taken on the
-    front end's, under a lock."""
-
-    def __init__(self) -> None:
-        self._lock, self._first, self._last = threading.Lock(), float("inf"), 0.0
-
-    def note(self, first: float = float("inf"), last: float = 0.0) -> None:
-        with self._lock:
-            self._first, self._last = min(self._first, first), max(self._last, last)
-
-    def take(self) -> float:
-        with self._lock:
-            span, self._first, self._last = max(0.0, self._last - self._first), float("inf"), 0.0
-        return span
-
-
 class BlockPipeline:
     """The per-block exchange of one process (see the module doc); also the ``Tunable`` that
     ``autotune.Tuner`` reads and adjusts."""
@@ -142,7 +109,7 @@ class BlockPipeline:
         self._reducer = node_reducer(layout, config, set(devices.values()), engine.round_timeout_s,
                                      run_tag=engine.session_id)
         self._lock = threading.Lock()  # tensors_ready may run on several autograd threads
-        self._span = _Span()
+        self._span = CommSpan()
         first = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
         self.buffers = BlockBuffers(layout, first, self._reducer)
         self._blocks: list[_Block] = []
@@ -374,128 +341,16 @@ class BlockPipeline:
         for block_id, settings in changes.items():
             self._blocks[block_id].settings = settings
 
-
-    # ---- checkpoints: what a resumed job needs to continue bit for bit --------------------------------
+    # ---- checkpoints (pipeline_state.py): what a resumed job needs to continue bit for bit ----------
 
     def state_dict(self) -> dict:
-        """This process's part of a checkpoint (between steps): the step and round counters (the
-        rounds give the seeds), each block's codec settings (adaptive bits), auto mode's choice,
-        and the error-feedback residuals of the blocks this process pushes. Plain data and CPU
-        tensors (``torch.load(weights_only=True)`` reads it)."""
-        self._check_between_steps("state_dict()")
-        c = self.config
-        return {
-            "version": STATE_VERSION,
-            "layout_hash": layout_hash(self.layout),
-            "owner": {"node_rank": c.node_rank, "local_rank": c.local_rank, "num_nodes": c.num_nodes,
-                      "local_world_size": c.local_world_size},
-            "steps": self.steps,
-            "compress": self.compress,
-            "rounds": [b.round for b in self._blocks],
-            "settings": [_settings_to_list(b.settings) for b in self._blocks],
-            "residuals": {b.spec.block_id: b.feedback.residual.detach().cpu().clone() for b in self._blocks
-                          if b.feedback is not None and b.feedback.residual is not None},
-        }
+        """This process's part of a checkpoint, between steps (``pipeline_state.pipeline_state``)."""
+        return pipeline_state(self)
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Continue from ``state_dict()`` of a checkpoint, before this process's first step:
-        counters, settings and auto mode's choice are restored, and every shard resumes the
-        blocks at the checkpoint's rounds. Residuals are restored when the checkpoint was saved
-        by the same node and local rank of a job of the same shape; otherwise (another rank's
-        file, another node count) they start from zero, as in a fresh job (module doc of
-        ``optimizer.py``). Raises ``CheckpointError`` for another layout or a damaged state."""
-        self._check_between_steps("load_state_dict()")
-        if self._exchanged:
-            raise CheckpointError("load the checkpoint before the first step: this process has already "
-                                  "exchanged gradients in the shards' current session")
-        restored = _parse_state(state, self.layout)
-        keep_residuals = restored.owner == {"node_rank": self.config.node_rank, "local_rank": self.config.local_rank,
-                                            "num_nodes": self.config.num_nodes,
-                                            "local_world_size": self.config.local_world_size}
-        if restored.residuals and not keep_residuals:
-            log.warning("checkpoint saved by node %s local rank %s of %s node(s): its error-feedback residuals "
-                        "are not this process's and start from zero", restored.owner.get("node_rank"),
-                        restored.owner.get("local_rank"), restored.owner.get("num_nodes"))
-        for block, round_, settings in zip(self._blocks, restored.rounds, restored.settings):
-            block.round = block.base = round_
-            block.settings = settings
-            if block.feedback is not None:
-                residual = restored.residuals.get(block.spec.block_id) if keep_residuals else None
-                block.feedback.residual = None if residual is None else residual.to(block.buffer.device, copy=True)
-        self.steps, self.compress = restored.steps, restored.compress
-        self.stats = StepStats(step=max(0, restored.steps - 1), compressed=self.compressing)
-        by_round: dict[int, list[ps_pb2.BlockCodec]] = {}
-        for block in self._blocks:
-            by_round.setdefault(block.round, []).append(ps_pb2.BlockCodec(block_id=block.spec.block_id,
-                                                                         codec=block.settings))
-        for round_, blocks in sorted(by_round.items()):
-            self._engine.set_codecs(round_, blocks, resume=True)
-
-    def _check_between_steps(self, what: str) -> None:
-        with self._lock:
-            busy = any(b.submitted or b.arrived for b in self._blocks)
-        if busy:
-            raise CheckpointError(f"{what} in the middle of a step: call it between steps (after step())")
-
-
-@dataclass(frozen=True)
-class _Restored:
-    owner: dict
-    steps: int
-    compress: bool
-    rounds: list[int]
-    settings: list[ps_pb2.CodecSettings]
-    residuals: dict[int, torch.Tensor]
-
-
-def _settings_to_list(s: ps_pb2.CodecSettings) -> list:
-    return [int(s.codec), int(s.bits), int(s.bucket_size), bool(s.stochastic)]
-
-
-def _parse_state(state: Mapping, layout: ps_pb2.Layout) -> _Restored:
-    """Check a pipeline state against this job's layout; raises ``CheckpointError`` naming the
-    first thing that does not fit."""
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"the cgx-ps state is a {type(state).__name__}, not a dict")
-    missing = [k for k in ("version", "layout_hash", "owner", "steps", "compress", "rounds", "settings", "residuals")
-               if k not in state]
-    if missing:
-        raise CheckpointError(f"the cgx-ps state lacks {', '.join(missing)}: not saved by state_dict()?")
-    if state["version"] != STATE_VERSION:
-        raise CheckpointError(f"cgx-ps state version {state['version']!r}, this cgx-ps reads version {STATE_VERSION}")
-    mine = layout_hash(layout)
-    if state["layout_hash"] != mine:
-        raise CheckpointError(f"the checkpoint is of another model layout (layout hash {str(state['layout_hash'])[:12]}… "
-                              f"vs this job's {mine[:12]}…): same model, compression, block_bytes and number of "
-                              f"shards are needed to resume")
-    n = len(layout.blocks)
-    rounds, settings = state["rounds"], state["settings"]
-    if len(rounds) != n or len(settings) != n:
-        raise CheckpointError(f"the checkpoint has {len(rounds)} rounds and {len(settings)} settings for {n} blocks")
-    if not all(isinstance(r, int) and 0 <= r < 1 << 32 for r in rounds):
-        raise CheckpointError("the checkpoint's rounds must be integers in 0..2^32-1")
-    if not isinstance(state["steps"], int) or state["steps"] < 0:
-        raise CheckpointError(f"the checkpoint's step count {state['steps']!r} is not an integer >= 0")
-    parsed = []
-    for spec, item in zip(layout.blocks, settings):
-        try:
-            codec, bits, bucket, stochastic = item
-            parsed.append(ps_pb2.CodecSettings(codec=codec, bits=bits, bucket_size=bucket, stochastic=stochastic))
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"block {spec.block_id}: codec settings {item!r} are not [codec, bits, bucket, "
-                                  f"stochastic]: {exc}") from None
-        if (parsed[-1].codec == ps_pb2.CODEC_MAXMIN) != (spec.codec.codec == ps_pb2.CODEC_MAXMIN):
-            raise CheckpointError(f"block {spec.block_id}: the checkpoint's codec {parsed[-1].codec} does not fit the "
-                                  f"layout's {spec.codec.codec}")
-    residuals = state["residuals"]
-    numel = {b.block_id: b.numel for b in layout.blocks}
-    for block_id, residual in residuals.items():
-        if not isinstance(residual, torch.Tensor) or block_id not in numel or residual.numel() != numel[block_id] \
-                or residual.dtype != torch.float32:
-            raise CheckpointError(f"the checkpoint's residual for block {block_id!r} does not fit the layout (a "
-                                  f"float32 tensor of the block's {numel.get(block_id, '?')} elements is needed)")
-    return _Restored(dict(state["owner"]), state["steps"], bool(state["compress"]), list(rounds), parsed,
-                     dict(residuals))
+        """Continue from ``state_dict()`` before the first step (``pipeline_state.restore``);
+        raises ``CheckpointError`` for another layout or a damaged state."""
+        restore(self, state)
 
 
 def _settle(future: torch.futures.Future, done: concurrent.futures.Future) -> None:
