@@ -50,6 +50,7 @@ class Session:
         self.layout_hash = digest
         self.num_nodes = request.num_nodes
         self.job_id = request.job_id
+        self.resumed = request.resume  # started by a recovering node after this shard restarted
         # membership, and its proof
         self.nodes: dict[str, set[int]] = {}  # node id -> members registered
         self.session_id = secrets.token_hex(16)
@@ -63,7 +64,7 @@ class Session:
         self.ended: str | None = None  # why the session ended (the first reason given)
         self.aggregator = Aggregator(owned, request.num_nodes, executor, sink=self, registered=self.nodes.keys(),
                                      round_timeout_s=config.round_timeout_s, error_feedback=config.error_feedback,
-                                     metrics=metrics)
+                                     metrics=metrics, resumed=request.resume)
         self._blobs = blobs  # the shard's store: the session's blobs go when it ends
         self._metrics = metrics
 

@@ -12,6 +12,9 @@
                                                        models on a GPU, else shared memory), shm
                                                        (host shared memory even for GPU models),
                                                        or cuda
+    CGX_PS_RECOVERY_TIMEOUT                            seconds to wait for a shard that went away
+                                                       (restart, dropped connection) before failing
+                                                       (default 60; 0: fail at once)
     CGX_PS_TOKEN_FILE                                  the job token the shards require
     CGX_PS_TLS_CA, CGX_PS_TLS_CERT, CGX_PS_TLS_KEY     TLS: the CA of the shards' certificates;
                                                        a client certificate for mutual TLS
@@ -49,6 +52,9 @@ class WorkerConfig:
     servers: tuple[str, ...] = ()
     # how long to retry an unreachable shard at start
     connect_timeout_s: float = 60.0
+    # how long to wait for a shard that went away while training (restarted, connection dropped)
+    # before failing with ShardUnavailableError; 0 fails at once
+    recovery_timeout_s: float = 60.0
     # the training job, shared by all its workers (lets a shard tell a new job from a restart)
     job_id: str = ""
     # intra-node reduction transport: "auto", "shm" or "cuda"
@@ -67,6 +73,8 @@ class WorkerConfig:
             (self.intranode in INTRANODE_TRANSPORTS,
              f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
+            (0 <= self.recovery_timeout_s < float("inf"),
+             f"CGX_PS_RECOVERY_TIMEOUT={self.recovery_timeout_s:g} must be a finite number of seconds >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -114,6 +122,7 @@ class WorkerConfig:
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=servers,
                      connect_timeout_s=env_float(env, "CGX_PS_CONNECT_TIMEOUT", 60.0, error=ConfigError),
+                     recovery_timeout_s=env_float(env, "CGX_PS_RECOVERY_TIMEOUT", 60.0, error=ConfigError),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
                      security=security)

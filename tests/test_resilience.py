@@ -1,0 +1,193 @@
+"""Chaos with real processes: two shards, two training workers, and the faults a job must outlive.
+
+- shard 1 SIGKILLed mid-training and restarted on its port, and every connection to shard 0
+  reset once: both workers finish with exactly the parameters of an uninterrupted run (the
+  reference replay of every step), so no step was lost or applied twice;
+- a shard that does not come back within CGX_PS_RECOVERY_TIMEOUT fails every worker, naming it;
+- a SIGSTOPped shard (connections stay up) fails every worker within its round timeout + 10 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cgx_ps.server import LocalCluster
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from support import METADATA, SECURITY
+from test_worker import env_for, expected_params
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_WORKER = ROOT / "tests/workers/step_worker.py"
+
+pytestmark = pytest.mark.slow
+
+
+class CuttableProxy:
+    """A TCP proxy in front of one shard whose connections the test resets at will (a transient
+    network fault: the shard stays up, the workers see their streams reset)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> int:
+        """Reset every connection now (RST, as a dropped NAT entry or a restarted router would)."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()
+        return len(sockets)
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()
+
+
+def rounds_completed(address: str) -> int:
+    with SECURITY.sync_channel(address) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=5,
+                                                               metadata=METADATA).rounds_completed
+
+
+def wait_for_rounds(address: str, rounds: int, workers: list[subprocess.Popen], timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if rounds_completed(address) >= rounds:
+                return
+        except grpc.RpcError:
+            pass
+        dead = [p.returncode for p in workers if p.poll() is not None]
+        assert not dead, f"a worker exited (codes {dead}) before shard {address} completed {rounds} rounds"
+        assert time.monotonic() < deadline, f"shard {address} did not complete {rounds} rounds"
+        time.sleep(0.05)
+
+
+def start_workers(servers: list[str], tmp_path: Path, steps: int, **env: str) -> list[subprocess.Popen]:
+    job = {"CGX_PS_JOB_ID": f"chaos-{uuid.uuid4().hex[:8]}", **env}
+    return [subprocess.Popen([sys.executable, str(STEP_WORKER), "--steps", str(steps), "--step-sleep", "0.05",
+                              "--out", str(tmp_path / f"rank{r}.pt")],
+                             env=env_for(r, 2, servers, **job), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+            for r in range(2)]
+
+
+def finish(workers: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, float]]:
+    """(exit code, stderr, time.monotonic() at exit) of each worker; kills any still running."""
+    deadline = time.monotonic() + timeout_s
+    exits = {}
+    while len(exits) < len(workers) and time.monotonic() < deadline:
+        for i, p in enumerate(workers):
+            if i not in exits and p.poll() is not None:
+                exits[i] = time.monotonic()
+        time.sleep(0.05)
+    out = []
+    for i, p in enumerate(workers):
+        if p.poll() is None:
+            p.kill()
+        _, err = p.communicate()
+        out.append((p.returncode, err, exits.get(i, float("inf"))))
+    return out
+
+
+def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path) -> None:
+    steps = 40
+    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
+        proxy = CuttableProxy(cluster.ports[0])
+        try:
+            workers = start_workers([f"127.0.0.1:{proxy.port}", cluster.addresses[1]], tmp_path, steps,
+                                    CGX_PS_RECOVERY_TIMEOUT="30")
+            wait_for_rounds(cluster.addresses[0], 8, workers)
+            assert proxy.cut() >= 4  # both workers' connections to shard 0, both directions
+            wait_for_rounds(cluster.addresses[1], 16, workers)
+            cluster.procs[1].kill()  # SIGKILL: no drain, rounds in flight are lost with it
+            cluster.procs[1].wait()
+            time.sleep(1.0)
+            cluster.restart(1)  # same port, new instance: a new session must be resumed
+            results = finish(workers, timeout_s=120)
+        finally:
+            proxy.close()
+    for r, (code, err, _) in enumerate(results):
+        assert code == 0, f"rank {r}:\n{err[-3000:]}"
+        assert "rejoined the restarted shard" in err, err[-3000:]
+        assert "reopened the stream" in err, err[-3000:]
+    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    expected = expected_params(saved[0], 2, steps, 1, torch.float32)
+    for name, value in expected.items():
+        assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name  # replicas bit-identical
+        assert torch.equal(saved[0]["final"][name], value), name  # every step applied exactly once
+
+
+def test_a_shard_not_back_within_the_recovery_timeout_fails_every_worker(tmp_path: Path) -> None:
+    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
+        workers = start_workers(cluster.addresses, tmp_path, 10_000, CGX_PS_RECOVERY_TIMEOUT="3")
+        wait_for_rounds(cluster.addresses[1], 3, workers)
+        cluster.procs[1].kill()
+        killed = time.monotonic()
+        results = finish(workers, timeout_s=30)
+        cluster.restart(1)  # back after the workers gave up: too late, they must not have waited for it
+    for r, (code, err, exited) in enumerate(results):
+        assert code != 0 and "ShardUnavailableError" in err, f"rank {r}:\n{err[-3000:]}"
+        assert f"shard {cluster.addresses[1]} did not come back within the recovery timeout of 3s" in err, err[-3000:]
+        assert exited - killed < 3 + 10, f"rank {r} took {exited - killed:.1f}s"
+
+
+def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp_path: Path) -> None:
+    round_timeout = 3
+    with LocalCluster(2, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as cluster:
+        workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 60 s
+        wait_for_rounds(cluster.addresses[1], 3, workers)
+        os.kill(cluster.procs[1].pid, signal.SIGSTOP)  # alive to TCP and keepalive, answering nothing
+        stopped = time.monotonic()
+        try:
+            results = finish(workers, timeout_s=30)
+        finally:
+            os.kill(cluster.procs[1].pid, signal.SIGCONT)
+    for r, (code, err, exited) in enumerate(results):
+        assert code != 0 and "ShardUnavailableError" in err, f"rank {r}:\n{err[-3000:]}"
+        assert f"shard {cluster.addresses[1]} sent no result" in err, err[-3000:]
+        assert exited - stopped < round_timeout + 10, f"rank {r} took {exited - stopped:.1f}s"
