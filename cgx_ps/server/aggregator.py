@@ -312,9 +312,10 @@ class Aggregator:
         declared = (int(codec), settings.bits, settings.bucket_size) if codec == Codec.MAXMIN \
             else (int(codec), h.bits, 0)
         got = (int(h.codec), h.bits, h.bucket_size)
-        if block.learning and block.round_encoding is None:
-            declared = got  # resumed session: the round's first push says how the round travels
-            block.round_stochastic = h.stochastic
+        if block.learning:  # resumed session: the round's first push says how the round travels
+            declared = block.round_encoding or got
+            if block.round_encoding is None:
+                block.round_stochastic = h.stochastic
         if h.numel != spec.numel or got not in (declared, (int(Codec.FP32), 32, 0)):
             raise BadRequest(
                 f"block {spec.block_id}: payload is {h.codec.name} bits={h.bits} bucket={h.bucket_size} "
