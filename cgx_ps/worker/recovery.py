@@ -33,7 +33,7 @@ __all__ = ["Backoff", "Fail", "HUNG_GRACE_S", "LIVENESS_TIMEOUT_S", "Recover", "
 # back. With the liveness check below, a stopped shard is reported within the round timeout +
 # HUNG_GRACE_S + LIVENESS_TIMEOUT_S + one supervisor tick (0.5 s): under 10 s past its round timeout.
 HUNG_GRACE_S = 5.0
-LIVENESS_TIMEOUT_S = 3.0
+LIVENESS_TIMEOUT_S = 2.0
 SLOW_LIMIT = 3.0
 
 
