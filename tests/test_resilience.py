@@ -166,8 +166,9 @@ def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path
             raise
         finally:
             proxy.close()
-    for r, (code, err, _) in enumerate(results):
-        assert code == 0, f"rank {r}:\n{err[-3000:]}"
+    everything = "\n".join(f"rank {r} (exit {code}):\n{err[-3000:]}" for r, (code, err, _) in enumerate(results))
+    for code, err, _ in results:
+        assert code == 0, everything
         assert "rejoined the restarted shard" in err, err[-3000:]
         assert "reopened the stream" in err, err[-3000:]
     saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

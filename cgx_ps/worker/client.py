@@ -354,14 +354,18 @@ class ShardClient:
             self._supervisor = asyncio.create_task(self._supervisor_loop())
 
     async def _supervisor_loop(self) -> None:
-        while self._error is None and not self._closing:
-            try:
-                await asyncio.wait_for(self._broken.wait(), _WATCH_INTERVAL_S)
-            except asyncio.TimeoutError:
-                await self._check_hung()
-                continue
-            self._broken.clear()
-            await self._recover(self._break_cause)
+        try:
+            while self._error is None and not self._closing:
+                try:
+                    await asyncio.wait_for(self._broken.wait(), _WATCH_INTERVAL_S)
+                except asyncio.TimeoutError:
+                    await self._check_hung()
+                    continue
+                self._broken.clear()
+                await self._recover(self._break_cause)
+        except Exception as exc:  # noqa: BLE001 - a dead supervisor would leave callers waiting forever
+            log.exception("shard %s: connection supervisor failed", self.address)
+            self._fail_all(CgxPsError(f"shard {self.address}: the connection supervisor failed: {exc!r}"))
 
     async def _check_hung(self) -> None:
         if not self._ready.is_set() or not self._unanswered:
