@@ -17,6 +17,14 @@ A block records who pushed it (node -> member) for the round under way and the o
 decides under its lock: a node's first push counts, its retry is a duplicate (or, for the round
 just finished, gets the result again), and another member of the same node is refused: one
 local rank pushes each block.
+
+A *resumed* session (the shard restarted under a running job: ps.proto, RegisterRequest.resume)
+knows neither the blocks' rounds nor the codec settings announced to the lost instance. Each
+block takes its round from the first push or restored result it gets, and the encoding of each
+round from that round's first push. A node that saw a round finish before the restart sends its
+result back (``restore``): the block adopts those bytes instead of summing the round again, and
+the nodes still waiting for that round get exactly them, so every replica applies the same
+update and none applies a step twice.
 """
 
 from __future__ import annotations
@@ -85,6 +93,14 @@ class _Block:
     round_non_finite: bool = False  # a node pushed a non-finite block this round: the result is one
     # adaptive compression: (from_round, settings) announced with SetCodecs, ascending
     schedule: list[tuple[int, ps_pb2.CodecSettings]] = field(default_factory=list)
+    # resumed sessions (module doc): the round comes from the first push or restored result; the
+    # encoding from each round's first push (and its stochastic flag, for the re-quantization)
+    adopting: bool = False
+    learning: bool = False
+    round_stochastic: bool = False
+    # the last result was restored, not summed here: nodes absent from last_pushed get it too
+    restored: bool = False
+    summed_here: bool = False  # a round was summed here: a restore now comes too late
     resumed_at: int | None = None  # the checkpoint round the session resumed this block at
 
     @property
@@ -153,8 +169,11 @@ class Aggregator:
         round_timeout_s: float,
         error_feedback: bool = False,
         metrics: ShardMetrics | None = None,
+        resumed: bool = False,
     ) -> None:
-        self.blocks = {b.block_id: _Block(b, block_payload_size(b)) for b in blocks}
+        self.blocks = {b.block_id: _Block(b, block_payload_size(b), adopting=resumed, learning=resumed)
+                       for b in blocks}
+        self.resumed = resumed
         self.num_nodes = num_nodes
         self.executor = executor
         self.sink = sink
@@ -166,10 +185,13 @@ class Aggregator:
 
     # ---- queries used by the service ----------------------------------------------------------
 
-    def allowed_sizes(self, block_id: int, round_: int) -> tuple[int, ...]:
+    def allowed_sizes(self, block_id: int, round_: int) -> tuple[int, ...] | range:
         """Wire sizes a push of this block may have in a round: its codec then, uncompressed, or
-        a non-finite block (the header alone)."""
+        a non-finite block (the header alone); a resumed session's block, which learns its
+        encoding from the pushes, takes any size up to uncompressed."""
         block = self._block(block_id)
+        if block.learning:
+            return range(HEADER_SIZE, HEADER_SIZE + 4 * block.spec.numel + 1)
         s = block.settings_for(round_)
         size = HEADER_SIZE + body_size(codec_of(s), block.spec.numel, s.bits, s.bucket_size)
         return size, HEADER_SIZE + 4 * block.spec.numel, HEADER_SIZE  # the last: a non-finite block
@@ -244,6 +266,8 @@ class Aggregator:
                    ) -> PushOutcome:
         block = self._block(block_id)
         async with block.lock:
+            if block.adopting:  # resumed session: the first push says where the block is
+                block.round, block.adopting = round_, False
             outcome = self._check_round(block, node_id, member, round_)
             if outcome is not None:
                 return outcome
@@ -273,6 +297,44 @@ class Aggregator:
                 await self._finish(block, round_)
             return PushOutcome(accepted=True)
 
+    async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes) -> PushOutcome:
+        """A node's copy of a round's result from the lost shard instance (resumed sessions only):
+        adopt it unless the block is already past that round (module doc)."""
+        block = self._block(block_id)
+        if not self.resumed:
+            raise BadRequest(f"block {block_id}: a result may be restored only into a session resumed after "
+                             f"a shard restart (RegisterRequest.resume)")
+        async with block.lock:
+            if self.failed is not None:
+                raise SessionEnded(f"session failed earlier: {self.failed.message}")
+            if not block.adopting and round_ < block.round:
+                return PushOutcome(accepted=False)  # another node restored it first, or it is older
+            if not block.adopting and (round_ > block.round or block.summed_here):
+                raise WrongRound(f"block {block_id}: cannot restore round {round_}, the block is at round "
+                                 f"{block.round}{' and has summed rounds since the restart' if block.summed_here else ''}")
+            self._check_result(block, result)
+            waiting = block.pushed  # nodes that pushed this round here: they get the restored bytes
+            if block.timer is not None:
+                block.timer.cancel()
+            block.last_result, block.last_pushed, block.pushed = result, waiting, {}
+            block.round, block.adopting, block.restored, block.round_encoding = round_ + 1, False, True, None
+            log.info("block %d: round %d restored from node %s (%d node(s) were waiting for it)", block_id, round_,
+                     node_id, len(waiting))
+            if waiting:
+                self.sink.deliver(block_id, round_, result, waiting)
+            return PushOutcome(accepted=True)
+
+    def _check_result(self, block: _Block, result: bytes) -> None:
+        """A restored result must be a well-formed block of the right size (it is decoded by every
+        node that receives it, so the codec checks everything else there)."""
+        try:
+            h = decode_header(result)
+        except CodecError as exc:
+            raise BadRequest(f"block {block.spec.block_id}: restored result: {exc}") from None
+        if h.numel != block.spec.numel:
+            raise BadRequest(f"block {block.spec.block_id}: restored result has {h.numel} elements, the block "
+                             f"{block.spec.numel}")
+
     def _check_round(self, block: _Block, node_id: str, member: int, round_: int) -> PushOutcome | None:
         """None for a push that counts, an outcome for a retry; raises for one that may not."""
         if self.failed is not None:
@@ -292,6 +354,9 @@ class Aggregator:
             return PushOutcome(accepted=False, resend=None if round_ == block.round else block.last_result)
         if round_ == block.round:
             return None
+        if round_ + 1 == block.round and block.restored:
+            # a node that pushed the round before the restart: the restored result is its result
+            return PushOutcome(accepted=False, resend=block.last_result)
         kind = "stale" if round_ < block.round else "far-future"
         raise WrongRound(f"block {block.spec.block_id}: {kind} round {round_}, the shard expects round {block.round}")
 
@@ -307,6 +372,10 @@ class Aggregator:
         declared = (int(codec), settings.bits, settings.bucket_size) if codec == Codec.MAXMIN \
             else (int(codec), h.bits, 0)
         got = (int(h.codec), h.bits, h.bucket_size)
+        if block.learning:  # resumed session: the round's first push says how the round travels
+            declared = block.round_encoding or got
+            if block.round_encoding is None:
+                block.round_stochastic = h.stochastic
         if h.numel != spec.numel or got not in (declared, (int(Codec.FP32), 32, 0)):
             raise BadRequest(
                 f"block {spec.block_id}: payload is {h.codec.name} bits={h.bits} bucket={h.bucket_size} "
@@ -340,6 +409,7 @@ class Aggregator:
         block.round_encoding = None
         block.round_non_finite = False
         block.round += 1
+        block.restored, block.summed_here = False, True
         if self.metrics:
             self.metrics.rounds.inc()
             self.metrics.round_latency.observe(time.monotonic() - block.first_push_at)
@@ -351,7 +421,7 @@ class Aggregator:
         assert block.acc is not None and block.round_encoding is not None
         codec, bits, bucket = block.round_encoding
         acc, seed = block.acc, result_seed(block.spec.block_id, round_)
-        stochastic = block.settings_for(round_).stochastic
+        stochastic = block.round_stochastic if block.learning else block.settings_for(round_).stochastic
         return encode_block(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed,
                             feedback=block.feedback if self.error_feedback else None,
                             allow_non_finite=block.round_non_finite).to_bytes()

@@ -65,14 +65,9 @@ class LocalCluster:
         for i in range(self.shards):
             port = self.base_port + i if self.base_port else 0
             mport = self.metrics_base_port + i if self.metrics_base_port > 0 else self.metrics_base_port
-            port_file = Path(self._tmp.name) / f"shard{i}.json"
+            proc, port_file = self._spawn(i, port, mport)
+            self.procs.append(proc)
             files.append(port_file)
-            flags = ["--host", self.host, "--port", str(port), "--shard-index", str(i),
-                     "--num-shards", str(self.shards), "--metrics-port", str(mport),
-                     "--token-file", self.token_file or "", *self.extra_args]
-            out = open(Path(self.log_dir) / f"shard{i}.log", "w") if self.log_dir else None
-            self.procs.append(launch_shard(flags, port_file, stdout=out,
-                                           stderr=subprocess.STDOUT if out else None))
         deadline = time.monotonic() + self.startup_timeout_s
         for i, (proc, port_file) in enumerate(zip(self.procs, files)):
             try:
@@ -83,6 +78,28 @@ class LocalCluster:
             self.ports.append(info["port"])
             self.metrics_ports.append(info["metrics_port"])
         return self
+
+    def _spawn(self, i: int, port: int, metrics_port: int) -> tuple[subprocess.Popen, Path]:
+        port_file = Path(self._tmp.name) / f"shard{i}.json"
+        port_file.unlink(missing_ok=True)
+        flags = ["--host", self.host, "--port", str(port), "--shard-index", str(i),
+                 "--num-shards", str(self.shards), "--metrics-port", str(metrics_port),
+                 "--token-file", self.token_file or "", *self.extra_args]
+        out = open(Path(self.log_dir) / f"shard{i}.log", "a") if self.log_dir else None  # a restart appends
+        return launch_shard(flags, port_file, stdout=out, stderr=subprocess.STDOUT if out else None), port_file
+
+    def restart(self, i: int) -> None:
+        """Start shard ``i`` again on its port (as a StatefulSet restarts a pod on its address),
+        after it died or was killed; wait until it serves. Its old process must be gone."""
+        if self.procs[i].poll() is None:
+            raise RuntimeError(f"shard {i} (pid {self.procs[i].pid}) is still running")
+        mport = self.metrics_ports[i] if self.metrics_base_port >= 0 else -1
+        proc, port_file = self._spawn(i, self.ports[i], mport)
+        self.procs[i] = proc
+        try:
+            wait_for_port_file(proc, port_file, time.monotonic() + self.startup_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"shard {i} restarted on port {self.ports[i]} {exc}") from None
 
     def stop(self, timeout_s: float = 30.0) -> list[int]:
         """SIGTERM every shard (they drain), wait, SIGKILL stragglers; return exit codes. The

@@ -84,7 +84,7 @@ class PushAssembler:
                            f"in {self.round_timeout_s:g}s; a block must arrive whole within the "
                            f"round timeout") from None
 
-    async def add(self, chunk: Any, allowed_sizes: Callable[[int, int], tuple[int, ...]]
+    async def add(self, chunk: Any, allowed_sizes: Callable[[int, int], tuple[int, ...] | range]
                   ) -> bytes | memoryview | bytearray | None:
         """Add a chunk to its block; the payload once the block is complete. ``allowed_sizes``
         (block id, round): the wire sizes the layout allows (it raises for unknown blocks)."""
@@ -119,10 +119,12 @@ class PushAssembler:
         timeline.since(b.started, "receive", b.round, self.track, block=b.block_id, bytes=b.total)
         return b.first if b.buffer is None else b.buffer
 
-    async def _start(self, chunk: Any, sizes: tuple[int, ...]) -> _Block:
+    async def _start(self, chunk: Any, sizes: tuple[int, ...] | range) -> _Block:
         if chunk.total_bytes not in sizes:
+            says = (f"{sizes.start} to {sizes.stop - 1}" if isinstance(sizes, range)
+                    else f"{sizes[0]} (or {sizes[1]} uncompressed)")
             raise BadRequest(f"block {chunk.block_id}: push of {chunk.total_bytes} bytes, the layout "
-                             f"says {sizes[0]} (or {sizes[1]} uncompressed)")
+                             f"says {says}")
         started = timeline.mark()  # waiting for room in the budget is part of receiving
         await self.inflight.reserve(chunk.total_bytes, chunk.block_id, 2 * self.round_timeout_s)
         self.partial = _Block(chunk.block_id, chunk.round, chunk.total_bytes,

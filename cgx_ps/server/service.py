@@ -97,7 +97,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self._last_ended = self.session
         self.blobs.clear()  # a new session starts with no blobs: none from another job or run
         self.session = session = Session(request, digest, self.config, self.executor, self.blobs, self.metrics)
-        log.info("new session: %d tensors, %d blocks (%d here), %d nodes, layout %s", len(session.layout.tensors),
+        log.info("new %ssession: %d tensors, %d blocks (%d here), %d nodes, layout %s",
+                 "resumed " if session.resumed else "", len(session.layout.tensors),
                  len(session.layout.blocks), len(session.aggregator.blocks), session.num_nodes, digest[:12])
 
     # ---- Exchange -------------------------------------------------------------------------------
@@ -191,8 +192,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     async def _push(self, session: Session, stream: NodeStream, chunk: PushFrame, payload: bytes | memoryview
                     ) -> None:
         try:
-            outcome = await session.aggregator.push(stream.node_id, stream.member, chunk.block_id, chunk.round,
-                                                    payload)
+            # a restored result (recovery after a shard restart, ps.proto PushChunk.restore) or a push
+            act = session.aggregator.restore if chunk.restore else session.aggregator.push
+            outcome = await act(stream.node_id, stream.member, chunk.block_id, chunk.round, payload)
         except Exception as exc:  # noqa: BLE001 - any failure ends this member's stream, clearly
             if not isinstance(exc, ProtocolError):
                 log.exception("node %s: unexpected error in push", stream.node_id)

@@ -52,6 +52,7 @@ class Session:
         self.num_nodes = request.num_nodes
         self.job_id = request.job_id
         self.incarnation = request.incarnation  # which start of the job (admission.py)
+        self.resumed = request.resume  # started by a recovering node after this shard restarted
         # membership, and its proof
         self.nodes: dict[str, set[int]] = {}  # node id -> members registered
         self.session_id = secrets.token_hex(16)
@@ -65,7 +66,7 @@ class Session:
         self.ended: str | None = None  # why the session ended (the first reason given)
         self.aggregator = Aggregator(owned, request.num_nodes, executor, sink=self, registered=self.nodes.keys(),
                                      round_timeout_s=config.round_timeout_s, error_feedback=config.error_feedback,
-                                     metrics=metrics)
+                                     metrics=metrics, resumed=request.resume)
         self._blobs = blobs  # the shard's store: the session's blobs go when it ends
         self._metrics = metrics
 

@@ -92,7 +92,7 @@ class Layout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "num_nodes", "layout", "layout_hash", "client_version", "job_id", "member", "incarnation")
+    __slots__ = ("node_id", "num_nodes", "layout", "layout_hash", "client_version", "job_id", "member", "resume", "incarnation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class RegisterRequest(_message.Message):
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     num_nodes: int
@@ -108,8 +109,9 @@ class RegisterRequest(_message.Message):
     client_version: str
     job_id: str
     member: int
+    resume: bool
     incarnation: int
-    def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ..., resume: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id")
@@ -152,18 +154,20 @@ class Hello(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., member: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("round", "block_id", "total_bytes", "offset", "data")
+    __slots__ = ("round", "block_id", "total_bytes", "offset", "data", "restore")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     round: int
     block_id: int
     total_bytes: int
     offset: int
     data: bytes
-    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    restore: bool
+    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., restore: _Optional[bool] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
     __slots__ = ("pull", "error")

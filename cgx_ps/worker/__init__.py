@@ -18,7 +18,8 @@ or, under DDP (and every trainer built on it: Lightning, Accelerate, the HF Trai
     optimizer.py  front end: hooks, .grad, step()       pipeline.py   a step's per-block work
     ddp_hook.py   front end: DDP buckets, futures       frontend.py   what both front ends share
     buffers.py    the blocks' flat buffers              engine.py     the communication thread
-    client.py     one shard connection                  broadcast.py  root -> all via shard 0
+    client.py     one shard connection, kept alive     broadcast.py  root -> all via shard 0
+    recovery.py   what to do when a shard connection breaks (reopen, rejoin, give up, hung)
     intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
     autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py
     metrics.py    optional Prometheus exporter (CGX_PS_WORKER_METRICS_PORT), fed by step()

@@ -1,12 +1,22 @@
-"""One node's connection to one shard: Register, then a long-lived Exchange stream.
+"""One node's connection to one shard: Register, then a long-lived Exchange stream, kept alive.
 
-    client = ShardClient(address, node_id, num_nodes, layout)
+    client = ShardClient(address, node_id, num_nodes, layout, recovery_timeout_s=60)
     await client.connect()                       # retries with backoff, then a clear error
     result = await client.exchange(block_id, round, payload)   # push, then await the aggregate
 
 Pushes go out as 1 MiB chunks over one stream; results come back on the same stream and are
-matched to waiting callers by (block, round). A failed round or a closed stream fails every
-waiting call with an error that names the shard and the cause.
+matched to waiting callers by (block, round).
+
+Recovery (recovery.py decides, this class acts). A push is kept until its result arrives, and
+so is the last result of each block. When the stream breaks (the shard died, is restarting, or
+the connection dropped), a supervisor task reconnects with backoff. The same shard instance
+kept the session: reopen a stream and push the unanswered blocks again (duplicates are
+harmless there). A restarted instance lost it: register again as a resuming node, give back
+the last results (``restore``) and push the unanswered blocks again, under the same round
+numbers. Callers waiting for results notice nothing. They fail, with an error naming the shard,
+when it is not back within ``recovery_timeout_s`` (0: at once), when a round failed for
+everyone, on a refusal, and when a push stays unanswered past the shard's round timeout on a
+connection that looks healthy (a stopped or hung shard).
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,6 +35,8 @@ from ..security import ChannelSecurity
 from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
+from .recovery import (LIVENESS_TIMEOUT_S, Backoff, Fail, Recover, Rejoin, after_stream_end, hung_after_s, is_hung,
+                       reconnect_action)
 
 __all__ = ["ShardClient"]
 
@@ -33,6 +46,10 @@ _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is sa
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # Words gRPC puts in the details of a failed TLS handshake: retrying will not fix a certificate.
 _TLS_FAILURE_MARKERS = ("handshake", "certificate_verify_failed", "ssl_error", "tls", "certificate")
+# What writing to a stream that has ended raises (the status itself comes to the reader).
+_WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+_WATCH_INTERVAL_S = 0.5  # how often the supervisor looks for a push unanswered too long
+_ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's RPCs (a stopped shard accepts TCP but never answers)
 
 
 def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsError | None:
@@ -48,10 +65,21 @@ def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsE
     return None
 
 
+@dataclass(eq=False)
+class _Unanswered:
+    payload: bytes
+    since: float  # time.monotonic() of its last (re)push: the hung-shard deadline counts from here
+
+
+class _TryAgain(Exception):
+    """A reconnect attempt failed in a way the next attempt may not."""
+
+
 class ShardClient:
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
                  connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
-                 security: ChannelSecurity = _PLAIN, incarnation: int = 0) -> None:
+                 security: ChannelSecurity = _PLAIN, incarnation: int = 0,
+                 recovery_timeout_s: float = 0.0) -> None:
         self.address = address
         self.node_id = node_id
         self.num_nodes = num_nodes
@@ -62,6 +90,7 @@ class ShardClient:
         self.member = member
         self.incarnation = incarnation
         self.security = security
+        self.recovery_timeout_s = recovery_timeout_s  # how long to wait for a lost shard; 0: fail at once
         self._metadata = security.metadata()  # the job token, sent with every call
         self.registration: ps_pb2.RegisterResponse | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -71,6 +100,17 @@ class ShardClient:
         self._waiting: dict[tuple[int, int], asyncio.Future[bytes]] = {}
         self._incoming: dict[tuple[int, int], list[bytes]] = {}
         self._error: CgxPsError | None = None
+        # recovery: what a new stream must carry, and the state of the current one
+        self._unanswered: dict[tuple[int, int], _Unanswered] = {}  # pushed, no result yet; oldest first
+        self._results: dict[int, tuple[int, bytes]] = {}  # block -> (round, its result): for restores
+        self._generation = 0  # of the current stream: the end of an older one is old news
+        self._ready = asyncio.Event()  # the current stream is open and carries every unanswered push
+        self._broken = asyncio.Event()  # the current stream ended in a way recovery may repair
+        self._break_cause = ""
+        self._supervisor: asyncio.Task | None = None
+        self._closing = False
+        self.recoveries = 0  # streams repaired
+        self.recovery_s = 0.0  # total seconds spent repairing them
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -78,16 +118,11 @@ class ShardClient:
 
     async def connect(self) -> ps_pb2.RegisterResponse:
         self._channel = self.security.aio_channel(self.address)
-        stub = ps_pb2_grpc.ParameterServerStub(self._channel)
-        request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
-                                         layout_hash=self.layout_hash, client_version=__version__,
-                                         job_id=self.job_id, member=self.member, incarnation=self.incarnation)
         deadline = time.monotonic() + self.connect_timeout_s
         delay = 0.1
         while True:
             try:
-                self.registration = await stub.Register(request, timeout=10.0, wait_for_ready=False,
-                                                        metadata=self._metadata)
+                await self._register(resume=False, timeout=10.0)
                 break
             except grpc.aio.AioRpcError as exc:
                 fatal = connect_failure(self.address, exc.code(), exc.details() or "")
@@ -100,33 +135,60 @@ class ShardClient:
                         f"that the shard is running") from None
                 await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: nodes retry apart
                 delay = min(delay * 2, 2.0)
-        await self._open_stream()
+        async with self._write_lock:
+            await self._open_stream()
+        self._supervise()
         return self.registration
 
+    async def _register(self, resume: bool, timeout: float) -> None:
+        request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
+                                         layout_hash=self.layout_hash, client_version=__version__,
+                                         job_id=self.job_id, member=self.member, resume=resume,
+                                         incarnation=self.incarnation)
+        self.registration = await self._stub().Register(request, timeout=timeout, wait_for_ready=False,
+                                                        metadata=self._metadata)
+
+    def _stub(self) -> ps_pb2_grpc.ParameterServerStub:
+        return ps_pb2_grpc.ParameterServerStub(self._channel)
+
     async def _open_stream(self) -> None:
-        self._call = ps_pb2_grpc.ParameterServerStub(self._channel).Exchange(metadata=self._metadata)
-        await self._call.write(ps_pb2.ExchangeRequest(
+        """A new Exchange stream (call with the write lock held); ready once the caller has pushed
+        what must go first."""
+        self._generation += 1
+        self._incoming.clear()
+        self._call = call = self._stub().Exchange(metadata=self._metadata)
+        await call.write(ps_pb2.ExchangeRequest(
             hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
                                session_id=self.session_id)))
-        self._reader = asyncio.create_task(self._read_results())
+        self._reader = asyncio.create_task(self._read_results(call, self._generation))
+        self._ready.set()
+
+    def _drop_stream(self) -> None:
+        """Forget the current stream: its reader's end is old news from now on."""
+        self._generation += 1
+        self._ready.clear()
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
 
     async def reopen(self) -> None:
         """Open a fresh Exchange stream after the old one ended (no new Register, so the
-        session and its rounds go on). Results of the old stream that never arrived are lost;
-        push those blocks again and the shard resends finished results."""
-        if self._call is not None:
-            self._call.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
+        session and its rounds go on), even after an error ended the old one. Results of the old
+        stream that never arrived are lost; push those blocks again and the shard resends
+        finished results."""
+        self._drop_stream()
         self._error = None
-        self._incoming.clear()
-        await self._open_stream()
+        async with self._write_lock:
+            await self._open_stream()
+        self._supervise()
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        self._drop_stream()
         if self._reader is not None:
-            self._reader.cancel()
             try:
                 await self._reader
             except (asyncio.CancelledError, Exception):
@@ -152,19 +214,34 @@ class ShardClient:
 
     @property
     def error(self) -> CgxPsError | None:
-        """The error that ended this connection's stream (a failed round, a closed shard), if any."""
+        """The error that ended this connection for good (a failed round, a shard not back in
+        time, a refusal), if any; a connection being repaired has none."""
         return self._error
 
     # ---- control: adaptive settings, link probe -------------------------------------------------
 
     async def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec], resume: bool = False) -> None:
-        stub = ps_pb2_grpc.ParameterServerStub(self._channel)
-        try:
-            await stub.SetCodecs(ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks,
-                                                         session_id=self.session_id, resume=resume),
-                                 timeout=30, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise ShardRejectedError(self.address, exc.code().name, exc.details() or "") from None
+        """Announce blocks' settings from a round on; ``resume``: they start there (a checkpoint)."""
+        for attempt in range(2):
+            await self._wait_ready()
+            try:
+                await self._stub().SetCodecs(
+                    ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks,
+                                            session_id=self.session_id, resume=resume),
+                    timeout=30, metadata=self._metadata)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt or self.recovery_timeout_s <= 0:
+                    raise ShardRejectedError(self.address, exc.code().name, exc.details() or "") from None
+                # the shard is gone: once the stream is repaired, announce again (a shard that
+                # restarted in between learns the settings from the pushes themselves)
+                self._stream_broke(self._generation, f"SetCodecs: {exc.code().name}: {exc.details()}")
+
+    async def _wait_ready(self) -> None:
+        while not self._ready.is_set():
+            if self._error is not None:
+                raise self._error
+            await asyncio.sleep(0.05)
 
     async def probe(self, nbytes: int) -> float:
         """Seconds to upload nbytes to the shard (1 MiB chunks, as pushes travel)."""
@@ -198,59 +275,199 @@ class ShardClient:
         return future
 
     async def push(self, block_id: int, round_: int, payload: bytes) -> None:
+        """Send a block's payload for a round; kept until its result arrives. While the stream is
+        being repaired it is only kept: the repair pushes it."""
         if self._error is not None:
             raise self._error
-        total = len(payload)
         async with self._write_lock:  # one writer at a time; keeps a block's chunks contiguous
-            try:
-                for off, piece in chunks(payload):
-                    chunk = ps_pb2.PushChunk(round=round_, block_id=block_id, total_bytes=total, offset=off,
-                                             data=piece)
-                    await self._call.write(ps_pb2.ExchangeRequest(push=chunk))
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-                raise self._error or ShardUnavailableError(
-                    f"shard {self.address}: stream closed while pushing: {exc}") from None
-        self.bytes_sent += total
+            # kept under the lock: a repair pushes it exactly when this call does not
+            self._unanswered[(block_id, round_)] = _Unanswered(payload, time.monotonic())
+            if self._ready.is_set():
+                try:
+                    await self._write(block_id, round_, payload)
+                except _WRITE_ERRORS as exc:
+                    self._stream_broke(self._generation, f"stream closed while pushing: {exc}")
+        self.bytes_sent += len(payload)
 
-    async def _read_results(self) -> None:
+    async def _write(self, block_id: int, round_: int, payload: bytes, restore: bool = False) -> None:
+        total = len(payload)
+        for off, piece in chunks(payload):
+            await self._call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(
+                round=round_, block_id=block_id, total_bytes=total, offset=off, data=piece, restore=restore)))
+
+    async def _read_results(self, call, generation: int) -> None:
+        code, details = None, ""
         try:
-            async for response in self._call:
-                kind = response.WhichOneof("kind")
-                if kind == "error":
+            async for response in call:
+                if response.WhichOneof("kind") == "error":
                     e = response.error
                     self._fail_all(RoundFailedError(self.address, e.message, tuple(e.missing_nodes)))
                     continue
-                chunk = response.pull
-                key = (chunk.block_id, chunk.round)
-                if chunk.offset == 0:
-                    timeline.note(chunk.block_id, chunk.round)
-                parts = self._incoming.setdefault(key, [])
-                parts.append(chunk.data)
-                if chunk.offset + len(chunk.data) >= chunk.total_bytes:
-                    del self._incoming[key]
-                    data = parts[0] if len(parts) == 1 else b"".join(parts)
-                    self.bytes_received += len(data)
-                    future = self._waiting.pop(key, None)
-                    if future is None:
-                        future = self._waiting[key] = asyncio.get_running_loop().create_future()
-                    if not future.done():
-                        future.set_result(data)
-            self._fail_all(ShardUnavailableError(f"shard {self.address} closed the stream"))
+                self._take(response.pull)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED:
+            code, details = exc.code(), exc.details() or ""
+        if generation != self._generation:
+            return  # a stream we replaced or dropped
+        match after_stream_end(code, details, self._closing):
+            case None:
                 self._fail_all(CgxPsError(f"connection to shard {self.address} closed"))
-            elif exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._fail_all(ShardUnavailableError(f"shard {self.address} went away: {exc.details()}"))
-            elif exc.code() == grpc.StatusCode.ABORTED:
-                self._fail_all(RoundFailedError(self.address, exc.details() or "aborted"))
-            else:
-                self._fail_all(ShardRejectedError(self.address, exc.code().name, exc.details() or ""))
+            case Recover(cause):
+                self._stream_broke(generation, cause)
+            case Fail(code, details) if code == grpc.StatusCode.ABORTED:
+                self._fail_all(RoundFailedError(self.address, details or "aborted"))
+            case Fail(code, details):
+                self._fail_all(ShardRejectedError(self.address, code.name, details))
+
+    def _take(self, chunk: ps_pb2.PullChunk) -> None:
+        key = (chunk.block_id, chunk.round)
+        if chunk.offset == 0:
+            timeline.note(chunk.block_id, chunk.round)
+        parts = self._incoming.setdefault(key, [])
+        parts.append(chunk.data)
+        if chunk.offset + len(chunk.data) < chunk.total_bytes:
+            return
+        del self._incoming[key]
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.bytes_received += len(data)
+        pushed = self._unanswered.pop(key, None) is not None
+        if self.recovery_timeout_s > 0 and chunk.round >= self._results.get(chunk.block_id, (-1, b""))[0]:
+            self._results[chunk.block_id] = (chunk.round, data)
+        future = self._waiting.pop(key, None)
+        if future is None and pushed:  # pushed without expect(): an early result is kept for it
+            future = self._waiting[key] = asyncio.get_running_loop().create_future()
+        if future is not None and not future.done():  # else: a second copy after a repair
+            future.set_result(data)
 
     def _fail_all(self, error: CgxPsError) -> None:
         # The first error is the cause (an in-band RoundError comes before the ABORTED status).
         if self._error is None:
             self._error = error
+        self._ready.clear()
         for future in self._waiting.values():
             if not future.done():
                 future.set_exception(self._error)
         self._waiting.clear()
+        self._unanswered.clear()
+        self._results.clear()
+
+    # ---- recovery (module doc; the decisions are in recovery.py) -----------------------------------
+
+    def _stream_broke(self, generation: int, cause: str) -> None:
+        if generation != self._generation or self._error is not None or self._closing:
+            return
+        self._ready.clear()
+        self._break_cause = cause
+        self._broken.set()
+
+    def _supervise(self) -> None:
+        if self._supervisor is None or self._supervisor.done():
+            self._supervisor = asyncio.create_task(self._supervisor_loop())
+
+    async def _supervisor_loop(self) -> None:
+        try:
+            while self._error is None and not self._closing:
+                try:
+                    await asyncio.wait_for(self._broken.wait(), _WATCH_INTERVAL_S)
+                except asyncio.TimeoutError:
+                    await self._check_hung()
+                    continue
+                self._broken.clear()
+                await self._recover(self._break_cause)
+        except Exception as exc:  # noqa: BLE001 - a dead supervisor would leave callers waiting forever
+            log.exception("shard %s: connection supervisor failed", self.address)
+            self._fail_all(CgxPsError(f"shard {self.address}: the connection supervisor failed: {exc!r}"))
+
+    async def _check_hung(self) -> None:
+        if not self._ready.is_set() or not self._unanswered:
+            return
+        (block_id, round_), oldest = next(iter(self._unanswered.items()))  # pushed first: waited longest
+        round_timeout = (self.registration.round_timeout_s if self.registration else 0) or 60.0
+        waited = time.monotonic() - oldest.since
+        if waited <= hung_after_s(round_timeout):
+            return
+        if not is_hung(waited, round_timeout, await self._answers_status()):
+            log.warning("shard %s: no result for block %d round %d in %.1fs, but it answers: slow, not hung",
+                        self.address, block_id, round_, waited)
+        elif self._unanswered.get((block_id, round_)) is oldest and self._ready.is_set():
+            self._fail_all(ShardUnavailableError(
+                f"shard {self.address} sent no result for block {block_id} round {round_} in {waited:.1f}s, "
+                f"although it fails any round within its round timeout ({round_timeout:g}s): the shard is "
+                f"stopped, hung or cut off; check its process and logs"))
+            self._drop_stream()
+
+    async def _answers_status(self) -> bool:
+        try:
+            await self._stub().Status(ps_pb2.StatusRequest(), timeout=LIVENESS_TIMEOUT_S, metadata=self._metadata)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def _recover(self, cause: str) -> None:
+        if self.recovery_timeout_s <= 0:
+            self._fail_all(ShardUnavailableError(f"shard {self.address} went away ({cause}); recovery is off "
+                                                 f"(CGX_PS_RECOVERY_TIMEOUT=0)"))
+            return
+        started = time.monotonic()
+        deadline = started + self.recovery_timeout_s
+        log.warning("shard %s: connection lost (%s); reconnecting for up to %gs", self.address, cause,
+                    self.recovery_timeout_s)
+        self._drop_stream()
+        backoff, last = Backoff(), cause
+        while self._error is None and not self._closing:
+            try:
+                how = await self._reconnect(deadline)
+            except _TryAgain as exc:
+                last = str(exc)
+            except CgxPsError as exc:  # a refusal: trying again cannot help
+                self._fail_all(exc)
+                return
+            else:
+                took = time.monotonic() - started
+                self.recoveries += 1
+                self.recovery_s += took
+                log.warning("shard %s: %s after %.2fs", self.address, how, took)
+                return
+            delay = backoff.next()
+            if time.monotonic() + delay >= deadline:
+                self._fail_all(ShardUnavailableError(
+                    f"shard {self.address} did not come back within the recovery timeout of "
+                    f"{self.recovery_timeout_s:g}s (CGX_PS_RECOVERY_TIMEOUT): waited {time.monotonic() - started:.1f}s "
+                    f"after losing it ({cause}); last error: {last}"))
+                return
+            await asyncio.sleep(delay)
+
+    async def _reconnect(self, deadline: float) -> str:
+        """One attempt: a new channel, then reopen or rejoin, then push again what is unanswered.
+        Returns what it did; raises _TryAgain, or a CgxPsError that ends the job."""
+        timeout = max(0.2, min(_ATTEMPT_TIMEOUT_S, deadline - time.monotonic()))
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self.security.aio_channel(self.address)  # connects now, not after gRPC's backoff
+        try:
+            status = await self._stub().Status(ps_pb2.StatusRequest(), timeout=timeout, metadata=self._metadata)
+            if status.draining:
+                raise _TryAgain("the shard is draining for a restart")
+            action = reconnect_action(self.registration.instance_id, status.instance_id)
+            if isinstance(action, Rejoin):
+                await self._register(resume=True, timeout=timeout)
+            async with self._write_lock:
+                await self._open_stream()
+                self._ready.clear()  # until every unanswered push went out again
+                restores = list(self._results.items()) if isinstance(action, Rejoin) else []
+                for block_id, (round_, result) in restores:
+                    await self._write(block_id, round_, result, restore=True)
+                again = list(self._unanswered.items())
+                for (block_id, round_), entry in again:
+                    if (block_id, round_) in self._unanswered:  # its result may have come meanwhile
+                        entry.since = time.monotonic()
+                        await self._write(block_id, round_, entry.payload)
+                self._ready.set()
+        except grpc.aio.AioRpcError as exc:
+            fatal = connect_failure(self.address, exc.code(), exc.details() or "")
+            if fatal is not None:
+                raise fatal from None
+            raise _TryAgain(f"{exc.code().name}: {exc.details()}") from None
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            raise _TryAgain(f"the new stream ended at once: {exc}") from None
+        what = ("rejoined the restarted shard" if isinstance(action, Rejoin) else "reopened the stream")
+        return f"{what}: {len(restores)} result(s) restored, {len(again)} push(es) sent again"

@@ -14,6 +14,9 @@
                                                        models on a GPU, else shared memory), shm
                                                        (host shared memory even for GPU models),
                                                        or cuda
+    CGX_PS_RECOVERY_TIMEOUT                            seconds to wait for a shard that went away
+                                                       (restart, dropped connection) before failing
+                                                       (default 60; 0: fail at once)
     CGX_PS_TOKEN_FILE                                  the job token the shards require
     CGX_PS_TLS_CA, CGX_PS_TLS_CERT, CGX_PS_TLS_KEY     TLS: the CA of the shards' certificates;
                                                        a client certificate for mutual TLS
@@ -51,6 +54,9 @@ class WorkerConfig:
     servers: tuple[str, ...] = ()
     # how long to retry an unreachable shard at start
     connect_timeout_s: float = 60.0
+    # how long to wait for a shard that went away while training (restarted, connection dropped)
+    # before failing with ShardUnavailableError; 0 fails at once
+    recovery_timeout_s: float = 60.0
     # the training job, shared by all its workers (lets a shard tell a new job from a restart)
     job_id: str = ""
     # which start of the job (torchrun counts its restarts): a higher one starts a new shard session
@@ -72,6 +78,8 @@ class WorkerConfig:
              f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
             (0 <= self.incarnation < 1 << 32, f"incarnation {self.incarnation} is not in 0..2^32-1"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
+            (0 <= self.recovery_timeout_s < float("inf"),
+             f"CGX_PS_RECOVERY_TIMEOUT={self.recovery_timeout_s:g} must be a finite number of seconds >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -119,6 +127,7 @@ class WorkerConfig:
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=servers,
                      connect_timeout_s=env_float(env, "CGX_PS_CONNECT_TIMEOUT", 60.0, error=ConfigError),
+                     recovery_timeout_s=env_float(env, "CGX_PS_RECOVERY_TIMEOUT", 60.0, error=ConfigError),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      incarnation=num("CGX_PS_INCARNATION", num("TORCHELASTIC_RESTART_COUNT", 0)),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",

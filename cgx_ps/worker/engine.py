@@ -1,5 +1,9 @@
 """The worker's communication thread: one event loop, one ShardClient per shard.
 
+Each ShardClient repairs its own connection when a shard restarts or the network drops it
+(client.py, recovery.py): pushes wait for the repair instead of failing, so both front ends of
+the block pipeline survive a shard restart without knowing about it.
+
 Training code runs in its own thread (autograd's); the block pipeline (``pipeline.py``) hands
 each block's work over with ``submit``, which returns a ``concurrent.futures.Future``. Codec
 kernels run in the loop's executor (``in_thread``: they release the GIL) and pushes on the
@@ -57,7 +61,8 @@ class CommEngine:
                               f"{len(self.config.servers)}")
         self.clients = [ShardClient(a, self.node_id, self.num_nodes, layout, self.config.connect_timeout_s,
                                     self.config.job_id, self.member, self.config.security,
-                                    incarnation=self.config.incarnation)
+                                    incarnation=self.config.incarnation,
+                                    recovery_timeout_s=self.config.recovery_timeout_s)
                         for a in self.config.servers]
 
         async def connect_all() -> None:
@@ -110,6 +115,11 @@ class CommEngine:
     async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
         """Push a block's payload for a round to its shard; returns the aggregate of all nodes."""
         return await self.clients[shard].exchange(block_id, round_, payload)
+
+    @property
+    def recoveries(self) -> tuple[int, float]:
+        """Connections to shards repaired so far, and the seconds spent repairing them."""
+        return sum(c.recoveries for c in self.clients), sum(c.recovery_s for c in self.clients)
 
     def shard_error(self, shard: int) -> CgxPsError | None:
         """The error that ended the stream to a shard (a failed round, a closed shard), if any."""

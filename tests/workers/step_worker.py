@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 import zlib
 
 import torch
@@ -40,6 +41,7 @@ def main() -> None:
     p.add_argument("--stall-at-step", type=int, default=-1, help="stop (SIGSTOP) ourselves before this step")
     p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (every local rank on cuda:0)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds between steps (chaos tests)")
     args = p.parse_args()
     config = cgx.init()
     dtype = getattr(torch, args.dtype)
@@ -62,6 +64,7 @@ def main() -> None:
                        for name, param in model.named_parameters())
             loss.backward()
         opt.step()
+        time.sleep(args.step_sleep)
     cpu = {n: t.cpu() for n, t in model.state_dict().items()}
     initial = {n: t.cpu() for n, t in initial.items()}
     torch.save({"initial": initial, "final": cpu, "layout": opt.layout.SerializeToString(),

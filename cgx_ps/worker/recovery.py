@@ -1,0 +1,101 @@
+"""What a worker does when its connection to a shard breaks: the decisions, as pure functions.
+
+``ShardClient`` (client.py) carries them out. The decisions, in the order they come up:
+
+1. A stream ended: ``after_stream_end`` says whether it may be recovered (the shard went away,
+   restarted, or the connection dropped) or ends the job (a round failed for everyone, a
+   refusal: retrying cannot help).
+2. While recovering, each attempt asks the shard for its instance id (Status) and
+   ``reconnect_action`` says how to go on: the same instance kept the session, so ``Reopen`` a
+   stream in it and push again what was not answered (the shard's duplicate handling makes
+   that idempotent); another instance lost it, so ``Rejoin``: register again as a resuming
+   node, restore the last results it gave us and push again what was not answered.
+3. Attempts are spaced by ``Backoff`` (jittered, so the nodes of a job do not retry in step) and
+   bounded by the recovery timeout (``CGX_PS_RECOVERY_TIMEOUT``).
+4. A shard that keeps the connection but answers nothing (stopped, hung) is caught by
+   ``hung_after_s``: a push unanswered that long is overdue (a shard promises a result or a
+   RoundError within its round timeout of the round's first push). An overdue shard that still
+   answers a Status call within ``LIVENESS_TIMEOUT_S`` is alive, only slow (a shard's first
+   rounds compile its kernels); ``is_hung`` gives it up to ``SLOW_LIMIT`` x that long.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import grpc
+
+__all__ = ["Backoff", "Fail", "HUNG_GRACE_S", "LIVENESS_TIMEOUT_S", "Recover", "Rejoin", "Reopen", "SLOW_LIMIT",
+           "after_stream_end", "hung_after_s", "is_hung", "reconnect_action"]
+
+# Beyond the round timeout, what a round's result may take: summing, re-encoding and sending it
+# back. With the liveness check below, a stopped shard is reported within the round timeout +
+# HUNG_GRACE_S + LIVENESS_TIMEOUT_S + one supervisor tick (0.5 s): under 10 s past its round timeout.
+HUNG_GRACE_S = 5.0
+LIVENESS_TIMEOUT_S = 2.0
+SLOW_LIMIT = 3.0
+
+
+@dataclass(frozen=True)
+class Recover:
+    cause: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    code: grpc.StatusCode
+    details: str
+
+
+def after_stream_end(code: grpc.StatusCode | None, details: str, closing: bool) -> Recover | Fail | None:
+    """What a stream's end means. ``code`` None: it ended without a status (clean EOF);
+    ``closing``: we are closing it ourselves (then None: nothing to do)."""
+    if closing:
+        return None
+    if code is None:
+        return Recover("the shard closed the stream")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        # UNAVAILABLE: the shard died, drains for a restart, or the connection dropped. CANCELLED
+        # without our asking: the transport gave up on the call (a reset connection).
+        return Recover(f"{code.name}: {details}")
+    return Fail(code, details)  # ABORTED (a failed round, a reset session) and refusals are final
+
+
+@dataclass(frozen=True)
+class Reopen:
+    """The shard instance we registered with is still there: its session and rounds go on."""
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Another instance serves the address (the shard restarted): our session is gone."""
+
+
+def reconnect_action(registered_instance: str, serving_instance: str) -> Reopen | Rejoin:
+    return Reopen() if serving_instance == registered_instance else Rejoin()
+
+
+class Backoff:
+    """Exponential delays with jitter: ``first`` doubling up to ``cap``, each drawn from
+    [0.5, 1.5) x the nominal delay. The cap is small on purpose: a shard restarted on the same
+    address is typically back within seconds, and resuming must not wait long after it is."""
+
+    def __init__(self, first: float = 0.05, cap: float = 0.5, rng: random.Random | None = None) -> None:
+        self.nominal, self.cap = first, cap
+        self._rng = rng or random.Random()
+
+    def next(self) -> float:
+        delay = self.nominal * (0.5 + self._rng.random())
+        self.nominal = min(self.nominal * 2, self.cap)
+        return delay
+
+
+def hung_after_s(round_timeout_s: float) -> float:
+    """How long a push may go unanswered on a healthy connection before the shard counts as hung."""
+    return round_timeout_s + HUNG_GRACE_S
+
+
+def is_hung(waited_s: float, round_timeout_s: float, answers_status: bool) -> bool:
+    """An overdue push (``waited_s`` > ``hung_after_s``): is its shard hung, or only slow?"""
+    return not answers_status or waited_s > SLOW_LIMIT * hung_after_s(round_timeout_s)

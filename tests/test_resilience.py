@@ -1,0 +1,264 @@
+"""Chaos with real processes: two shards, two training workers, and the faults a job must outlive.
+
+- shard 1 SIGKILLed mid-training and restarted on its port, and every connection to shard 0
+  reset once: both workers finish with exactly the parameters of an uninterrupted run (the
+  reference replay of every step), so no step was lost or applied twice;
+- a shard that does not come back within CGX_PS_RECOVERY_TIMEOUT fails every worker, naming it;
+- a SIGSTOPped shard (connections stay up) fails every worker within its round timeout + 10 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from cgx_ps.server import LocalCluster
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from support import METADATA, SECURITY
+from test_worker import env_for, expected_params
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_WORKER = ROOT / "tests/workers/step_worker.py"
+
+
+
+class CuttableProxy:
+    """A TCP proxy in front of one shard whose connections the test resets at will (a transient
+    network fault: the shard stays up, the workers see their streams reset)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> int:
+        """Reset every connection now (RST, as a dropped NAT entry or a restarted router would)."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()
+        return len(sockets)
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()
+
+
+def rounds_completed(address: str) -> int:
+    with SECURITY.sync_channel(address) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), timeout=5,
+                                                               metadata=METADATA).rounds_completed
+
+
+def wait_for_rounds(address: str, rounds: int, workers: list[subprocess.Popen], timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if rounds_completed(address) >= rounds:
+                return
+        except grpc.RpcError:
+            pass
+        dead = [p.returncode for p in workers if p.poll() is not None]
+        assert not dead, f"a worker exited (codes {dead}) before shard {address} completed {rounds} rounds"
+        assert time.monotonic() < deadline, f"shard {address} did not complete {rounds} rounds"
+        time.sleep(0.05)
+
+
+def start_workers(servers: list[str], tmp_path: Path, steps: int, **env: str) -> list[subprocess.Popen]:
+    job = {"CGX_PS_JOB_ID": f"chaos-{uuid.uuid4().hex[:8]}", **env}
+    # a small model in many blocks (both shards own several), so the reference replay is quick
+    return [subprocess.Popen([sys.executable, str(STEP_WORKER), "--steps", str(steps), "--step-sleep", "0.05",
+                              "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"rank{r}.pt")],
+                             env=env_for(r, 2, servers, **job), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+            for r in range(2)]
+
+
+def finish(workers: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, float]]:
+    """(exit code, stderr, time.monotonic() at which it printed ShardUnavailableError, else inf) of
+    each worker; kills any still running after ``timeout_s``. (The moment the error is raised, not
+    the process exit, which interpreter teardown delays on a loaded machine.)"""
+    raised = [float("inf")] * len(workers)
+    errs: list[list[str]] = [[] for _ in workers]
+
+    def read(i: int) -> None:
+        for line in workers[i].stderr:
+            if "ShardUnavailableError" in line and raised[i] == float("inf"):
+                raised[i] = time.monotonic()
+            errs[i].append(line)
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(workers))]
+    for t in readers:
+        t.start()
+    for p in workers:
+        try:
+            p.wait(timeout=max(0.1, timeout_s))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for t in readers:
+        t.join(timeout=10)
+    return [(p.returncode, "".join(errs[i]), raised[i]) for i, p in enumerate(workers)]
+
+
+@pytest.mark.slow
+def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path) -> None:
+    steps = 24
+    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
+        proxy = CuttableProxy(cluster.ports[0])
+        try:
+            workers = start_workers([f"127.0.0.1:{proxy.port}", cluster.addresses[1]], tmp_path, steps,
+                                    CGX_PS_RECOVERY_TIMEOUT="30")
+            wait_for_rounds(cluster.addresses[0], 6, workers)
+            assert proxy.cut() >= 4  # both workers' connections to shard 0, both directions
+            wait_for_rounds(cluster.addresses[1], 12, workers)
+            cluster.procs[1].kill()  # SIGKILL: no drain, rounds in flight are lost with it
+            cluster.procs[1].wait()
+            time.sleep(1.0)
+            cluster.restart(1)  # same port, new instance: a new session must be resumed
+            results = finish(workers, timeout_s=120)
+        except AssertionError:
+            for p in workers:  # say why a worker stopped
+                p.kill()
+                print(p.stderr.read()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            proxy.close()
+    everything = "\n".join(f"rank {r} (exit {code}):\n{err[-3000:]}" for r, (code, err, _) in enumerate(results))
+    for code, err, _ in results:
+        assert code == 0, everything
+        assert "rejoined the restarted shard" in err, err[-3000:]
+        assert "reopened the stream" in err, err[-3000:]
+    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    expected = expected_params(saved[0], 2, steps, 1, torch.float32)
+    for name, value in expected.items():
+        assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name  # replicas bit-identical
+        assert torch.equal(saved[0]["final"][name], value), name  # every step applied exactly once
+
+
+@pytest.mark.slow
+def test_a_shard_not_back_within_the_recovery_timeout_fails_every_worker(tmp_path: Path) -> None:
+    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
+        workers = start_workers(cluster.addresses, tmp_path, 10_000, CGX_PS_RECOVERY_TIMEOUT="3")
+        wait_for_rounds(cluster.addresses[1], 3, workers)
+        cluster.procs[1].kill()
+        killed = time.monotonic()
+        results = finish(workers, timeout_s=30)
+        cluster.restart(1)  # back after the workers gave up: too late, they must not have waited for it
+    for r, (code, err, exited) in enumerate(results):
+        assert code != 0 and "ShardUnavailableError" in err, f"rank {r}:\n{err[-3000:]}"
+        assert f"shard {cluster.addresses[1]} did not come back within the recovery timeout of 3s" in err, err[-3000:]
+        assert exited - killed < 3 + 10, f"rank {r} raised {exited - killed:.1f}s after the kill"
+
+
+@pytest.mark.slow
+def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp_path: Path) -> None:
+    round_timeout = 3
+    with LocalCluster(2, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as cluster:
+        workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 60 s
+        wait_for_rounds(cluster.addresses[1], 3, workers)
+        os.kill(cluster.procs[1].pid, signal.SIGSTOP)  # alive to TCP and keepalive, answering nothing
+        stopped = time.monotonic()
+        try:
+            results = finish(workers, timeout_s=30)
+        finally:
+            os.kill(cluster.procs[1].pid, signal.SIGCONT)
+    for r, (code, err, exited) in enumerate(results):
+        assert code != 0 and "ShardUnavailableError" in err, f"rank {r}:\n{err[-3000:]}"
+        assert f"shard {cluster.addresses[1]} sent no result" in err, err[-3000:]
+        assert exited - stopped < round_timeout + 10, f"rank {r} raised {exited - stopped:.1f}s after the stop"
+
+
+# ---- the shard's side of a resumed session, in-process ---------------------------------------------
+
+class _Sink:
+    def __init__(self) -> None:
+        self.delivered: list[tuple[int, int, bytes, dict]] = []
+
+    def deliver(self, block_id, round_, result, pushers) -> None:
+        self.delivered.append((block_id, round_, result, dict(pushers)))
+
+    def round_failed(self, failure) -> None:
+        raise AssertionError(failure)
+
+
+def _aggregator(resumed: bool):
+    from cgx_ps.kernels import Codec, encode
+    from cgx_ps.server.aggregator import Aggregator
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
+    sink = _Sink()
+    agg = Aggregator(list(layout.blocks), 2, None, sink, {"n0", "n1"}, round_timeout_s=30, resumed=resumed)
+    payload = encode(torch.randn(4096), Codec.MAXMIN, bits=2, bucket_size=512).to_bytes()  # not the layout's bits
+    return agg, sink, payload
+
+
+@pytest.mark.parametrize("restore_first", [True, False])
+async def test_a_resumed_block_gives_a_restored_result_to_the_nodes_still_waiting(restore_first: bool) -> None:
+    """Node n0 saw round 5 finish before the restart, n1 did not: n1 must get n0's bytes, and
+    round 6 is summed normally, in the encoding the pushes bring."""
+    from cgx_ps.server.errors import BadRequest
+
+    agg, sink, payload = _aggregator(resumed=True)
+    result5 = payload  # any well-formed block of the right size stands for round 5's result
+    if restore_first:
+        assert (await agg.restore("n0", 0, 0, 5, result5)).accepted
+        outcome = await agg.push("n1", 0, 0, 5, payload)  # n1's kept push of round 5
+        assert outcome.resend == result5 and not sink.delivered
+    else:
+        assert (await agg.push("n1", 0, 0, 5, payload)).accepted  # round 5 starts here...
+        assert (await agg.restore("n0", 0, 0, 5, result5)).accepted  # ...but finished before the restart
+        assert sink.delivered == [(0, 5, result5, {"n1": 0})]
+    assert not (await agg.restore("n1", 0, 0, 4, payload)).accepted  # an older result: ignored
+    sink.delivered.clear()
+    for node in ("n0", "n1"):
+        assert (await agg.push(node, 0, 0, 6, payload)).accepted
+    assert [(b, r, pushers) for b, r, _, pushers in sink.delivered] == [(0, 6, {"n0": 0, "n1": 0})]
+    with pytest.raises(Exception, match="cannot restore round 7"):  # summed here since: too late
+        await agg.restore("n0", 0, 0, 7, result5)
+    plain, _, _ = _aggregator(resumed=False)
+    with pytest.raises(BadRequest, match="only into a session resumed"):
+        await plain.restore("n0", 0, 0, 0, result5)
