@@ -23,6 +23,15 @@ step, warm-up included), ``median_step_s`` (after warm-up), ``eval_loss``
 over the timed steps) and ``host_cpu_s_per_step`` (the same plus the
 processes named in ``CGX_PS_BENCH_HOST_PIDS``, the colocated cgx-ps shards:
 what one host spends per step; equal to ``cpu_s_per_step`` for DDP).
+
+``--hook cgx`` registers the cgx-ps DDP communication hook (``cgx.DDPHookState(ddp,
+compression=--compression, block_bytes=--block-mb)`` with ``cgx.ddp_comm_hook``): DDP's own
+bucketing and overlap, with every bucket averaged through the cgx-ps shards in CGX_PS_SERVERS
+(``netcluster.run_cgx(..., front_end="ddp-hook")`` starts them and sets the env). It needs the
+cgx-ps env as well as the torch.distributed one (``cgx.init()`` runs first), and adds cgx_step.py's
+``exposed_comm_s`` (median over the timed steps of ``DDPHookState.stats.exposed_comm_s``: from the
+last bucket handed over to the last block decoded) and ``bytes_pushed_per_step`` /
+``fp32_bytes_per_step``.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netcluster import HOST_PIDS_ENV  # noqa: E402 - stdlib only: the variable run_cgx sets
 
 MODELS = ("tiny", "mlp17m", "mlp25m", "convnet")
-HOOKS = ("none", "fp16", "powersgd")
+HOOKS = ("none", "fp16", "powersgd", "cgx")
 # The built-in powerSGD_hook chains futures with ``.then`` and calls ``.wait()`` on a
 # new all_reduce *inside* the callbacks.  Gloo runs future callbacks on its worker
 # threads (2 per process group), so two buckets in flight can block both workers
@@ -188,9 +197,16 @@ class HostCpu:
                 "host_cpu_s_per_step": None if others is None else own + others}
 
 
-def register_hook(ddp: nn.parallel.DistributedDataParallel, hook: str, seed: int, rank_pq: int) -> object:
+def register_hook(ddp: nn.parallel.DistributedDataParallel, hook: str, seed: int, rank_pq: int,
+                  compression: str = "4bit", block_mb: float = 4.0) -> object:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    if hook == "cgx":
+        import cgx_ps.worker as cgx
+
+        state = cgx.DDPHookState(ddp, compression=compression, block_bytes=int(block_mb * (1 << 20)))
+        ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+        return state
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
@@ -218,6 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 2 for powersgd)")
     p.add_argument("--hook", choices=HOOKS, default="none")
     p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--compression", default="4bit", help="--hook cgx: fp32, fp16, Nbit (as cgx_step.py)")
+    p.add_argument("--block-mb", type=float, default=4.0, help="--hook cgx: fp32 MB per block (as cgx_step.py)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP bucket size in MiB (default: DDP's 25; for powersgd %d, see POWERSGD_BUCKET_CAP_MB)"
                    % POWERSGD_BUCKET_CAP_MB)
@@ -244,6 +262,13 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     distributed = world > 1
 
+    if args.hook == "cgx" and not distributed:
+        raise SystemExit("--hook cgx needs WORLD_SIZE > 1 (and the cgx-ps env: CGX_PS_SERVERS, ...)")
+    cgx = None
+    if args.hook == "cgx":
+        import cgx_ps.worker as cgx
+
+        cgx.init()  # before the process group: the hook's state registers with the shards it names
     t_init = time.perf_counter()
     if distributed:
         dist.init_process_group("gloo", rank=rank, world_size=world,
@@ -257,8 +282,8 @@ def main(argv=None) -> int:
         args.bucket_cap_mb = POWERSGD_BUCKET_CAP_MB
     ddp_kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     net = nn.parallel.DistributedDataParallel(model, **ddp_kw) if distributed else model
-    if distributed:
-        register_hook(net, args.hook, args.seed, args.powersgd_rank)
+    hook_state = (register_hook(net, args.hook, args.seed, args.powersgd_rank, args.compression, args.block_mb)
+                  if distributed else None)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr)
 
     teacher = Teacher(args.model, args.seed)
@@ -279,6 +304,7 @@ def main(argv=None) -> int:
         dist.barrier()
 
     times, loss = [], float("nan")
+    exposed, pushed, fp32 = [], 0, 0  # --hook cgx only
     counters0 = None
     cpu = HostCpu()
     for step, (x, y) in enumerate(batches):
@@ -293,6 +319,11 @@ def main(argv=None) -> int:
         opt.step()
         times.append(time.perf_counter() - t0)
         loss = loss_t.item()
+        if args.hook == "cgx" and step >= args.warmup:
+            # the step ended in the last bucket's future, which backward() waited for
+            exposed.append(hook_state.stats.exposed_comm_s)
+            pushed += hook_state.stats.bytes_pushed
+            fp32 += hook_state.stats.fp32_bytes
     cpu.stop()
     counters1 = iface_bytes(args.iface)
 
@@ -328,9 +359,16 @@ def main(argv=None) -> int:
         **cpu.per_step(args.steps),
         "torch": torch.__version__,
     }
+    if args.hook == "cgx":
+        result.update({"compression": args.compression, "block_mb": args.block_mb,
+                       "exposed_comm_s": statistics.median(exposed) if exposed else None,
+                       "bytes_pushed_per_step": pushed / max(args.steps, 1),
+                       "fp32_bytes_per_step": fp32 / max(args.steps, 1)})
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
+    if cgx is not None:
+        cgx.shutdown()
     ok = math.isfinite(result["eval_loss"]) and math.isfinite(loss)
     print(json.dumps(result), flush=True)
     return 0 if ok else 1

@@ -857,21 +857,33 @@ def _cgx_argv(model: str, compression: str, steps: int, warmup: int, batch_size:
             "--seed", str(seed), "--iface", HOST_IFACE, *extra]
 
 
+FRONT_ENDS = ("optimizer", "ddp-hook")
+
+
 def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", steps: int = 20, warmup: int = 3,
             batch_size: int = 64, threads: int = 1, seed: int = 0, timeout: float = 180.0,
             worker_hosts: Sequence[int] | None = None, shard_hosts: Sequence[int] | None = None,
-            extra_args: Sequence[str] = (), shard_args: Sequence[str] = ()) -> JobResult:
+            extra_args: Sequence[str] = (), shard_args: Sequence[str] = (),
+            front_end: str = "optimizer") -> JobResult:
     """``cgx_step.py`` on ``worker_hosts`` (default all hosts), one worker (= one node)
     per host, against fresh shards on ``shard_hosts`` (default: the worker hosts,
     i.e. one colocated shard per worker host).  The shards are stopped before
     returning.  ``res.info`` holds the shard hosts and addresses, each shard's CPU
     seconds during the job (``shard_cpu_s``), the machine's busy CPU seconds and
-    wall time of the job (``machine_busy_s``, ``machine_wall_s``), and shard exit codes."""
+    wall time of the job (``machine_busy_s``, ``machine_wall_s``), and shard exit codes.
+
+    ``front_end="ddp-hook"`` runs ``ddp_step.py --hook cgx`` instead: torch DDP over a gloo
+    process group on the same links, its buckets averaged by the cgx-ps DDP comm hook through
+    the same shards (``extra_args`` go to ddp_step.py, e.g. ``["--block-mb", "4"]``)."""
     import uuid
 
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"front_end {front_end!r}: choose from {FRONT_ENDS}")
     worker_hosts = list(range(cluster.hosts)) if worker_hosts is None else list(worker_hosts)
     shard_hosts = list(worker_hosts) if shard_hosts is None else list(shard_hosts)
-    name = f"cgx/{model}/{compression}"
+    hook = front_end == "ddp-hook"
+    name = f"{'ddp-cgx' if hook else 'cgx'}/{model}/{compression}"
+    port = next(_port_counter)
     with start_shards(cluster, shard_hosts, extra_args=shard_args) as shards:
         job_id = f"{name}-{uuid.uuid4().hex[:8]}"
 
@@ -882,9 +894,16 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
             return _repo_env({"RANK": rank, "WORLD_SIZE": len(worker_hosts), "CGX_PS_NODE_RANK": rank,
                               "CGX_PS_NUM_NODES": len(worker_hosts), "CGX_PS_SERVERS": shards.servers,
                               "CGX_PS_TOKEN_FILE": shards.token_file, HOST_PIDS_ENV: colocated,
-                              "CGX_PS_JOB_ID": job_id, **_thread_env(threads)})
+                              "CGX_PS_JOB_ID": job_id, **_thread_env(threads),
+                              # DDP's own gloo group (for the broadcast at wrap time and barriers)
+                              **({"MASTER_ADDR": cluster.address(worker_hosts[0]), "MASTER_PORT": port,
+                                  "GLOO_SOCKET_IFNAME": HOST_IFACE} if hook else {})})
 
-        argv = _cgx_argv(model, compression, steps, warmup, batch_size, threads, seed, extra_args)
+        if hook:
+            argv = _ddp_argv(model, "cgx", steps, warmup, batch_size, threads, seed, timeout,
+                             ["--compression", compression, *extra_args])
+        else:
+            argv = _cgx_argv(model, compression, steps, warmup, batch_size, threads, seed, extra_args)
         cpu0 = shards.cpu_seconds()
         res = run_job(cluster, argv, env, hosts=worker_hosts, timeout=timeout, name=name)
         cpu1 = shards.cpu_seconds()
