@@ -16,11 +16,11 @@ from cgx_ps.v1 import ps_pb2
 u64 = st.integers(0, (1 << 64) - 1)
 u32 = st.integers(0, (1 << 32) - 1)
 pushes = st.builds(ps_pb2.PushChunk, round=u64, block_id=u32, total_bytes=u64, offset=u64,
-                   data=st.binary(max_size=300))
+                   data=st.binary(max_size=300), restore=st.booleans())
 
 
 def fields(chunk) -> tuple:
-    return chunk.round, chunk.block_id, chunk.total_bytes, chunk.offset, bytes(chunk.data)
+    return chunk.round, chunk.block_id, chunk.total_bytes, chunk.offset, bytes(chunk.data), chunk.restore
 
 
 @settings(max_examples=200, deadline=None)

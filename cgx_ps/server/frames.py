@@ -41,6 +41,7 @@ class PushFrame:
     total_bytes: int
     offset: int
     data: bytes | memoryview
+    restore: bool = False  # a recovering node's last result for a resumed session (ps.proto)
 
 
 def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int] | None:
@@ -55,8 +56,11 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int] | None:
     return None
 
 
-# PushChunk field number -> (attribute, mask); field 5 is the data
-_PUSH_INTS = {1: ("round", _U64), 2: ("block_id", _U32), 3: ("total_bytes", _U64), 4: ("offset", _U64)}
+# PushChunk field number -> (attribute, mask); field 5 is the data, field 6 the restore flag (a bool:
+# any non-zero varint is true, as protobuf reads it)
+_PUSH_INTS = {1: ("round", _U64), 2: ("block_id", _U32), 3: ("total_bytes", _U64), 4: ("offset", _U64),
+              6: ("restore", _U64)}
+_LAST_FIELD = 6
 
 
 def _fast_push(raw: bytes) -> PushFrame | None:
@@ -67,14 +71,14 @@ def _fast_push(raw: bytes) -> PushFrame | None:
     if length is None or length[1] + length[0] != len(raw):
         return None
     pos, end = length[1], len(raw)
-    fields: dict[str, int] = {"round": 0, "block_id": 0, "total_bytes": 0, "offset": 0}
+    fields: dict[str, int] = {"round": 0, "block_id": 0, "total_bytes": 0, "offset": 0, "restore": 0}
     seen = 0
     data: bytes | memoryview = b""
     while pos < end:
         tag = raw[pos]  # every PushChunk tag is one byte; a longer one is for protobuf
         pos += 1
         number, wire_type = tag >> 3, tag & 7
-        if tag >= 0x80 or not 1 <= number <= 5 or seen & (1 << number):
+        if tag >= 0x80 or not 1 <= number <= _LAST_FIELD or seen & (1 << number):
             return None  # unknown or repeated field: protobuf's rules decide
         seen |= 1 << number
         if number == 5:
@@ -94,7 +98,8 @@ def _fast_push(raw: bytes) -> PushFrame | None:
             name, mask = _PUSH_INTS[number]
             fields[name] = value[0] & mask
             pos = value[1]
-    return PushFrame(data=data, **fields)
+    restore = fields.pop("restore") != 0
+    return PushFrame(data=data, restore=restore, **fields)
 
 
 def read_push(raw: bytes) -> PushFrame:
@@ -107,7 +112,7 @@ def read_push(raw: bytes) -> PushFrame:
     if request.WhichOneof("kind") != "push":
         raise BadRequest("expected a PushChunk after Hello")
     c = request.push
-    return PushFrame(c.round, c.block_id, c.total_bytes, c.offset, c.data)
+    return PushFrame(c.round, c.block_id, c.total_bytes, c.offset, c.data, c.restore)
 
 
 def _encode_varint(value: int) -> bytes:
