@@ -337,22 +337,12 @@ def pulled(pushed: int | None, block_id: int, round_: int) -> None:
     rec.add("pull", first, end, track, {"block": block_id, "step": round_})
 
 
-def result_sent(start: int | None, message: Any, node_id: str, member: int) -> None:
-    """A shard wrote one result (``message``: its first ExchangeResponse, serialized or not) to a
-    member's stream."""
+def result_sent(start: int | None, block_id: int, round_: int, nbytes: int, node_id: str, member: int) -> None:
+    """A shard wrote the result of (block, round), ``nbytes`` long, to a member's stream."""
     rec = _recorder
-    if start is None or rec is None:
-        return
-    if isinstance(message, (bytes, bytearray, memoryview)):  # frames.result_frames: parsed only when tracing
-        from .v1 import ps_pb2
-
-        message = ps_pb2.ExchangeResponse.FromString(bytes(message))
-    if not message.HasField("pull"):
-        return  # an in-band RoundError: not a result
-    pull = message.pull
-    if pull.round in rec.steps:
+    if start is not None and rec is not None and round_ in rec.steps:
         rec.add("send", start, now_ns(), f"{node_id}/{member} send",
-                {"block": pull.block_id, "step": pull.round, "bytes": pull.total_bytes})
+                {"block": block_id, "step": round_, "bytes": nbytes})
 
 
 def step_begins(step: int) -> None:

@@ -205,7 +205,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self.inflight.release(len(payload))
         self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
         if outcome.resend is not None:  # a retry of the round just finished: its result again
-            stream.send(result_frames(chunk.block_id, chunk.round, outcome.resend), len(outcome.resend))
+            stream.send(result_frames(chunk.block_id, chunk.round, outcome.resend), len(outcome.resend),
+                        chunk.block_id, chunk.round)
 
     # ---- blobs (broadcasts) ---------------------------------------------------------------------
 

@@ -120,7 +120,7 @@ class Session:
         messages = result_frames(block_id, round_, result)
         streams = [s for s in map(self.streams.get, pushers.items()) if s is not None]
         for stream in streams:
-            stream.send(messages, len(result))
+            stream.send(messages, len(result), block_id, round_)
         if self._metrics:
             self._metrics.bytes_out.inc(len(result) * len(streams))
 

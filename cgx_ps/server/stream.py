@@ -34,19 +34,19 @@ class NodeStream:
     push_tasks: set[asyncio.Task] = field(default_factory=set)  # its pushes still being summed
     stopping: bool = False
 
-    def send(self, messages: list[bytes], nbytes: int) -> None:
-        """Queue a result (serialized once, frames.result_frames, and shared by every node's
-        stream) for the writer, unless the client has stopped reading."""
+    def send(self, messages: list[bytes], nbytes: int, block_id: int, round_: int) -> None:
+        """Queue a result of (block, round) (serialized once, frames.result_frames, and shared by
+        every node's stream) for the writer, unless the client has stopped reading."""
         if self.queued_bytes + nbytes > self.result_cap:
             self.stop(LimitExceeded(f"node {self.node_id} member {self.member} is not reading its results "
                                     f"({self.queued_bytes} bytes waiting)"))
             return
         self.queued_bytes += nbytes
-        self.queue.put_nowait((messages, nbytes))
+        self.queue.put_nowait((messages, nbytes, (block_id, round_)))
 
     def send_error(self, message: ps_pb2.ExchangeResponse) -> None:
         """Queue an in-band RoundError (small: it does not count against the cap)."""
-        self.queue.put_nowait(([message], 0))
+        self.queue.put_nowait(([message], 0, None))  # not a result: no (block, round) for the timeline
 
     def fail(self, error: ProtocolError) -> None:
         """Record why the stream will end, without ending it yet (results due still go out)."""
@@ -67,7 +67,7 @@ class NodeStream:
             item = await self.queue.get()
             if item is _STOP:
                 return
-            messages, nbytes = item
+            messages, nbytes, result_of = item
             sending = timeline.mark()
             for message in messages:
                 try:
@@ -81,6 +81,7 @@ class NodeStream:
                         self.queue.get_nowait()
                     self.queued_bytes = 0
                     return
-            timeline.result_sent(sending, messages[0], self.node_id, self.member)
+            if result_of is not None:
+                timeline.result_sent(sending, *result_of, nbytes, self.node_id, self.member)
             self.queued_bytes -= nbytes
 

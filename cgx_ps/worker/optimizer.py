@@ -188,12 +188,12 @@ class _DistributedMixin:
 
     @property
     def layout(self) -> ps_pb2.Layout:
-        return self._cgx_pipe.layout
+        return self._cgx_driver.layout
 
     @property
     def intranode(self) -> str | None:
         """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
-        return self._cgx_pipe.intranode
+        return self._cgx_driver.intranode
 
     @property
     def tuning_history(self) -> list[Decision]:
