@@ -7,7 +7,7 @@
 Pushes go out as 1 MiB chunks over one stream; results come back on the same stream and are
 matched to waiting callers by (block, round).
 
-Recovery (recovery.py decides, this class acts). A push is kept until its result arrives, and
+Recovery (recovery.py decides, supervisor.py acts). A push is kept until its result arrives, and
 so is the last result of each block. When the stream breaks (the shard died, is restarting, or
 the connection dropped), a supervisor task reconnects with backoff. The same shard instance
 kept the session: reopen a stream and push the unanswered blocks again (duplicates are
@@ -35,34 +35,16 @@ from ..security import ChannelSecurity
 from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
-from .recovery import (LIVENESS_TIMEOUT_S, Backoff, Fail, Recover, Rejoin, after_stream_end, hung_after_s, is_hung,
-                       reconnect_action)
+from .recovery import Fail, Recover, after_stream_end, connect_failure
+from .supervisor import ConnectionSupervisor
 
 __all__ = ["ShardClient"]
 
 log = logging.getLogger(__name__)
 _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is safe)
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-# Words gRPC puts in the details of a failed TLS handshake: retrying will not fix a certificate.
-_TLS_FAILURE_MARKERS = ("handshake", "certificate_verify_failed", "ssl_error", "tls", "certificate")
 # What writing to a stream that has ended raises (the status itself comes to the reader).
 _WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
-_WATCH_INTERVAL_S = 0.5  # how often the supervisor looks for a push unanswered too long
-_ATTEMPT_TIMEOUT_S = 5.0  # one reconnect attempt's RPCs (a stopped shard accepts TCP but never answers)
-
-
-def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsError | None:
-    """The error that ends connecting to a shard, or None when the failure may pass (retry)."""
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return ShardRejectedError(address, code.name, f"{details} (check CGX_PS_TOKEN_FILE: the shards and "
-                                                      f"workers of a job must use the same token)")
-    if code == grpc.StatusCode.UNAVAILABLE and any(m in details.lower() for m in _TLS_FAILURE_MARKERS):
-        return ShardRejectedError(address, "TLS", f"the TLS handshake failed: {details} (check CGX_PS_TLS_CA, "
-                                                  f"CGX_PS_TLS_CERT/KEY and CGX_PS_TLS_SERVER_NAME)")
-    if code not in _RETRYABLE:
-        return ShardRejectedError(address, code.name, details)
-    return None
 
 
 @dataclass(eq=False)
@@ -71,11 +53,7 @@ class _Unanswered:
     since: float  # time.monotonic() of its last (re)push: the hung-shard deadline counts from here
 
 
-class _TryAgain(Exception):
-    """A reconnect attempt failed in a way the next attempt may not."""
-
-
-class ShardClient:
+class ShardClient(ConnectionSupervisor):
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
                  connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
                  security: ChannelSecurity = _PLAIN, incarnation: int = 0,
@@ -349,125 +327,3 @@ class ShardClient:
         self._waiting.clear()
         self._unanswered.clear()
         self._results.clear()
-
-    # ---- recovery (module doc; the decisions are in recovery.py) -----------------------------------
-
-    def _stream_broke(self, generation: int, cause: str) -> None:
-        if generation != self._generation or self._error is not None or self._closing:
-            return
-        self._ready.clear()
-        self._break_cause = cause
-        self._broken.set()
-
-    def _supervise(self) -> None:
-        if self._supervisor is None or self._supervisor.done():
-            self._supervisor = asyncio.create_task(self._supervisor_loop())
-
-    async def _supervisor_loop(self) -> None:
-        try:
-            while self._error is None and not self._closing:
-                try:
-                    await asyncio.wait_for(self._broken.wait(), _WATCH_INTERVAL_S)
-                except asyncio.TimeoutError:
-                    await self._check_hung()
-                    continue
-                self._broken.clear()
-                await self._recover(self._break_cause)
-        except Exception as exc:  # noqa: BLE001 - a dead supervisor would leave callers waiting forever
-            log.exception("shard %s: connection supervisor failed", self.address)
-            self._fail_all(CgxPsError(f"shard {self.address}: the connection supervisor failed: {exc!r}"))
-
-    async def _check_hung(self) -> None:
-        if not self._ready.is_set() or not self._unanswered:
-            return
-        (block_id, round_), oldest = next(iter(self._unanswered.items()))  # pushed first: waited longest
-        round_timeout = (self.registration.round_timeout_s if self.registration else 0) or 60.0
-        waited = time.monotonic() - oldest.since
-        if waited <= hung_after_s(round_timeout):
-            return
-        if not is_hung(waited, round_timeout, await self._answers_status()):
-            log.warning("shard %s: no result for block %d round %d in %.1fs, but it answers: slow, not hung",
-                        self.address, block_id, round_, waited)
-        elif self._unanswered.get((block_id, round_)) is oldest and self._ready.is_set():
-            self._fail_all(ShardUnavailableError(
-                f"shard {self.address} sent no result for block {block_id} round {round_} in {waited:.1f}s, "
-                f"although it fails any round within its round timeout ({round_timeout:g}s): the shard is "
-                f"stopped, hung or cut off; check its process and logs"))
-            self._drop_stream()
-
-    async def _answers_status(self) -> bool:
-        try:
-            await self._stub().Status(ps_pb2.StatusRequest(), timeout=LIVENESS_TIMEOUT_S, metadata=self._metadata)
-            return True
-        except grpc.aio.AioRpcError:
-            return False
-
-    async def _recover(self, cause: str) -> None:
-        if self.recovery_timeout_s <= 0:
-            self._fail_all(ShardUnavailableError(f"shard {self.address} went away ({cause}); recovery is off "
-                                                 f"(CGX_PS_RECOVERY_TIMEOUT=0)"))
-            return
-        started = time.monotonic()
-        deadline = started + self.recovery_timeout_s
-        log.warning("shard %s: connection lost (%s); reconnecting for up to %gs", self.address, cause,
-                    self.recovery_timeout_s)
-        self._drop_stream()
-        backoff, last = Backoff(), cause
-        while self._error is None and not self._closing:
-            try:
-                how = await self._reconnect(deadline)
-            except _TryAgain as exc:
-                last = str(exc)
-            except CgxPsError as exc:  # a refusal: trying again cannot help
-                self._fail_all(exc)
-                return
-            else:
-                took = time.monotonic() - started
-                self.recoveries += 1
-                self.recovery_s += took
-                log.warning("shard %s: %s after %.2fs", self.address, how, took)
-                return
-            delay = backoff.next()
-            if time.monotonic() + delay >= deadline:
-                self._fail_all(ShardUnavailableError(
-                    f"shard {self.address} did not come back within the recovery timeout of "
-                    f"{self.recovery_timeout_s:g}s (CGX_PS_RECOVERY_TIMEOUT): waited {time.monotonic() - started:.1f}s "
-                    f"after losing it ({cause}); last error: {last}"))
-                return
-            await asyncio.sleep(delay)
-
-    async def _reconnect(self, deadline: float) -> str:
-        """One attempt: a new channel, then reopen or rejoin, then push again what is unanswered.
-        Returns what it did; raises _TryAgain, or a CgxPsError that ends the job."""
-        timeout = max(0.2, min(_ATTEMPT_TIMEOUT_S, deadline - time.monotonic()))
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = self.security.aio_channel(self.address)  # connects now, not after gRPC's backoff
-        try:
-            status = await self._stub().Status(ps_pb2.StatusRequest(), timeout=timeout, metadata=self._metadata)
-            if status.draining:
-                raise _TryAgain("the shard is draining for a restart")
-            action = reconnect_action(self.registration.instance_id, status.instance_id)
-            if isinstance(action, Rejoin):
-                await self._register(resume=True, timeout=timeout)
-            async with self._write_lock:
-                await self._open_stream()
-                self._ready.clear()  # until every unanswered push went out again
-                restores = list(self._results.items()) if isinstance(action, Rejoin) else []
-                for block_id, (round_, result) in restores:
-                    await self._write(block_id, round_, result, restore=True)
-                again = list(self._unanswered.items())
-                for (block_id, round_), entry in again:
-                    if (block_id, round_) in self._unanswered:  # its result may have come meanwhile
-                        entry.since = time.monotonic()
-                        await self._write(block_id, round_, entry.payload)
-                self._ready.set()
-        except grpc.aio.AioRpcError as exc:
-            fatal = connect_failure(self.address, exc.code(), exc.details() or "")
-            if fatal is not None:
-                raise fatal from None
-            raise _TryAgain(f"{exc.code().name}: {exc.details()}") from None
-        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            raise _TryAgain(f"the new stream ended at once: {exc}") from None
-        what = ("rejoined the restarted shard" if isinstance(action, Rejoin) else "reopened the stream")
-        return f"{what}: {len(restores)} result(s) restored, {len(again)} push(es) sent again"

@@ -1,6 +1,10 @@
 """What a worker does when its connection to a shard breaks: the decisions, as pure functions.
 
-``ShardClient`` (client.py) carries them out. The decisions, in the order they come up:
+``ShardClient`` (client.py, supervisor.py) carries them out. The decisions, in the order they
+come up:
+
+0. Connecting or reconnecting fails: ``connect_failure`` says whether to try again (the shard
+   is not there yet) or give up (a refused token, a failed TLS handshake, another refusal).
 
 1. A stream ended: ``after_stream_end`` says whether it may be recovered (the shard went away,
    restarted, or the connection dropped) or ends the job (a round failed for everyone, a
@@ -26,8 +30,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from .errors import CgxPsError, ShardRejectedError
+
 __all__ = ["Backoff", "Fail", "HUNG_GRACE_S", "LIVENESS_TIMEOUT_S", "Recover", "Rejoin", "Reopen", "SLOW_LIMIT",
-           "after_stream_end", "hung_after_s", "is_hung", "reconnect_action"]
+           "after_stream_end", "connect_failure", "hung_after_s", "is_hung", "reconnect_action"]
 
 # Beyond the round timeout, what a round's result may take: summing, re-encoding and sending it
 # back. With the liveness check below, a stopped shard is reported within the round timeout +
@@ -35,6 +41,23 @@ __all__ = ["Backoff", "Fail", "HUNG_GRACE_S", "LIVENESS_TIMEOUT_S", "Recover", "
 HUNG_GRACE_S = 5.0
 LIVENESS_TIMEOUT_S = 2.0
 SLOW_LIMIT = 3.0
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Words gRPC puts in the details of a failed TLS handshake: retrying will not fix a certificate.
+_TLS_FAILURE_MARKERS = ("handshake", "certificate_verify_failed", "ssl_error", "tls", "certificate")
+
+
+def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsError | None:
+    """The error that ends connecting to a shard, or None when the failure may pass (retry)."""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return ShardRejectedError(address, code.name, f"{details} (check CGX_PS_TOKEN_FILE: the shards and "
+                                                      f"workers of a job must use the same token)")
+    if code == grpc.StatusCode.UNAVAILABLE and any(m in details.lower() for m in _TLS_FAILURE_MARKERS):
+        return ShardRejectedError(address, "TLS", f"the TLS handshake failed: {details} (check CGX_PS_TLS_CA, "
+                                                  f"CGX_PS_TLS_CERT/KEY and CGX_PS_TLS_SERVER_NAME)")
+    if code not in _RETRYABLE:
+        return ShardRejectedError(address, code.name, details)
+    return None
 
 
 @dataclass(frozen=True)
