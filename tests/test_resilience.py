@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -211,6 +212,47 @@ def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp
         assert exited - stopped < round_timeout + 10, f"rank {r} raised {exited - stopped:.1f}s after the stop"
 
 
+# ---- a connection that breaks while a push is being written, in-process --------------------------
+
+SHARD_SETTINGS = dict(round_timeout_s=30.0)  # the conftest `start_shard` fixture's
+
+
+async def test_a_connection_broken_under_a_push_is_recovered_not_taken_for_a_refusal(start_shard, caplog) -> None:
+    """Issue 15's 1-in-12 flake: when the connection breaks while a push is being written,
+    grpc.aio ends the stream with INTERNAL "Internal error from Core" (the failed write replaces
+    the transport's UNAVAILABLE), which the worker took for the shard's refusal and failed. Here
+    every reset lands while a large push is being written, so most ends carry that status: each
+    must be recovered (the stream reopened, the push sent again) and the round's result arrive."""
+    from cgx_ps.kernels import Codec, dequantize, encode
+    from cgx_ps.worker.client import ShardClient
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+    shard = await start_shard()
+    proxy = CuttableProxy(shard.port)
+    layout = build_layout([TensorInfo("w", (2048, 1024))], 1, Compression(bits=None), block_bytes=8 << 20)
+    client = ShardClient(f"127.0.0.1:{proxy.port}", "node-0", 1, layout, connect_timeout_s=10, security=SECURITY,
+                         job_id=f"cut-{uuid.uuid4().hex[:6]}", recovery_timeout_s=20)
+    caplog.set_level("WARNING", logger="cgx_ps.worker.client")
+    cuts = 8
+    try:
+        await client.connect()
+        for round_ in range(cuts):
+            values = torch.full((2048 * 1024,), float(round_ + 1))
+            payload = encode(values, Codec.FP32).to_bytes()  # 8 MiB: 8 chunks, written for a while
+            exchange = asyncio.create_task(client.exchange(0, round_, payload))
+            await asyncio.sleep(0.002 * (round_ % 4))  # somewhere in the middle of its chunks
+            await asyncio.to_thread(proxy.cut)
+            result = await asyncio.wait_for(exchange, 30)
+            assert torch.equal(dequantize(result), values), f"round {round_}"  # one node: the sum is its push
+        assert client.error is None and client.recoveries >= cuts
+    finally:
+        await client.close()
+        proxy.close()
+    causes = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
+    print("\n".join(causes))
+    assert any("broke while pushing" in c for c in causes), causes  # the race this test is about was hit
+
+
 # ---- the shard's side of a resumed session, in-process ---------------------------------------------
 
 class _Sink:
@@ -262,3 +304,15 @@ async def test_a_resumed_block_gives_a_restored_result_to_the_nodes_still_waitin
     plain, _, _ = _aggregator(resumed=False)
     with pytest.raises(BadRequest, match="only into a session resumed"):
         await plain.restore("n0", 0, 0, 0, result5)
+
+
+def test_a_stream_that_ended_under_our_write_is_recovered_and_a_shard_error_is_final() -> None:
+    """The decision behind the test above, pure: grpc's local marker of a failed write means the
+    connection broke (recover, and retry a reconnect); a shard's own INTERNAL is final."""
+    from cgx_ps.worker.recovery import WRITE_FAILED_DETAILS, Fail, Recover, after_stream_end, connect_failure
+
+    assert isinstance(after_stream_end(grpc.StatusCode.INTERNAL, WRITE_FAILED_DETAILS, False), Recover)
+    assert connect_failure("s:1", grpc.StatusCode.INTERNAL, WRITE_FAILED_DETAILS) is None
+    shard_error = "shard error in Exchange: KeyError"
+    assert after_stream_end(grpc.StatusCode.INTERNAL, shard_error, False) == Fail(grpc.StatusCode.INTERNAL, shard_error)
+    assert connect_failure("s:1", grpc.StatusCode.INTERNAL, shard_error) is not None

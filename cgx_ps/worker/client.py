@@ -261,10 +261,11 @@ class ShardClient(ConnectionSupervisor):
             # kept under the lock: a repair pushes it exactly when this call does not
             self._unanswered[(block_id, round_)] = _Unanswered(payload, time.monotonic())
             if self._ready.is_set():
+                generation = self._generation  # a repair may drop this stream under the write
                 try:
                     await self._write(block_id, round_, payload)
                 except _WRITE_ERRORS as exc:
-                    self._stream_broke(self._generation, f"stream closed while pushing: {exc}")
+                    self._stream_broke(generation, f"stream closed while pushing: {_brief(exc)}")
         self.bytes_sent += len(payload)
 
     async def _write(self, block_id: int, round_: int, payload: bytes, restore: bool = False) -> None:
@@ -327,3 +328,10 @@ class ShardClient(ConnectionSupervisor):
         self._waiting.clear()
         self._unanswered.clear()
         self._results.clear()
+
+
+def _brief(exc: Exception) -> str:
+    """One line for the log: an RPC error's status, not its multi-line repr."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
