@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cgx_ps.layout import layout_hash
-from cgx_ps.server.admission import Join, Refuse, Restart, admit, check_registration
+from cgx_ps.server.admission import Join, Refuse, Restart, admit, check_registration, session_incarnation
 from cgx_ps.server.aggregator import RoundFailure
 from cgx_ps.server.blobs import BlobStore
 from cgx_ps.server.config import ServerConfig
@@ -23,9 +23,9 @@ OTHER = build_layout([TensorInfo("secret.w", (64, 65))], 1, Compression(bits=Non
 
 
 def register(node: str = "node-0", member: int = 0, nodes: int = 2, job: str = "J",
-             layout: ps_pb2.Layout = LAYOUT, incarnation: int = 0) -> ps_pb2.RegisterRequest:
+             layout: ps_pb2.Layout = LAYOUT, incarnation: int = 0, resume: bool = False) -> ps_pb2.RegisterRequest:
     return ps_pb2.RegisterRequest(node_id=node, member=member, num_nodes=nodes, job_id=job, layout=layout,
-                                  layout_hash=layout_hash(layout), incarnation=incarnation)
+                                  layout_hash=layout_hash(layout), incarnation=incarnation, resume=resume)
 
 
 def session_of(first: ps_pb2.RegisterRequest, *more: tuple[str, int]) -> Session:
@@ -142,11 +142,36 @@ def test_a_new_incarnation_restarts_the_session_at_once(nodes: int) -> None:
     assert outcome == Restart("job restarted: incarnation 1 replaces 0")
 
 
-def test_a_process_of_an_earlier_incarnation_is_refused() -> None:
+def test_a_process_of_an_earlier_incarnation_rejoining_is_refused() -> None:
+    """A recovering process presents the incarnation the shard gave it: a lower one than the
+    session's is left over from an earlier start."""
     session = session_of(register("node-0", incarnation=2))
-    outcome = decide(session, register("node-1", incarnation=1))
+    outcome = decide(session, register("node-1", incarnation=1, resume=True))
     assert isinstance(outcome, Refuse) and isinstance(outcome.error, Conflict)
     assert "incarnation 1 of the job, the shard serves its incarnation 2" in outcome.error.message
+    # a restarted shard lost its count: a left-over process that rejoined it first is replaced
+    assert isinstance(decide(session_of(register("node-0", incarnation=1, resume=True)),
+                             register("node-1", incarnation=2, resume=True)), Restart)
+
+
+@pytest.mark.parametrize("count", [0, 5])
+def test_a_fresh_process_joins_whatever_its_launcher_counted(count: int) -> None:
+    """torchrun counts restarts per node and a replaced pod counts from 0: a fresh process's
+    count lower (or higher) than the session's does not keep it out of its start of the job."""
+    session = session_of(register("node-0", incarnation=2))
+    assert decide(session, register("node-1", incarnation=count)) == Join()
+
+
+def test_a_fresh_lower_count_whose_slot_trained_restarts_the_job() -> None:
+    """A replaced node registering before its peers: its slot's old process trained, so the job
+    restarted, and the new session counts above the old one, whatever the node's count."""
+    session = session_of(register("node-0", incarnation=3), ("node-1", 0))
+    session.open_stream("node-1", 0)
+    request = register("node-1", incarnation=0)
+    assert decide(session, request) == Restart("session reset: node node-1 member 0 registered again")
+    assert session_incarnation(session, request) == 4
+    assert session_incarnation(session, register("node-0", incarnation=7)) == 7  # a higher count stands
+    assert session_incarnation(None, request) == 0 and session_incarnation(session, register(job="K")) == 0
 
 
 def test_another_node_count_restarts_a_session_only_once_its_run_went_away() -> None:

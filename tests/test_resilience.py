@@ -253,6 +253,58 @@ async def test_a_connection_broken_under_a_push_is_recovered_not_taken_for_a_ref
     assert any("broke while pushing" in c for c in causes), causes  # the race this test is about was hit
 
 
+# ---- a job restarted with a replaced node: launchers' counts differ per node --------------------
+
+@pytest.mark.parametrize("replaced_first", [True, False])
+async def test_a_replaced_node_counting_from_zero_joins_its_restarted_job(start_shard, replaced_first: bool) -> None:
+    """torchrun counts restarts per agent and a replaced pod's counts from 0: after a restart
+    node-0 says 3 and the new node-1 says 0. Both must join one new session, in either order,
+    and get the same incarnation from the shard; a process of the earlier start may not rejoin."""
+    from cgx_ps.kernels import Codec, dequantize, encode
+    from cgx_ps.worker.client import ShardClient
+    from cgx_ps.worker.errors import CgxPsError
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+    shard = await start_shard()
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=None))
+    job = f"replaced-{uuid.uuid4().hex[:6]}"
+
+    def client(node: str, count: int) -> ShardClient:
+        return ShardClient(f"127.0.0.1:{shard.port}", node, 2, layout, connect_timeout_s=10, security=SECURITY,
+                           job_id=job, incarnation=count, recovery_timeout_s=5)
+
+    async def train_round(clients: list[ShardClient], round_: int) -> None:
+        values = [torch.full((4096,), float(i + 1)) for i in range(len(clients))]
+        results = await asyncio.gather(*[c.exchange(0, round_, encode(v, Codec.FP32).to_bytes())
+                                         for c, v in zip(clients, values)])
+        for result in results:
+            assert torch.equal(dequantize(result), sum(values))
+
+    first = [client("node-0", 2), client("node-1", 2)]
+    for c in first:
+        await c.connect()
+    await train_round(first, 0)
+    assert [c.registration.incarnation for c in first] == [2, 2]
+    await first[1].close()  # node-1's pod is gone; node-0's old process lingers (a stale one)
+
+    restarted = [client("node-0", 3), client("node-1", 0)]  # the replaced pod counts from 0
+    try:
+        for c in (reversed(restarted) if replaced_first else restarted):
+            await c.connect()
+        await train_round(restarted, 0)  # a new session: round 0 again
+        assert [c.registration.incarnation for c in restarted] == [3, 3]  # the shard's count, above 2
+        with pytest.raises(CgxPsError):  # the old start's stream was ended with its session
+            await asyncio.wait_for(first[0].exchange(0, 1, encode(torch.ones(4096), Codec.FP32).to_bytes()), 10)
+        stale = ps_pb2.RegisterRequest(node_id="node-0", num_nodes=2, layout=layout, job_id=job, resume=True,
+                                       layout_hash=first[0].layout_hash, incarnation=2)
+        with pytest.raises(grpc.aio.AioRpcError, match="left over from an earlier start"):  # nor rejoin
+            await ps_pb2_grpc.ParameterServerStub(first[0].channel).Register(stale, timeout=5, metadata=METADATA)
+        await train_round(restarted, 1)  # undisturbed
+    finally:
+        for c in [first[0], *restarted]:
+            await c.close()
+
+
 # ---- the shard's side of a resumed session, in-process ---------------------------------------------
 
 class _Sink:

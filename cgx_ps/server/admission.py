@@ -7,10 +7,21 @@ rendezvous: ``admit`` says what to do, the service does it.
     Restart(reason)  end the current session (``reason`` tells its members) and start a new one
     Refuse(error)    refuse the Register: Busy (another job; retry later) or Conflict (never)
 
-A job restarted as a whole (torchrun ``--max-restarts``, a Kubernetes Job's new pods) registers
-with a higher ``incarnation``: that starts a new session at once, even with another node count
-(an elastic restart). A Register of a lower incarnation comes from a process of an earlier start
-that is still around; it is refused so that it can neither join nor reset the new session.
+Incarnations: which start of the job a process belongs to. Launchers count starts per node
+(torchrun's TORCHELASTIC_RESTART_COUNT counts only its own agent's restarts, not those forced on
+it by another node's failure; a replaced pod counts from 0), so no value a fresh process brings
+is comparable across nodes. The shard counts instead: a session that replaces one of the same job
+gets a higher incarnation (``session_incarnation``), handed to every member in RegisterResponse.
+
+- A fresh process (``resume`` false) joins by the ordinary rules whatever its count: lower (a
+  replaced pod) or higher than the session's (a node whose agent counted more restarts). Its count
+  still says "the job restarted" at once where the rules would refuse or wait: a higher count from
+  a node that cannot be a member of the current session (full, another node count or layout, its
+  slot taken by a process that trained) starts a new one, as an elastic restart needs.
+- A recovering process (``resume`` true, rejoining a restarted shard) brings the value the shard
+  gave it. A lower one than the session's is of an earlier start that is still around: refused,
+  so it can neither join nor reset the current session. A higher one finds a session that such
+  a process started on the restarted shard (which lost its count): it replaces it.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from .config import ServerConfig
 from .errors import BadRequest, Busy, Conflict, ProtocolError, shown
 from .session import Session, owned_blocks
 
-__all__ = ["Join", "MAX_ID_CHARS", "Refuse", "Restart", "admit", "check_registration"]
+__all__ = ["Join", "MAX_ID_CHARS", "Refuse", "Restart", "admit", "check_registration", "session_incarnation"]
 
 MAX_ID_CHARS = 256  # node and job ids: they appear in messages, metrics and gRPC status details
 IDLE_JOBLESS_S = 10.0  # a session without a job id counts as finished after this long idle
@@ -58,12 +69,17 @@ def admit(session: Session | None, request: ps_pb2.RegisterRequest, *, in_flight
     node, job, member = request.node_id, request.job_id, request.member
     if session is None:
         return Restart("no session yet")
-    if job == session.job_id and request.incarnation != session.incarnation:
-        if request.incarnation > session.incarnation:
-            return Restart(f"job restarted: incarnation {request.incarnation} replaces {session.incarnation}")
+    if job == session.job_id and request.resume and request.incarnation < session.incarnation:
         return Refuse(Conflict(f"node {node} member {member} is of incarnation {request.incarnation} of the job, "
                                f"the shard serves its incarnation {session.incarnation}: a process left over from "
                                f"an earlier start of the job may not join (is it still running?)"))
+    if job == session.job_id and request.resume and request.incarnation > session.incarnation:
+        # this shard restarted and a process of an earlier start rejoined it first
+        return Restart(f"node {node} of incarnation {request.incarnation} rejoins a session of the earlier "
+                       f"incarnation {session.incarnation}")
+    if job == session.job_id and not request.resume and request.incarnation > session.incarnation \
+            and not _may_join(session, request):
+        return Restart(f"job restarted: incarnation {request.incarnation} replaces {session.incarnation}")
     if session.failed is not None:
         return Restart("session reset after failure")
     idle = not session.streams and not in_flight
@@ -97,6 +113,23 @@ def admit(session: Session | None, request: ps_pb2.RegisterRequest, *, in_flight
         return Refuse(Conflict(f"node {node} would be node {len(session.nodes) + 1} of a session of "
                                f"{session.num_nodes} nodes: {sorted(session.nodes)}"))
     return Join()
+
+
+def _may_join(session: Session, request: ps_pb2.RegisterRequest) -> bool:
+    """Can this fresh process be a member of the session's start of the job (rather than of a newer one)?"""
+    node, member = request.node_id, request.member
+    if member in session.nodes.get(node, ()):
+        return not session.started(node, member)  # its slot's process trained: that start is over
+    fits = request.num_nodes == session.num_nodes and first_difference(session.layout, request.layout) is None
+    return fits and (node in session.nodes or len(session.nodes) < session.num_nodes)
+
+
+def session_incarnation(previous: Session | None, request: ps_pb2.RegisterRequest) -> int:
+    """The incarnation of the session ``request`` starts (after ``previous``, if any): above the
+    previous one of the same job, so its members and any process of that earlier start differ."""
+    if previous is None or previous.job_id != request.job_id:
+        return request.incarnation
+    return max(request.incarnation, previous.incarnation + 1)
 
 
 def check_registration(request: ps_pb2.RegisterRequest, config: ServerConfig) -> str:

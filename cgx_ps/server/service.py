@@ -24,7 +24,7 @@ import grpc
 from .. import __version__
 from ..transport import chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
-from .admission import MAX_ID_CHARS, Refuse, Restart, admit, check_registration
+from .admission import MAX_ID_CHARS, Refuse, Restart, admit, check_registration, session_incarnation
 from .blobs import BlobStore, BlobUpload
 from .budget import ByteBudget
 from .config import ServerConfig
@@ -88,15 +88,17 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             shard_index=self.config.shard_index, num_shards=self.config.num_shards, block_ids=owned,
             next_rounds=[session.aggregator.next_round(b) for b in owned],
             server_version=__version__, round_timeout_s=self.config.round_timeout_s,
-            session_id=session.session_id, instance_id=self.instance_id,
+            session_id=session.session_id, instance_id=self.instance_id, incarnation=session.incarnation,
         )
 
     def _start_session(self, request: ps_pb2.RegisterRequest, digest: str, reason: str) -> None:
+        incarnation = session_incarnation(self.session, request)
         if self.session is not None:
             self.session.end(StreamAborted(reason))
             self._last_ended = self.session
         self.blobs.clear()  # a new session starts with no blobs: none from another job or run
-        self.session = session = Session(request, digest, self.config, self.executor, self.blobs, self.metrics)
+        self.session = session = Session(request, digest, self.config, self.executor, self.blobs, self.metrics,
+                                         incarnation=incarnation)
         log.info("new %ssession: %d tensors, %d blocks (%d here), %d nodes, layout %s",
                  "resumed " if session.resumed else "", len(session.layout.tensors),
                  len(session.layout.blocks), len(session.aggregator.blocks), session.num_nodes, digest[:12])

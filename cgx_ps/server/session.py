@@ -43,7 +43,7 @@ def owned_blocks(layout: ps_pb2.Layout, shard_index: int) -> list[ps_pb2.BlockSp
 
 class Session:
     def __init__(self, request: ps_pb2.RegisterRequest, digest: str, config: ServerConfig, executor: Executor | None,
-                 blobs: BlobStore, metrics: ShardMetrics | None = None) -> None:
+                 blobs: BlobStore, metrics: ShardMetrics | None = None, incarnation: int | None = None) -> None:
         owned = owned_blocks(request.layout, config.shard_index)
         # what the job declared at its first Register
         self.layout = ps_pb2.Layout()
@@ -51,7 +51,8 @@ class Session:
         self.layout_hash = digest
         self.num_nodes = request.num_nodes
         self.job_id = request.job_id
-        self.incarnation = request.incarnation  # which start of the job (admission.py)
+        # which start of the job (admission.session_incarnation; the request's when not given)
+        self.incarnation = request.incarnation if incarnation is None else incarnation
         self.resumed = request.resume  # started by a recovering node after this shard restarted
         # membership, and its proof
         self.nodes: dict[str, set[int]] = {}  # node id -> members registered

@@ -119,10 +119,13 @@ class ShardClient(ConnectionSupervisor):
         return self.registration
 
     async def _register(self, resume: bool, timeout: float) -> None:
+        # Rejoining, present the incarnation the shard counted for our start (admission.py), the
+        # same for every member of it: our launcher's count may differ from our peers'.
+        incarnation = self.registration.incarnation if resume else self.incarnation
         request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
                                          layout_hash=self.layout_hash, client_version=__version__,
                                          job_id=self.job_id, member=self.member, resume=resume,
-                                         incarnation=self.incarnation)
+                                         incarnation=incarnation)
         self.registration = await self._stub().Register(request, timeout=timeout, wait_for_ready=False,
                                                         metadata=self._metadata)
 
