@@ -305,6 +305,39 @@ async def test_a_replaced_node_counting_from_zero_joins_its_restarted_job(start_
             await c.close()
 
 
+# ---- control calls across a shard restart, in-process --------------------------------------------
+
+async def test_the_link_probe_and_codec_settings_are_made_again_after_a_shard_restart(start_shard) -> None:
+    """Auto mode's link probe and SetCodecs go through recovery too: made while the shard is
+    down, they wait for the rejoin and are made once more, on the new instance."""
+    from cgx_ps.worker.client import ShardClient
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+    shard = await start_shard()
+    port = shard.port
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
+    client = ShardClient(f"127.0.0.1:{port}", "node-0", 1, layout, connect_timeout_s=10, security=SECURITY,
+                         job_id=f"probe-{uuid.uuid4().hex[:6]}", recovery_timeout_s=20)
+    try:
+        await client.connect()
+        first_instance = client.registration.instance_id
+        await shard.stop(drain=False)
+
+        async def restart_later() -> None:
+            await asyncio.sleep(0.5)
+            await start_shard(port=port)
+
+        restarting = asyncio.create_task(restart_later())
+        seconds = await asyncio.wait_for(client.probe(1 << 20), 30)  # made while the shard is down
+        await restarting
+        assert seconds > 0 and client.registration.instance_id != first_instance  # on the new instance
+        codec = ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=2, bucket_size=512)
+        await client.set_codecs(1, [ps_pb2.BlockCodec(block_id=0, codec=codec)])  # in the rejoined session
+        assert client.error is None and client.recoveries == 1
+    finally:
+        await client.close()
+
+
 # ---- the shard's side of a resumed session, in-process ---------------------------------------------
 
 class _Sink:

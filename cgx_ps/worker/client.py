@@ -26,6 +26,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
 
 import grpc
 
@@ -35,12 +36,13 @@ from ..security import ChannelSecurity
 from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
-from .recovery import Fail, Recover, after_stream_end, connect_failure
+from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
 from .supervisor import ConnectionSupervisor
 
 __all__ = ["ShardClient"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is safe)
 
 # What writing to a stream that has ended raises (the status itself comes to the reader).
@@ -202,36 +204,46 @@ class ShardClient(ConnectionSupervisor):
     # ---- control: adaptive settings, link probe -------------------------------------------------
 
     async def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec], resume: bool = False) -> None:
-        """Announce blocks' settings from a round on; ``resume``: they start there (a checkpoint)."""
-        for attempt in range(2):
-            await self._wait_ready()
-            try:
-                await self._stub().SetCodecs(
-                    ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks,
-                                            session_id=self.session_id, resume=resume),
-                    timeout=30, metadata=self._metadata)
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt or self.recovery_timeout_s <= 0:
-                    raise ShardRejectedError(self.address, exc.code().name, exc.details() or "") from None
-                # the shard is gone: once the stream is repaired, announce again (a shard that
-                # restarted in between learns the settings from the pushes themselves)
-                self._stream_broke(self._generation, f"SetCodecs: {exc.code().name}: {exc.details()}")
+        """Announce blocks' settings from a round on; ``resume``: they start there (a checkpoint).
+        (A shard that restarts in between learns the settings from the pushes themselves.)"""
+        def announce():  # made anew for a retry: a rejoin changed the session id
+            request = ps_pb2.SetCodecsRequest(node_id=self.node_id, from_round=from_round, blocks=blocks,
+                                              session_id=self.session_id, resume=resume)
+            return self._stub().SetCodecs(request, timeout=30, metadata=self._metadata)
 
-    async def _wait_ready(self) -> None:
-        while not self._ready.is_set():
-            if self._error is not None:
-                raise self._error
-            await asyncio.sleep(0.05)
+        await self._control("SetCodecs", announce)
 
     async def probe(self, nbytes: int) -> float:
         """Seconds to upload nbytes to the shard (1 MiB chunks, as pushes travel)."""
-        stub = ps_pb2_grpc.ParameterServerStub(self._channel)
         chunk = ps_pb2.ProbeChunk(data=bytes(min(nbytes, CHUNK_BYTES)))
         count = max(1, nbytes // CHUNK_BYTES)
-        t0 = time.perf_counter()
-        await stub.Probe(iter([chunk] * count), timeout=120, metadata=self._metadata)
-        return time.perf_counter() - t0
+
+        async def timed() -> float:
+            t0 = time.perf_counter()
+            await self._stub().Probe(iter([chunk] * count), timeout=120, metadata=self._metadata)
+            return time.perf_counter() - t0
+
+        return await self._control("Probe", timed)
+
+    async def _control(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T:
+        """A control call through recovery: made on a ready connection, and made once more when
+        the shard went away under it, after the supervisor repaired the connection."""
+        for attempt in range(2):
+            await self._wait_ready()
+            channel = self._channel
+            try:
+                return await call()
+            except asyncio.CancelledError:
+                if self._channel is channel or attempt:
+                    raise  # we are being cancelled
+                # the supervisor closed the channel under the call to reconnect: the shard went away
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+                gone = code == grpc.StatusCode.UNAVAILABLE or broke_under_write(code, details)
+                if not gone or attempt or self.recovery_timeout_s <= 0:
+                    raise ShardRejectedError(self.address, code.name, details) from None
+                self._stream_broke(self._generation, f"{what}: {code.name}: {details}")
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     # ---- push / pull ----------------------------------------------------------------------------
 

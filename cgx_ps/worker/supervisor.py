@@ -43,6 +43,13 @@ class ConnectionSupervisor:
         self._break_cause = cause
         self._broken.set()
 
+    async def _wait_ready(self) -> None:
+        """Until the stream is open and carries every unanswered push (repaired, if it broke)."""
+        while not self._ready.is_set():
+            if self._error is not None:
+                raise self._error
+            await asyncio.sleep(0.05)
+
     def _supervise(self) -> None:
         if self._supervisor is None or self._supervisor.done():
             self._supervisor = asyncio.create_task(self._supervisor_loop())
