@@ -8,8 +8,9 @@
     CGX_PS_SERVERS                                     "host:port,host:port" or a template with
                                                        {i}, expanded for i < CGX_PS_NUM_SHARDS
     CGX_PS_JOB_ID                                      the same for every worker of one job
-    CGX_PS_INCARNATION, else TORCHELASTIC_RESTART_COUNT which start of the job this is: a
-                                                       restarted job registers a new session
+    CGX_PS_INCARNATION, else TORCHELASTIC_RESTART_COUNT which start of the job this is, as this
+                                                       node's launcher counts it: a hint, the shards
+                                                       count the job's starts (server/admission.py)
     CGX_PS_INTRANODE                                   how local ranks reduce: auto (CUDA IPC for
                                                        models on a GPU, else shared memory), shm
                                                        (host shared memory even for GPU models),
