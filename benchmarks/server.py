@@ -163,11 +163,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of stat)
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's threads by group: the event loop (the main thread), gRPC's own
+    threads (they name themselves) and Python's worker threads (kernels: the shard's executor and
+    the codec pool; Python does not name OS threads)."""
+    groups = {"event loop": 0.0, "kernel threads": 0.0, "gRPC threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        group = "event loop" if task.name == str(pid) else "kernel threads" if comm == "python" else "gRPC threads"
+        groups[group] += (int(fields[11]) + int(fields[12])) / _TICK
+    return groups
+
+
+def resident_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 @dataclass
 class Measured:
     wall: list[float] = field(default_factory=list)  # seconds per timed round
     shard_cpu: float = 0.0  # CPU seconds the shard spent in the timed rounds, in total
     client_cpu: float = 0.0  # CPU seconds this process (the N nodes) spent in them
+    threads: dict[str, float] = field(default_factory=dict)  # shard CPU seconds by thread group, in them
+    rss_mb: float = 0.0  # the shard's resident memory after the rounds
 
 
 async def one_round(clients: list[ShardClient], layout, payloads: dict[int, bytes], r: int) -> float:
@@ -194,10 +217,12 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
         else:
             schedule = [(r, name) for name in names for r in range(rounds + 1)]
         started: dict[str, float] = {}
+        threads: dict[str, dict[str, float]] = {}
         for r, name in schedule:
             pid = targets[name][1]
             if r == 1:  # the shard's CPU from its first timed round to the end: work it finishes
                 started[name] = cpu_seconds(pid)  # after a round ends is counted too
+                threads[name] = thread_cpu_seconds(pid)
             client0 = time.process_time()
             t = await one_round(clients[name], layout, payloads, r)
             if r:
@@ -206,6 +231,9 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
         await asyncio.sleep(0.5)
         for name, cpu0 in started.items():
             out[name].shard_cpu = cpu_seconds(targets[name][1]) - cpu0
+            end = thread_cpu_seconds(targets[name][1])
+            out[name].threads = {group: end[group] - threads[name][group] for group in end}
+            out[name].rss_mb = resident_mb(targets[name][1])
     finally:
         for group in clients.values():
             for c in group:
@@ -312,6 +340,11 @@ def main() -> None:
           f"{mb_s(tls_s) / mb_s(base_t):.1f} | | | | | |")
     print(f"shard CPU: user+system seconds of the shard process during the timed rounds; '× {base} by shard CPU' "
           f"is the throughput ratio a shard with a core of its own would see (less sensitive to other load)")
+    for name in configs:
+        split = ", ".join(f"{group} {seconds / args.rounds * 1e3:.0f} ms" for group, seconds in
+                          measured[name].threads.items())
+        print(f"{name} shard CPU per round by thread: {split}; resident memory after the rounds "
+              f"{measured[name].rss_mb:.0f} MB")
     for name in configs:
         wall = mb_s(statistics.median(measured[name].wall))
         per_cpu = mb_s(measured[name].shard_cpu / args.rounds)

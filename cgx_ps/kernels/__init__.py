@@ -2,29 +2,34 @@
 
     block = quantize(grad, bits=4, bucket_size=1024, stochastic=True, seed=step)
     payload = block.to_bytes()                       # what travels
-    dequantize(payload, out=acc, accumulate=True)    # what a server does with it
+    dequantize(payload, out=acc, accumulate=True)    # decode into a sum
+    total = EncodedSum(numel, parts=nodes)           # what a shard does: keep, sum once,
+    total.add(payload); total.encode(...)            # re-encode once (summation.py)
 
 Implementations: plain-torch reference (``reference``), fused multithreaded CPU kernels (``cpu``,
 numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks one. This package
 imports nothing else of cgx_ps, so it can be reused on its own.
 """
 
-from .api import (EncodedBlock, Impl, decode_header, dequantize, encode, encode_with_feedback, non_finite_block,
-                  quantize)
+from .api import (EncodedBlock, Impl, check_payload, decode_header, dequantize, encode, encode_with_feedback,
+                  non_finite_block, quantize)
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block
+from .summation import EncodedSum
 from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
 
 __all__ = [
     "Codec",
     "CodecError",
     "EncodedBlock",
+    "EncodedSum",
     "ErrorFeedback",
     "HEADER_SIZE",
     "Header",
     "Impl",
     "WIRE_VERSION",
     "body_size",
+    "check_payload",
     "decode_header",
     "dequantize",
     "encode",

@@ -20,7 +20,7 @@ from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header
 
 __all__ = ["EncodedBlock", "encode", "encode_with_feedback", "quantize", "dequantize", "decode_header",
-           "non_finite_block", "Impl"]
+           "check_payload", "non_finite_block", "Impl"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host runs torch training today
     raise ImportError("cgx_ps.kernels reads and writes little-endian buffers in place")
@@ -244,6 +244,21 @@ def encode_with_feedback(tensor: torch.Tensor, residual: torch.Tensor, codec: Co
 def decode_header(payload: BytesLike) -> Header:
     """Parse and validate a payload's header (sizes included); does not check the crc."""
     return wire.parse_header(payload)
+
+
+def check_payload(payload: BytesLike) -> Header:
+    """Validate a wire payload as ``dequantize`` does before it writes anything (header, size,
+    crc32, max-min metadata, NaN/Inf in a float body), without decoding it; its header."""
+    header = wire.parse_header(payload)
+    wire.check_crc(payload, header)
+    if header.non_finite:
+        return header
+    body = np.frombuffer(payload, dtype=np.uint8, offset=HEADER_SIZE)
+    if header.codec == Codec.MAXMIN:
+        _validate_meta(_split_body(body, header.numel, header.bucket_size)[0], header.bits)
+    else:
+        _float_values(body, header)
+    return header
 
 
 def dequantize(

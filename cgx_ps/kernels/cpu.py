@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from . import rng
 
-__all__ = ["encode_maxmin_into", "decode_maxmin_into", "first_nonfinite", "num_threads",
+__all__ = ["encode_maxmin_into", "decode_maxmin_into", "sum_maxmin_into", "first_nonfinite", "num_threads",
            "set_num_threads"]
 
 _MIN_BUCKETS_PER_THREAD = 64  # below ~64K elements a thread hop costs more than it saves
@@ -216,42 +216,50 @@ def _encode_range(x, xbits, meta, packed, bits, bucket_size, stochastic, key, b0
     """Encode buckets [b0, b1). status[0] = first bucket holding NaN/Inf (or -1),
     status[1] = first bucket whose max - min overflows float32 (or -1)."""
     n = x.shape[0]
-    max_level = np.int32((1 << bits) - 1)
-    levels = np.float32(max_level)
-    zero = np.float32(0.0)
     lv_buf = np.empty(bucket_size, dtype=np.uint8)
     for b in range(b0, b1):
         start = b * bucket_size
         end = min(start + bucket_size, n)
-        mn, mx, bad = _scan(xbits[start:end])
-        if bad:
-            status[0] = b
+        if not _encode_bucket(x[start:end], xbits[start:end], start, b, meta, packed, bits, stochastic, key,
+                              lv_buf[: end - start], status):
             return
-        unit = np.float32(mx - mn) / levels
-        if not np.isfinite(unit):
-            status[1] = b
-            return
-        scale = np.float32(1.0) / unit if unit > zero else zero
-        if not np.isfinite(scale):  # a subnormal unit: encode like a constant bucket
-            scale = zero
-        meta[2 * b] = mn
-        meta[2 * b + 1] = unit
-        lv = lv_buf[: end - start]
-        if not stochastic:
-            _levels_nearest(x[start:end], mn, scale, max_level, lv)
-        elif (start >> 32) == ((end - 1) >> 32):
-            # rng.py: h = mix(i_lo ^ s ^ mix(i_hi)); i_hi is constant across this bucket
-            k = np.uint32(key) ^ _mix32(np.uint32(start >> 32))
-            _levels_stochastic(x[start:end], mn, scale, max_level, lv, start & 0xFFFFFFFF, k)
-        else:  # a bucket straddling element 2**32: split it there
-            cut = ((start >> 32) + 1) << 32
-            k0 = np.uint32(key) ^ _mix32(np.uint32(start >> 32))
-            k1 = np.uint32(key) ^ _mix32(np.uint32(cut >> 32))
-            _levels_stochastic(x[start:cut], mn, scale, max_level, lv[: cut - start],
-                               start & 0xFFFFFFFF, k0)
-            _levels_stochastic(x[cut:end], mn, scale, max_level, lv[cut - start:], 0, k1)
-        p0 = start * bits // 8
-        _pack(lv, packed[p0: p0 + ((end - start) * bits + 7) // 8], bits)
+
+
+@numba.njit(inline="always")
+def _encode_bucket(xs, xbits, start, b, meta, packed, bits, stochastic, key, lv, status):
+    """Encode bucket b (elements [start, start + len(xs)) of the tensor) into meta and packed,
+    leaving its levels in lv; False (and status set, as _encode_range says) if it cannot be."""
+    end = start + xs.shape[0]
+    max_level = np.int32((1 << bits) - 1)
+    zero = np.float32(0.0)
+    mn, mx, bad = _scan(xbits)
+    if bad:
+        status[0] = b
+        return False
+    unit = np.float32(mx - mn) / np.float32(max_level)
+    if not np.isfinite(unit):
+        status[1] = b
+        return False
+    scale = np.float32(1.0) / unit if unit > zero else zero
+    if not np.isfinite(scale):  # a subnormal unit: encode like a constant bucket
+        scale = zero
+    meta[2 * b] = mn
+    meta[2 * b + 1] = unit
+    if not stochastic:
+        _levels_nearest(xs, mn, scale, max_level, lv)
+    elif (start >> 32) == ((end - 1) >> 32):
+        # rng.py: h = mix(i_lo ^ s ^ mix(i_hi)); i_hi is constant across this bucket
+        k = np.uint32(key) ^ _mix32(np.uint32(start >> 32))
+        _levels_stochastic(xs, mn, scale, max_level, lv, start & 0xFFFFFFFF, k)
+    else:  # a bucket straddling element 2**32: split it there
+        cut = ((start >> 32) + 1) << 32
+        k0 = np.uint32(key) ^ _mix32(np.uint32(start >> 32))
+        k1 = np.uint32(key) ^ _mix32(np.uint32(cut >> 32))
+        _levels_stochastic(xs[: cut - start], mn, scale, max_level, lv[: cut - start], start & 0xFFFFFFFF, k0)
+        _levels_stochastic(xs[cut - start:], mn, scale, max_level, lv[cut - start:], 0, k1)
+    p0 = start * bits // 8
+    _pack(lv, packed[p0: p0 + ((end - start) * bits + 7) // 8], bits)
+    return True
 
 
 @numba.njit(inline="always")
@@ -406,6 +414,49 @@ def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, b0, b
 
 
 @numba.njit(nogil=True, cache=True)
+def _sum_range(slots, slots_f32, count, packed_at, numel, bits, bucket_size, acc, from_acc, encode, residual,
+               feedback, meta, packed, stochastic, key, b0, b1, status):
+    """Sum buckets [b0, b1) of the first ``count`` encoded bodies in ``slots`` (one per row, in
+    arrival order; row k's metadata is slots_f32[k, :2 * buckets], its levels start at byte
+    packed_at), after acc if from_acc. Each bucket is summed in a scratch buffer that stays in
+    L1, with exactly the additions of decoding into an accumulator one push at a time. Then
+    either store the bucket's sum into acc (encode False), or encode it into meta and packed
+    (the same bucket code as _encode_range; with feedback, the residual is added first and
+    replaced by what the encoding left out, as api.encode_with_feedback does)."""
+    x = np.empty(bucket_size, dtype=np.float32)
+    lv_buf = np.empty(bucket_size, dtype=np.uint8)
+    for b in range(b0, b1):
+        start = b * bucket_size
+        end = min(start + bucket_size, numel)
+        xs = x[: end - start]
+        p0 = packed_at + start * bits // 8
+        p1 = p0 + ((end - start) * bits + 7) // 8
+        first = 0
+        if from_acc:
+            xs[:] = acc[start:end]
+        else:
+            _unpack(slots[0, p0:p1], xs, slots_f32[0, 2 * b], slots_f32[0, 2 * b + 1], bits, False, lv_buf)
+            first = 1
+        for k in range(first, count):
+            _unpack(slots[k, p0:p1], xs, slots_f32[k, 2 * b], slots_f32[k, 2 * b + 1], bits, True, lv_buf)
+        if not encode:
+            acc[start:end] = xs
+            continue
+        if feedback:
+            r = residual[start:end]
+            for j in range(xs.shape[0]):
+                xs[j] += r[j]
+        lv = lv_buf[: end - start]
+        if not _encode_bucket(xs, xs.view(np.int32), start, b, meta, packed, bits, stochastic, key, lv, status):
+            return
+        if feedback:
+            # residual = sum - decode(encoded), as dequantize(out=residual); neg_(); add_(sum)
+            mn, unit = meta[2 * b], meta[2 * b + 1]
+            for j in range(xs.shape[0]):
+                r[j] = xs[j] - (mn + unit * np.float32(lv[j]))
+
+
+@numba.njit(nogil=True, cache=True)
 def _first_nonfinite(v, exp_mask):
     """Index of the first NaN/Inf in an array of IEEE float bit patterns (int16 or int32) whose
     exponent field is exp_mask, or -1. Vectorized max over exponents, then a scalar search."""
@@ -511,3 +562,34 @@ def decode_maxmin_into(
     status = np.full((_threads, 1), -1, dtype=np.int64)
     args = (meta, packed, out, accumulate, n, bits, bucket_size)
     _run_split(_decode_range, nb, args, status)
+
+
+def sum_maxmin_into(
+    slots: np.ndarray, count: int, numel: int, bits: int, bucket_size: int, acc: np.ndarray | None,
+    from_acc: bool, out: tuple[np.ndarray, np.ndarray] | None, residual: np.ndarray | None,
+    stochastic: bool, seed: int,
+) -> tuple[int, int]:
+    """Sum max-min bodies held in the rows of ``slots`` (uint8, each row one validated body of
+    these settings, rows 8-byte aligned), after ``acc`` if ``from_acc``. With ``out`` (meta,
+    packed), encode the sum there (with ``residual``: error feedback, updated in place) and
+    return what encode_maxmin_into returns; without, store the sum into ``acc``. The result is
+    bit-identical to decoding the rows one by one into an accumulator, then encoding it."""
+    if numel == 0:
+        return -1, -1
+    if count == 0 and not from_acc:
+        raise ValueError("nothing to sum: no bodies and no partial sum")
+    nb = -(-numel // bucket_size)
+    status = np.full((_threads, 2), -1, dtype=np.int64)
+    meta, packed = out if out is not None else (_NO_F32, _NO_U8)
+    key = rng.seed_key(seed) if stochastic and out is not None else 0
+    args = (slots, slots.view(np.float32), count, 8 * nb, numel, bits, bucket_size,
+            acc if acc is not None else _NO_F32, from_acc, out is not None,
+            residual if residual is not None else _NO_F32, residual is not None, meta, packed, stochastic, key)
+    _run_split(_sum_range, nb, args, status)
+    bad = status[:, 0][status[:, 0] >= 0]
+    over = status[:, 1][status[:, 1] >= 0]
+    return (int(bad.min()) if bad.size else -1), (int(over.min()) if over.size else -1)
+
+
+_NO_F32 = np.empty(0, dtype=np.float32)  # placeholders: numba needs typed arrays for unused args
+_NO_U8 = np.empty(0, dtype=np.uint8)

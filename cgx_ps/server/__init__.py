@@ -7,7 +7,8 @@
     session.py     one job's session: members, their streams, where each result goes
     stream.py      a member's Exchange stream, outbound: queued results, bounded, and the writer
     reassembly.py  pushed chunks into whole blocks, within the memory budget and deadlines
-    aggregator.py  per-block rounds: dequantize-accumulate, re-quantize once, timeouts
+    aggregator.py  per-block rounds: keep the pushes, sum and re-quantize once, timeouts, restores
+    blockstate.py  one block's round state and the push checks, as small functions
     blobs.py       the broadcast store: blobs of the session, uploads checked chunk by chunk
     budget.py      an async byte budget (backpressure)
     config.py      the shard's settings: each one's default, environment variable and flag

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from .. import timeline
-from ..kernels import Codec, ErrorFeedback, dequantize, encode_block
+from ..kernels import Codec, EncodedSum, ErrorFeedback, encode_block
 from ..security import CredentialError, read_token
 from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
@@ -168,9 +168,10 @@ def _warm_kernels() -> None:
         for stochastic in (False, True):
             payload = encode_block(values, codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1,
                                    feedback=ErrorFeedback()).to_bytes()
-            acc = torch.empty(1024)
-            dequantize(payload, out=acc)
-            dequantize(payload, out=acc, accumulate=True)
+            total = EncodedSum(1024, parts=2)  # the round's sum (aggregator.py)
+            total.add(payload)
+            total.add(payload)
+            total.encode(codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1, feedback=ErrorFeedback())
 
 
 class _ShardFilter(logging.Filter):

@@ -1,0 +1,115 @@
+"""EncodedSum (kernels/summation.py), the shard's fused sum of a round's pushes, must write exactly
+the bytes of the accumulator path it replaced: decode each push into a float32 accumulator in
+arrival order (the first overwrites), then encode the sum once, with error feedback over rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cgx_ps.kernels import Codec, CodecError, EncodedSum, ErrorFeedback, dequantize, encode, encode_block
+
+
+def accumulator_path(payloads: list[bytes], numel: int, codec: Codec, bits: int, bucket: int, stochastic: bool,
+                     seed: int, feedback: ErrorFeedback | None, allow_non_finite: bool = False) -> bytes:
+    """What the shard did before EncodedSum (aggregator.py up to a3d4b79)."""
+    acc = torch.empty(numel, dtype=torch.float32)
+    for i, payload in enumerate(payloads):
+        dequantize(payload, out=acc, accumulate=i > 0)
+    return encode_block(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed,
+                        feedback=feedback, allow_non_finite=allow_non_finite).to_bytes()
+
+
+def pushes(gen: torch.Generator, n: int, numel: int, codec: Codec, bits: int, bucket: int, round_: int) -> list[bytes]:
+    # different scales per node, so bucket ranges differ and the additions really round
+    return [encode(torch.randn(numel, generator=gen) * (1 + 3 * i), codec, bits=bits, bucket_size=bucket,
+                   stochastic=True, seed=100 * round_ + i).to_bytes() for i in range(n)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(numel=st.integers(1, 3000), bits=st.integers(1, 8), bucket=st.sampled_from([8, 16, 24, 64, 512]),
+       nodes=st.integers(1, 6), stochastic=st.booleans(), feedback=st.booleans(),
+       keep=st.sampled_from([None, 0, 1, 2]), seed=st.integers(0, 2**62))
+def test_fused_sum_writes_the_accumulator_paths_bytes(numel: int, bits: int, bucket: int, nodes: int,
+                                                       stochastic: bool, feedback: bool, keep: int | None,
+                                                       seed: int) -> None:
+    """Every width, bucket size (partial last buckets included), node count, rounding mode, with and
+    without server-side error feedback over three rounds, and with the slots' memory cap forcing
+    folds into the accumulator (keep: bodies that fit; 0 = none, the accumulator path itself).
+    Above 128 buckets a call is split across threads (cpu._run_split)."""
+    gen = torch.Generator().manual_seed(seed % 2**31)
+    body = len(encode(torch.zeros(numel), Codec.MAXMIN, bits=bits, bucket_size=bucket).to_bytes()) - 32
+    keep_bytes = None if keep is None else keep * (-(-body // 8) * 8)
+    total = EncodedSum(numel, parts=nodes, keep_bytes=keep_bytes)
+    want_fb, got_fb = (ErrorFeedback(), ErrorFeedback()) if feedback else (None, None)
+    for round_ in range(3):
+        payloads = pushes(gen, nodes, numel, Codec.MAXMIN, bits, bucket, round_)
+        want = accumulator_path(payloads, numel, Codec.MAXMIN, bits, bucket, stochastic, seed + round_, want_fb)
+        for payload in payloads:
+            total.add(payload)
+        got = total.encode(Codec.MAXMIN, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed + round_,
+                           feedback=got_fb).to_bytes()
+        total.clear()
+        assert got == want
+        if feedback:
+            assert torch.equal(got_fb.residual, want_fb.residual)
+
+
+@pytest.mark.parametrize("codec", [Codec.FP32, Codec.FP16, Codec.BF16])
+def test_float_codecs_and_a_change_of_encoding_between_sums(codec: Codec) -> None:
+    """Float pushes are summed as they come; the same EncodedSum then sums 4-bit pushes (an
+    adaptive-compression change) with the right bytes."""
+    gen = torch.Generator().manual_seed(int(codec))
+    numel = 1000
+    total = EncodedSum(numel, parts=3)
+    payloads = pushes(gen, 3, numel, codec, 32, 0, 0)
+    for payload in payloads:
+        total.add(payload)
+    assert total.encode(codec, bits=32, bucket_size=0, stochastic=False, seed=1).to_bytes() == \
+        accumulator_path(payloads, numel, codec, 32, 0, False, 1, None)
+    total.clear()
+    payloads = pushes(gen, 3, numel, Codec.MAXMIN, 4, 64, 1)
+    for payload in payloads:
+        total.add(payload)
+    assert total.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=True, seed=2).to_bytes() == \
+        accumulator_path(payloads, numel, Codec.MAXMIN, 4, 64, True, 2, None)
+
+
+def test_bad_push_changes_nothing_and_non_finite_or_overflowing_sums() -> None:
+    numel = 512
+    gen = torch.Generator().manual_seed(3)
+    total = EncodedSum(numel, parts=2)
+    good = pushes(gen, 2, numel, Codec.MAXMIN, 4, 64, 0)
+    corrupt = bytearray(good[1])
+    corrupt[-1] ^= 0xFF
+    total.add(good[0])
+    with pytest.raises(CodecError, match="crc32"):
+        total.add(bytes(corrupt))
+    with pytest.raises(CodecError, match="elements"):
+        total.add(pushes(gen, 1, numel + 8, Codec.MAXMIN, 4, 64, 0)[0])
+    total.add(good[1])
+    assert total.count == 2
+    assert total.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=False, seed=0).to_bytes() == \
+        accumulator_path(good, numel, Codec.MAXMIN, 4, 64, False, 0, None)
+    total.clear()
+    # a non-finite push (mixed precision's overflow) makes the sum a non-finite block
+    inf = torch.randn(numel)
+    inf[5] = float("inf")
+    flagged = encode(inf, Codec.MAXMIN, bits=4, bucket_size=64, allow_non_finite=True).to_bytes()
+    for payload in (good[0], flagged):
+        total.add(payload)
+    assert total.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=False, seed=0,
+                        allow_non_finite=True).to_bytes() == \
+        accumulator_path([good[0], flagged], numel, Codec.MAXMIN, 4, 64, False, 0, None, allow_non_finite=True)
+    total.clear()
+    # finite pushes whose sum's range overflows float32: refused, as encoding the accumulator is
+    huge = [encode(torch.full((numel,), s * 3e38).index_fill_(0, torch.tensor([0]), 0.0), Codec.MAXMIN, bits=4,
+                   bucket_size=64).to_bytes() for s in (1.0, 1.0)]
+    for payload in huge:
+        total.add(payload)
+    with pytest.raises(CodecError):
+        accumulator_path(huge, numel, Codec.MAXMIN, 4, 64, False, 0, None)
+    with pytest.raises(CodecError, match="NaN/Inf|overflows"):
+        total.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=False, seed=0)
