@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -25,23 +24,12 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cgx_step.py
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import cgx_ps.worker as cgx  # noqa: E402
-from benchmarks.workload import MODELS, Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training  # noqa: E402
+from benchmarks.workload import (Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training,  # noqa: E402
+                                 training_parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=MODELS, default="mlp17m")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--compression", default="4bit", help="fp32, fp16, Nbit")
-    p.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-size", type=int, default=512)
-    p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME"))
-    return p.parse_args(argv)
+    return training_parser(__doc__.split("\n\n")[0]).parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -54,7 +54,8 @@ import torch.nn as nn
 if __name__ == "__main__" and not __package__:  # `python benchmarks/ddp_step.py`: import the package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.workload import MODELS, Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training  # noqa: E402
+from benchmarks.workload import (Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training,  # noqa: E402
+                                 training_parser)
 
 HOOKS = ("none", "fp16", "powersgd", "cgx")
 # The built-in powerSGD_hook chains futures with ``.then`` and calls ``.wait()`` on a
@@ -96,27 +97,14 @@ def register_hook(ddp: nn.parallel.DistributedDataParallel, hook: str, seed: int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=MODELS, default="mlp17m")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 2 for powersgd)")
-    p.add_argument("--hook", choices=HOOKS, default="none")
+    p = training_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--hook", choices=HOOKS, default="none", help="cgx: the cgx-ps DDP hook (--compression, --block-mb)")
     p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--compression", default="4bit", help="--hook cgx: fp32, fp16, Nbit (as cgx_step.py)")
-    p.add_argument("--block-mb", type=float, default=4.0, help="--hook cgx: fp32 MB per block (as cgx_step.py)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP bucket size in MiB (default: DDP's 25; for powersgd %d, see POWERSGD_BUCKET_CAP_MB)"
                    % POWERSGD_BUCKET_CAP_MB)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-size", type=int, default=512)
-    p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME"),
-                   help="interface whose /proc/net/dev counters give bytes per step")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
     return p.parse_args(argv)
-
 
 
 def main(argv=None) -> int:

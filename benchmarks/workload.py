@@ -8,7 +8,9 @@ systems (``ddp_step.py``, ``cgx_step.py``, ``timeline.py``).
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from benchmarks.procstat import HostCpu, iface_bytes
 
 __all__ = ["MODELS", "Teacher", "batch_seed", "build_model", "eval_loss", "input_shape", "make_batch",
-           "timed_training"]
+           "timed_training", "training_parser"]
 
 MODELS = ("tiny", "mlp17m", "mlp25m", "convnet")
 IN_FEATURES = 64
@@ -127,3 +129,21 @@ def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence
     return {"step_times_s": times, "median_step_s": statistics.median(timed) if timed else None,
             "mean_step_s": statistics.mean(timed) if timed else None, "train_loss": loss,
             "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, **cpu.per_step(steps)}
+
+
+def training_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of every step script: the same defaults make their runs comparable."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", choices=MODELS, default="mlp17m")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 2 for ddp_step.py --hook powersgd)")
+    p.add_argument("--compression", default="4bit", help="cgx-ps: fp32, fp16, Nbit")
+    p.add_argument("--block-mb", type=float, default=4.0, help="cgx-ps: fp32 MB per block")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-size", type=int, default=512)
+    p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME"),
+                   help="interface whose /proc/net/dev counters give bytes per step")
+    return p
