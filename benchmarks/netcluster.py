@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", default="1gbit", help="per-link rate, both directions (tc units; default 1gbit)")
     p.add_argument("--burst-ms", type=float, default=ClusterConfig.burst_ms)
     p.add_argument("--latency-ms", type=float, default=ClusterConfig.latency_ms)
-    p.add_argument("--cleanup", action="store_true", help="remove cgxb- leftovers of earlier runs and exit")
+    p.add_argument("--cleanup", action="store_true", help="remove leftovers (CGX_PS_NETNS_PREFIX, default cgxb-) of earlier runs and exit")
     p.add_argument("--measure", action="store_true", help="measure host0 -> host1 TCP throughput")
     p.add_argument("--seconds", type=float, default=2.0, help="duration of --measure")
     p.add_argument("--ddp", action="store_true", help="run ddp_step.py per hook and print a table")
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cleanup:
         found = cleanup_leftovers(verbose=True)
         if not (found["netns"] or found["links"]):
-            print("no cgxb- leftovers")
+            print(f"no {PREFIX} leftovers")
         return 0
     if not (args.measure or args.ddp):
         print("nothing to do: pass --measure and/or --ddp (or --cleanup)", file=sys.stderr)
