@@ -121,7 +121,7 @@ PORTS = iter(range(29500, 29500 + 10000))
 
 
 def ddp_argv(model: str, hook: str, steps: int, warmup: int, batch_size: int, threads: int, seed: int,
-              timeout: float, extra: Sequence[str] = ()) -> list[str]:
+             timeout: float, extra: Sequence[str] = ()) -> list[str]:
     return [sys.executable, str(DDP_STEP), "--model", model, "--hook", hook, "--steps", str(steps),
             "--warmup", str(warmup), "--batch-size", str(batch_size), "--threads", str(threads),
             "--seed", str(seed), "--iface", HOST_IFACE, "--timeout", str(int(timeout)), *extra]

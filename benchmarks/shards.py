@@ -189,8 +189,6 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
     ``front_end="ddp-hook"`` runs ``ddp_step.py --hook cgx`` instead: torch DDP over a gloo
     process group on the same links, its buckets averaged by the cgx-ps DDP comm hook through
     the same shards (``extra_args`` go to ddp_step.py, e.g. ``["--block-mb", "4"]``)."""
-
-
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end {front_end!r}: choose from {FRONT_ENDS}")
     worker_hosts = list(range(cluster.hosts)) if worker_hosts is None else list(worker_hosts)
