@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 
 from benchmarks.emulator import Cluster
 from benchmarks.localjob import last_json_line
-from benchmarks.netns import HOST_IFACE, kill_pids
+from benchmarks.netns import HOST_IFACE, PREFIX, kill_pids
 from benchmarks.procstat import machine_cpu_seconds, proc_cpu_seconds
 
 __all__ = ["PORTS", "JobResult", "ddp_argv", "repo_env", "run_ddp", "run_job", "run_single_process", "thread_env"]
@@ -72,7 +72,7 @@ def run_job(
     cpu: list[float | None] = []
     busy0, _, irq0 = machine_cpu_seconds(softirq=True)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="cgxb-job-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=PREFIX + "job-") as tmp:
         try:
             for i in hosts:
                 out = open(os.path.join(tmp, f"{i}.out"), "w+")

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 
 from benchmarks.emulator import Cluster
 from benchmarks.jobs import PORTS, REPO_ROOT, JobResult, ddp_argv, repo_env, run_job, thread_env
-from benchmarks.netns import HOST_IFACE, ClusterError, kill_pids
+from benchmarks.netns import HOST_IFACE, PREFIX, ClusterError, kill_pids
 from benchmarks.procstat import HOST_PIDS_ENV, proc_cpu_seconds
 
 __all__ = ["FRONT_ENDS", "ShardSet", "run_cgx", "start_shards"]
@@ -125,7 +125,9 @@ def start_shards(cluster: Cluster, hosts: Sequence[int], extra_args: Sequence[st
         raise ValueError("start_shards needs at least one host")
     for h in hosts:
         cluster._check_index(h)
-    tmp = tempfile.TemporaryDirectory(prefix="cgxb-shards-")
+    # the run's prefix in the folder (and so in every shard's --port-file): tells this run's shards
+    # from those of a run with another CGX_PS_NETNS_PREFIX on the same machine
+    tmp = tempfile.TemporaryDirectory(prefix=PREFIX + "shards-")
     procs: list[subprocess.Popen] = []
     shards = ShardSet(cluster, hosts, procs, [], tmp)
     from cgx_ps.security import new_token_file

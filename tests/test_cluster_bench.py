@@ -39,7 +39,9 @@ def _leftover_objects() -> list[str]:
 
 
 def _shard_processes() -> list[str]:
-    """cgx-ps shard processes bound to the emulated hosts' addresses (10.77.0.x)."""
+    """cgx-ps shard processes of this run's prefix: their --port-file lies in a folder named after
+    it (benchmarks.shards), so runs with other prefixes on the same machine do not count."""
+    folder = f"/{nc.PREFIX}shards-"
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -49,7 +51,7 @@ def _shard_processes() -> list[str]:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]
-        if "cgx_ps.cli" in args and "server" in args and any(a.startswith("10.77.0.") for a in args):
+        if "cgx_ps.cli" in args and "server" in args and any(folder in a for a in args):
             found.append(f"{proc.name}: {' '.join(args)}")
     return found
 
