@@ -16,8 +16,10 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import netcluster as nc  # noqa: E402
+if __name__ == "__main__" and not __package__:  # `python benchmarks/adaptive.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks import netcluster as nc  # noqa: E402
 
 
 def main() -> None:

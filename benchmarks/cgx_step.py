@@ -14,35 +14,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step import MODELS, HostCpu, Teacher, batch_seed, build_model, iface_bytes, make_batch  # noqa: E402
+if __name__ == "__main__" and not __package__:  # `python benchmarks/cgx_step.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import cgx_ps.worker as cgx  # noqa: E402
+from benchmarks.workload import (Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training,  # noqa: E402
+                                 training_parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=MODELS, default="mlp17m")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--compression", default="4bit", help="fp32, fp16, Nbit")
-    p.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-size", type=int, default=512)
-    p.add_argument("--iface", default=os.environ.get("GLOO_SOCKET_IFNAME"))
-    return p.parse_args(argv)
+    return training_parser(__doc__.split("\n\n")[0]).parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -60,47 +47,22 @@ def main(argv=None) -> int:
                for s in range(total)]
     eval_x, eval_y = make_batch(args.model, teacher, args.eval_size, 7_777_777 + args.seed)
 
-    @torch.no_grad()
-    def eval_loss() -> float:
-        return sum(F.cross_entropy(model(x), y, reduction="sum").item()
-                   for x, y in zip(eval_x.split(256), eval_y.split(256))) / args.eval_size
+    exposed, moved = [], {"pushed": 0, "fp32": 0}
 
-    times, exposed, pushed, fp32 = [], [], 0, 0
-    counters0 = None
-    loss = float("nan")
-    cpu = HostCpu()
-    for step, (x, y) in enumerate(batches):
-        if step == args.warmup:
-            counters0 = iface_bytes(args.iface)
-            cpu.start()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss_t = F.cross_entropy(model(x), y)
-        loss_t.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        loss = loss_t.item()
-        if step >= args.warmup:
-            exposed.append(opt.stats.exposed_comm_s)
-            pushed += opt.stats.bytes_pushed
-            fp32 += opt.stats.fp32_bytes
-    cpu.stop()
-    counters1 = iface_bytes(args.iface)
-    timed = times[args.warmup:]
-    tx = rx = None
-    if counters0 and counters1 and args.steps:
-        rx = (counters1[0] - counters0[0]) / args.steps
-        tx = (counters1[1] - counters0[1]) / args.steps
+    def optimizer_stats() -> None:
+        exposed.append(opt.stats.exposed_comm_s)
+        moved["pushed"] += opt.stats.bytes_pushed
+        moved["fp32"] += opt.stats.fp32_bytes
+
+    timed = timed_training(model, opt, batches, args.warmup, args.iface, optimizer_stats)
     result = {
         "rank": config.rank, "world_size": config.world_size, "model": args.model,
         "params": sum(p.numel() for p in model.parameters()), "compression": args.compression,
         "batch_size": args.batch_size, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
-        "step_times_s": times, "median_step_s": statistics.median(timed) if timed else None,
-        "mean_step_s": statistics.mean(timed) if timed else None,
-        "exposed_comm_s": statistics.median(exposed) if exposed else None,
-        "bytes_pushed_per_step": pushed / max(args.steps, 1), "fp32_bytes_per_step": fp32 / max(args.steps, 1),
-        "train_loss": loss, "eval_loss": eval_loss(), "iface": args.iface,
-        "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, **cpu.per_step(args.steps), "torch": torch.__version__,
+        **timed, "exposed_comm_s": statistics.median(exposed) if exposed else None,
+        "bytes_pushed_per_step": moved["pushed"] / max(args.steps, 1),
+        "fp32_bytes_per_step": moved["fp32"] / max(args.steps, 1),
+        "eval_loss": eval_loss(model, eval_x, eval_y), "iface": args.iface, "torch": torch.__version__,
         # adaptive/auto decisions: bits per tensor, compress on/off and the figures behind them
         "tuning": [d.as_dict() for d in opt.tuning_history],
     }

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,14 +26,16 @@ import timeit
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__" and not __package__:  # `python benchmarks/timeline.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.localjob import run_ranks  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
-    from ddp_step import Teacher, batch_seed, build_model, make_batch
+    from benchmarks.workload import Teacher, batch_seed, build_model, make_batch
 
     import cgx_ps.worker as cgx
     from cgx_ps import timeline
@@ -130,21 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         job = uuid.uuid4().hex[:8]
         worker_argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                        if k not in ("json", "worker", "trace")]
-        procs = []
-        for rank in range(2):
+
+        def env(rank: int) -> dict[str, str]:
             env = dict(os.environ, **cluster.worker_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
                        LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES="2", CGX_PS_JOB_ID=job,
                        OMP_NUM_THREADS=str(args.threads))
             env.pop("CGX_PS_TIMELINE", None)  # the worker switches its recorder itself
-            procs.append(subprocess.Popen([sys.executable, __file__, *worker_argv, "--worker", "--trace",
-                                           os.path.join(tmp, "trace.json")], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        results = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=1800)
-            if proc.returncode:
-                raise SystemExit(f"worker failed:\n{err[-3000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            return env
+
+        results = run_ranks([sys.executable, __file__, *worker_argv, "--worker", "--trace",
+                             os.path.join(tmp, "trace.json")], 2, env, timeout=1800)
     per_rank = []
     for res in results:
         off = statistics.median(r["s"] for r in res["rows"] if not r["on"])

@@ -34,7 +34,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and not __package__:  # `python benchmarks/timeline_gantt.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 from cgx_ps import timeline  # noqa: E402
 
 # parents: drawn pale and full height behind their children

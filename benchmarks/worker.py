@@ -13,12 +13,15 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
-from cgx_ps.server import LocalCluster
+if __name__ == "__main__" and not __package__:  # `python benchmarks/worker.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.localjob import run_ranks  # noqa: E402
+from cgx_ps.server import LocalCluster  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,18 +30,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _run(script: str, world: int, argv: list[str], env_for) -> list[dict]:
-    procs = [subprocess.Popen([sys.executable, str(HERE / script), *argv], env=env_for(r), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=900)
-        if p.returncode:
-            raise RuntimeError(f"{script} failed:\n{stderr[-2000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
 
 
 def main() -> None:
@@ -52,19 +43,20 @@ def main() -> None:
     base = dict(os.environ, OMP_NUM_THREADS="1")
     rows = []
 
-    single = _run("ddp_step.py", 1, common, lambda r: dict(base, WORLD_SIZE="1", RANK="0"))[0]
+    ddp_step, cgx_step = [sys.executable, HERE / "ddp_step.py", *common], [sys.executable, HERE / "cgx_step.py", *common]
+    single = run_ranks(ddp_step, 1, lambda r: dict(base, WORLD_SIZE="1", RANK="0"))[0]
     compute = single["median_step_s"]
     rows.append({"config": "single process (compute only)", "step_s": compute, "exposed_s": None})
 
     port = str(_free_port())
-    ddp = _run("ddp_step.py", 2, common, lambda r: dict(base, WORLD_SIZE="2", RANK=str(r),
-                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    ddp = run_ranks(ddp_step, 2, lambda r: dict(base, WORLD_SIZE="2", RANK=str(r),
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
     rows.append({"config": "DDP gloo fp32 (peer)", "step_s": max(d["median_step_s"] for d in ddp), "exposed_s": None})
 
     with LocalCluster(2, extra_args=["--log-level", "WARNING"]) as cluster:
         for compression in ("4bit", "fp32"):
             job = uuid.uuid4().hex[:8]
-            res = _run("cgx_step.py", 2, [*common, "--compression", compression], lambda r, job=job: dict(
+            res = run_ranks([*cgx_step, "--compression", compression], 2, lambda r, job=job: dict(
                 base, RANK=str(r), WORLD_SIZE="2", CGX_PS_NODE_RANK=str(r), CGX_PS_NUM_NODES="2",
                 **cluster.worker_env(), CGX_PS_JOB_ID=job))
             rows.append({"config": f"cgx-ps {compression}", "step_s": max(d["median_step_s"] for d in res),

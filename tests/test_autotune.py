@@ -104,8 +104,7 @@ def test_auto_mode_skips_compression_when_communication_hides_behind_compute():
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                     reason="needs root and iproute2 for network namespaces")
 def test_auto_mode_compresses_on_a_throttled_link():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import netcluster
+    from benchmarks import netcluster
 
     with netcluster.Cluster(hosts=2, rate="100mbit") as cluster:
         shard = cluster.spawn(1, [sys.executable, "-m", "cgx_ps.cli", "server", "--host", cluster.address(1),

@@ -21,26 +21,27 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "cluster.py"
-NETCLUSTER = ROOT / "benchmarks" / "netcluster.py"
+from benchmarks import netcluster as nc
+from support import terminate
 
-PREFIX = os.environ.get("CGX_PS_NETNS_PREFIX", "cgxb-")  # as benchmarks/netcluster.py names its objects
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "cluster.py"  # the CLI, run as documented
+
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 HAVE_IP = shutil.which("ip") is not None and shutil.which("tc") is not None
 root_only = pytest.mark.skipif(not (IS_ROOT and HAVE_IP), reason="needs root and iproute2 (ip, tc)")
 
 
 def _leftover_objects() -> list[str]:
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.split("\n")
-    names = [line.split()[0] for line in ns if line.strip()]
-    names += [part.split(":", 2)[1].strip().split("@")[0] for part in links if part.count(":") >= 2]
-    return [n for n in names if n.startswith(PREFIX)]
+    """This run's prefix's namespaces and links (CGX_PS_NETNS_PREFIX, as the benchmark names them)."""
+    left = nc.find_leftovers()
+    return left["netns"] + left["links"]
 
 
 def _shard_processes() -> list[str]:
-    """cgx-ps shard processes bound to the emulated hosts' addresses (10.77.0.x)."""
+    """cgx-ps shard processes of this run's prefix: their --port-file lies in a folder named after
+    it (benchmarks.shards), so runs with other prefixes on the same machine do not count."""
+    folder = f"/{nc.PREFIX}shards-"
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -50,7 +51,7 @@ def _shard_processes() -> list[str]:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]
-        if "cgx_ps.cli" in args and "server" in args and any(a.startswith("10.77.0.") for a in args):
+        if "cgx_ps.cli" in args and "server" in args and any(folder in a for a in args):
             found.append(f"{proc.name}: {' '.join(args)}")
     return found
 
@@ -58,8 +59,8 @@ def _shard_processes() -> list[str]:
 @pytest.fixture
 def clean_slate():
     if _leftover_objects():
-        pytest.fail(f"cgxb- leftovers exist before the test: {_leftover_objects()}; remove them with: "
-                    f"{sys.executable} {NETCLUSTER} --cleanup")
+        pytest.fail(f"{nc.PREFIX} leftovers exist before the test: {_leftover_objects()}; remove them with: "
+                    f"{nc.cleanup_command()}")
     yield
     deadline = time.monotonic() + 5  # processes killed by id may take a moment to vanish from /proc
     while _shard_processes() and time.monotonic() < deadline:
@@ -120,10 +121,6 @@ def test_sigterm_while_shards_serve_leaves_nothing(clean_slate):
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.2)
         time.sleep(3.0)  # let the workers connect and train
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        terminate(p, timeout=30)
     assert p.returncode == 128 + signal.SIGTERM, p.stderr.read()[-2000:]

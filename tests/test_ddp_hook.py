@@ -19,10 +19,9 @@ import torch
 
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
+from workers.step_worker import rank_gradient
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "workers"))
-from step_worker import rank_gradient  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORLD = 2

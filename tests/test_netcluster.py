@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark cluster harness (benchmarks/netcluster.py).
+"""Smoke tests of the benchmark cluster harness (benchmarks.netcluster and the modules it re-exports).
 
 They build real network namespaces, so they need root and iproute2; without
 them they are skipped (except the check that the CLI refuses to run as
@@ -7,7 +7,6 @@ non-root).  Everything runs at tiny size: a few seconds on a 2-core machine.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import shutil
@@ -19,19 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import netcluster as nc
+from support import terminate
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "netcluster.py"
-
-
-def _load_netcluster():
-    spec = importlib.util.spec_from_file_location("netcluster", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["netcluster"] = mod  # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-nc = _load_netcluster()
+SCRIPT = ROOT / "benchmarks" / "netcluster.py"  # the CLI, run as documented
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 HAVE_IP = shutil.which("ip") is not None and shutil.which("tc") is not None
@@ -86,24 +77,25 @@ def test_cluster_link_and_ddp_smoke(clean_slate):
 @pytest.mark.root
 @root_only
 def test_leftovers_are_detected_and_cleaned(clean_slate):
-    subprocess.run(["ip", "netns", "add", "cgxb-stray"], check=True)
-    veth = subprocess.run(["ip", "link", "add", "cgxb-strayA", "type", "veth", "peer", "name", "cgxb-strayB"])
+    stray = nc.PREFIX + "stray"  # this run's prefix: leftovers of other prefixes are not ours
+    subprocess.run(["ip", "netns", "add", stray], check=True)
+    veth = subprocess.run(["ip", "link", "add", stray + "A", "type", "veth", "peer", "name", stray + "B"])
     try:
         left = nc.find_leftovers()
-        assert "cgxb-stray" in left["netns"]
+        assert stray in left["netns"]
         if veth.returncode == 0:
-            assert "cgxb-strayA" in left["links"]
+            assert stray + "A" in left["links"]
         with pytest.raises(nc.LeftoversError) as err:
             nc.Cluster(hosts=2).start()
         assert nc.cleanup_command() in str(err.value)
         assert "--cleanup" in str(err.value)
-        assert "cgxb-stray" in str(err.value)
+        assert stray in str(err.value)
         # it refused before building anything
-        assert set(nc.find_leftovers()["netns"]) == {"cgxb-stray"}
+        assert set(nc.find_leftovers()["netns"]) == {stray}
     finally:
         cli = subprocess.run([sys.executable, str(SCRIPT), "--cleanup"], capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
-    assert "cgxb-stray" in cli.stdout
+    assert stray in cli.stdout
 
 
 @pytest.mark.timeout(60)
@@ -118,12 +110,8 @@ def test_sigterm_tears_everything_down(clean_slate):
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.1)
         time.sleep(1.0)  # let the measurement processes start
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=20)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        terminate(p, timeout=20)
     assert p.returncode == 128 + signal.SIGTERM
 
 

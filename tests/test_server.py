@@ -23,7 +23,7 @@ from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from support import METADATA, SECURITY, TOKEN_FILE
+from support import METADATA, SECURITY, TOKEN_FILE, connect
 
 TENSORS = [TensorInfo("a.weight", (300, 70)), TensorInfo("a.bias", (300,)),
            TensorInfo("b.weight", (64, 1000)), TensorInfo("c.weight", (50, 41))]
@@ -35,15 +35,6 @@ def make_layout(tensors=TENSORS, compression=COMPRESSION, block_bytes=64 << 10, 
 
 
 SHARD_SETTINGS = dict(metrics_port=0, round_timeout_s=5.0)  # the conftest `shard` fixture's
-
-
-async def connect(server: ShardServer, layout: ps_pb2.Layout, nodes: int, prefix="node") -> list[ShardClient]:
-    clients = [ShardClient(f"127.0.0.1:{server.port}", f"{prefix}-{i}", nodes, layout, connect_timeout_s=5,
-                           security=SECURITY)
-               for i in range(nodes)]
-    for c in clients:
-        await c.connect()
-    return clients
 
 
 async def close(clients: list[ShardClient]) -> None:

@@ -20,7 +20,7 @@ from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from support import METADATA, SECURITY
+from support import METADATA, SECURITY, connect
 
 ROUND_TIMEOUT = 1.5
 SHARD_SETTINGS = dict(round_timeout_s=ROUND_TIMEOUT, drain_timeout_s=3.0)  # conftest.start_shard
@@ -33,15 +33,6 @@ def layout_of(*shapes: tuple[int, ...], block_bytes: int = 64 << 10) -> ps_pb2.L
 
 def fp32(n: int, value: float = 1.0) -> bytes:
     return encode(torch.full((n,), value), Codec.FP32).to_bytes()
-
-
-async def connect(server: ShardServer, layout, nodes: int) -> list[ShardClient]:
-    clients = [ShardClient(f"127.0.0.1:{server.port}", f"node-{i}", nodes, layout, connect_timeout_s=5,
-                           security=SECURITY)
-               for i in range(nodes)]
-    for c in clients:
-        await c.connect()
-    return clients
 
 
 async def raw_stream(server: ShardServer, node: str, layout, member: int = 0, register: bool = False,

@@ -19,10 +19,9 @@ from cgx_ps import cli, timeline
 from cgx_ps.server import LocalCluster
 from cgx_ps.server.config import ServerConfig
 from cgx_ps.worker import ConfigError
+from test_worker import env_for
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from test_worker import env_for  # noqa: E402
 
 WORKER_SPANS = {"step", "backward-ready", "exposed wait", "write-back", "optimizer",  # training thread
                 "encode", "decode",  # codec threads

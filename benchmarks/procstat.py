@@ -1,0 +1,92 @@
+"""What /proc says: CPU seconds of a process and of the machine, bytes through an interface.
+
+The cluster benchmarks read these to tell CPU contention from network time: the runner samples
+each host's process and the machine as a whole, and a training worker counts its own CPU plus
+that of the shards colocated on its host (``HostCpu``) and the bytes of its interface.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+__all__ = ["HOST_PIDS_ENV", "HostCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds"]
+
+# pids of the cgx-ps shards on a worker's host (shards.run_cgx sets it): HostCpu adds their CPU
+# to the host's per step
+HOST_PIDS_ENV = "CGX_PS_BENCH_HOST_PIDS"
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), None if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def machine_cpu_seconds(softirq: bool = False) -> tuple[float, ...]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat; with
+    ``softirq`` also the irq + softirq part of busy (e.g. veth/tbf packet processing, which
+    is not charged to any process's utime/stime)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    total = sum(v[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    out = ((total - v[3] - v[4]) / _CLK_TCK, total / _CLK_TCK)
+    return out + ((v[5] + v[6]) / _CLK_TCK,) if softirq else out
+
+
+def iface_bytes(iface: str | None) -> tuple[int, int] | None:
+    """(rx_bytes, tx_bytes) of ``iface`` in this process's network namespace."""
+    if not iface:
+        return None
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f.readlines()[2:]:
+                name, _, rest = line.partition(":")
+                if name.strip() == iface:
+                    v = rest.split()
+                    return int(v[0]), int(v[8])
+    except OSError:
+        pass
+    return None
+
+
+
+class HostCpu:
+    """CPU seconds of this process and of the other processes on its host (``HOST_PIDS_ENV``)
+    between ``start()`` and ``stop()``: the CPU cost of the timed steps, per host."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        raw = (os.environ if env is None else env).get(HOST_PIDS_ENV, "")
+        self.pids = [int(p) for p in raw.split(",") if p.strip()]
+        self._start: tuple[float, list[float | None]] | None = None
+        self.own_s: float | None = None
+        self.others_s: float | None = None
+
+    def _sample(self) -> tuple[float, list[float | None]]:
+        return time.process_time(), [proc_cpu_seconds(p) for p in self.pids]
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def stop(self) -> None:
+        if self._start is None:
+            return
+        own, others = self._sample()
+        self.own_s = own - self._start[0]
+        pairs = list(zip(self._start[1], others))
+        # a colocated process that is gone cannot be accounted for: no host figure then
+        self.others_s = None if any(a is None or b is None for a, b in pairs) else sum(b - a for a, b in pairs)
+
+    def per_step(self, steps: int) -> dict[str, float | None]:
+        if self.own_s is None or steps <= 0:
+            return {"cpu_s_per_step": None, "colocated_cpu_s_per_step": None, "host_cpu_s_per_step": None}
+        own = self.own_s / steps
+        others = None if self.others_s is None else self.others_s / steps
+        return {"cpu_s_per_step": own, "colocated_cpu_s_per_step": others,
+                "host_cpu_s_per_step": None if others is None else own + others}
+
