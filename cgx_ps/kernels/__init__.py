@@ -9,8 +9,8 @@ numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks on
 imports nothing else of cgx_ps, so it can be reused on its own.
 """
 
-from .api import (EncodedBlock, Impl, decode_header, dequantize, encode, encode_with_feedback, non_finite_block,
-                  quantize)
+from .api import (EncodedBlock, Impl, PayloadScratch, decode_header, dequantize, encode, encode_with_feedback,
+                  non_finite_block, quantize)
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block
 from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
@@ -23,6 +23,7 @@ __all__ = [
     "HEADER_SIZE",
     "Header",
     "Impl",
+    "PayloadScratch",
     "WIRE_VERSION",
     "body_size",
     "decode_header",
