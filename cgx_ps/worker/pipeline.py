@@ -92,6 +92,7 @@ class _Block:
     submitted: bool = False
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
     scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
+    in_place: bool = False  # this step's work is the front end's memory
 
 
 class BlockPipeline:
@@ -204,6 +205,7 @@ class BlockPipeline:
         if span is None:
             self.buffers.fill(block_id, grad_of)
         block.work = block.buffer if span is None else span
+        block.in_place = span is not None
         ready = None
         if block.work.is_cuda:  # the communication thread must not read the gradient before the copies ran
             ready = torch.cuda.Event()
@@ -237,7 +239,8 @@ class BlockPipeline:
             raise CgxPsError("finish_step() before every block was submitted (take_unsubmitted() gives the rest)")
         t0 = time.perf_counter() if waiting_since is None else waiting_since
         waited = timeline.mark()
-        stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s)
+        stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s,
+                          in_place_blocks=sum(b.in_place for b in self._blocks))
         try:
             for block in self._blocks:
                 try:
