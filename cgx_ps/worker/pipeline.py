@@ -14,6 +14,10 @@ and takes the averaged gradients back, through a handful of calls::
     for b in range(pipe.num_blocks):
         pipe.copy_out(b, out.get)                 # the averaged gradient into the front end's tensors
 
+``submit(b, grads.get, in_place=True)`` (where ``in_place()`` allows it) skips the copy in and
+out for a block whose gradients lie end to end in one float32 tensor: it is encoded from that
+memory and decoded into it (``buffers.py``).
+
 Between ``submit`` and its future, for one block: the owner of the block among the node's
 local ranks waits until every local rank wrote it and sums them (``NodeReducer``); encodes the
 sum (error feedback; a seed from node, block and round; uncompressed during warm-up and when
