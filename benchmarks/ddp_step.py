@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     if args.hook == "powersgd" and args.bucket_cap_mb is None:
         args.bucket_cap_mb = POWERSGD_BUCKET_CAP_MB
     ddp_kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    if args.hook == "cgx":  # the hook decodes into the bucket; as views, .grad is the bucket: no copy back
+        ddp_kw["gradient_as_bucket_view"] = True
     net = nn.parallel.DistributedDataParallel(model, **ddp_kw) if distributed else model
     hook_state = (register_hook(net, args.hook, args.seed, args.powersgd_rank, args.compression, args.block_mb)                  if distributed else None)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr)

@@ -101,6 +101,11 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
     assert len(layout.blocks) > 2 and {b.shard for b in layout.blocks} == {0, 1}
     assert_same(r0["hook_4bit"]["final"], r0["optimizer_4bit"]["final"], "hook vs DistributedOptimizer")
     assert_same(r0["hook_static_graph"]["final"], r0["hook_4bit"]["final"], "static_graph")
+    assert_same(r0["hook_bucket_view"]["final"], r0["hook_4bit"]["final"], "gradient_as_bucket_view")
+    # blocks of one tensor, or of tensors end to end in one bucket, skip the copies (both front ends)
+    for run in ("hook_4bit", "hook_bucket_view", "optimizer_4bit"):
+        assert 0 < r0[run]["stats"]["in_place_blocks"] < len(layout.blocks), run
+    assert r0["hook_adaptive"]["stats"]["in_place_blocks"] == 0  # the tuner reads the block buffers
     assert_same(r0["hook_no_sync"]["final"], r0["optimizer_accumulate"]["final"], "no_sync vs accumulation")
     assert_same(r0["hook_options"]["final"], r0["optimizer_options"]["final"], "error feedback, warm-up, overrides")
     assert_same(r0["hook_adaptive"]["final"], r0["optimizer_adaptive"]["final"], "adaptive bits")
@@ -148,6 +153,7 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
     # local ranks: two ranks of one node reduce through shared memory, then push once
     for r in results:
         assert r["local:hook_4bit"]["intranode"] == "shm"
+        assert r["local:hook_4bit"]["stats"]["in_place_blocks"] == 0  # local ranks reduce in the block buffers
     for model in ("gen", "disc"):
         want = expected_fp32(r0["local:gan"]["initial"][model], 2)  # fp32: the node's sum, then the average
         for name, value in want.items():

@@ -20,6 +20,7 @@ from cgx_ps.server import LocalCluster
 from cgx_ps.server.aggregator import result_seed
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import ConfigError, WorkerConfig
+from cgx_ps.worker.threads import plan_threads
 from workers.step_worker import rank_gradient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +136,12 @@ def test_update_matches_reference_and_replicas_identical(cluster, tmp_path, comp
     for name, value in expected.items():
         assert torch.equal(saved[0]["final"][name], value), name  # exact, against the reference codec
     stats = saved[0]["stats"]
+    # codec threads sized for this host: 1 torch thread per worker (OMP_NUM_THREADS), both shards local
+    cpus = len(os.sched_getaffinity(0))
+    plan = plan_threads(cpus, torch_threads=1, local_ranks=1, local_shards=2)
+    assert saved[0]["codec_threads"] == (plan.codec_workers, plan.kernel_threads)
+    # slices of one float32 .grad are encoded from it and decoded into it; fp16/bf16 are upcast copies
+    assert (stats["in_place_blocks"] > 0) is (dtype == "float32"), stats
     if compression == "4bit":
         assert stats["fp32_bytes"] / stats["bytes_pushed"] > 5
 
@@ -194,6 +201,8 @@ def test_config_from_torchrun_env():
     c = WorkerConfig.from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
                                "GROUP_RANK": "1", "CGX_PS_SERVERS": "a:1, b:2"})
     assert (c.rank, c.world_size, c.node_rank, c.num_nodes, c.servers) == (5, 8, 1, 2, ("a:1", "b:2"))
+    assert c.codec_threads == 0  # sized for the host (threads.plan_threads)
+    assert WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1", "CGX_PS_CODEC_THREADS": "3"}).codec_threads == 3
 
 
 def test_config_standalone_per_node_with_template():
@@ -211,6 +220,7 @@ def test_config_standalone_per_node_with_template():
     ({"CGX_PS_SERVERS": "a:1,b:2", "CGX_PS_NUM_SHARDS": "3"}, "lists 2 shards but CGX_PS_NUM_SHARDS=3"),
     ({"CGX_PS_SERVERS": "a:1", "RANK": "x"}, "RANK='x' is not an integer"),
     ({"CGX_PS_SERVERS": "a:1", "RANK": "4", "WORLD_SIZE": "2"}, "RANK=4 is not in 0..WORLD_SIZE-1=1"),
+    ({"CGX_PS_SERVERS": "a:1", "CGX_PS_CODEC_THREADS": "-1"}, "CGX_PS_CODEC_THREADS=-1 is not in 0..256"),
 ])
 def test_config_errors_name_the_variable(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

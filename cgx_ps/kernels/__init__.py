@@ -11,8 +11,8 @@ numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks on
 imports nothing else of cgx_ps, so it can be reused on its own.
 """
 
-from .api import (EncodedBlock, Impl, check_payload, decode_header, dequantize, encode, encode_with_feedback,
-                  non_finite_block, quantize)
+from .api import (EncodedBlock, Impl, PayloadScratch, check_payload, decode_header, dequantize, encode,
+                  encode_with_feedback, non_finite_block, quantize)
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block
 from .summation import EncodedSum
@@ -27,6 +27,7 @@ __all__ = [
     "HEADER_SIZE",
     "Header",
     "Impl",
+    "PayloadScratch",
     "WIRE_VERSION",
     "body_size",
     "check_payload",

@@ -20,7 +20,7 @@ from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header
 
 __all__ = ["EncodedBlock", "encode", "encode_with_feedback", "quantize", "dequantize", "decode_header",
-           "check_payload", "non_finite_block", "Impl"]
+           "check_payload", "non_finite_block", "Impl", "PayloadScratch"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host runs torch training today
     raise ImportError("cgx_ps.kernels reads and writes little-endian buffers in place")
@@ -106,12 +106,16 @@ def encode(
     seed: int = 0,
     impl: Impl = "auto",
     allow_non_finite: bool = False,
+    scratch: PayloadScratch | None = None,
 ) -> EncodedBlock:
     """Encode ``tensor`` with any codec of the wire format (FP32, FP16, BF16, MAXMIN).
 
     A tensor holding NaN/Inf, or values the codec cannot represent (a bucket's range or an
     fp16 value overflowing), raises CodecError; with ``allow_non_finite`` it becomes instead a
     non-finite block (``non_finite_block``): the header alone, decoding as NaN everywhere.
+    ``scratch``: where a CPU payload is written (one per buffer encoded every round, so the
+    payload's memory is not allocated and faulted in afresh each time); the returned block's
+    payload is then that memory, valid until the next encode into the same scratch.
     """
     codec = _as_codec(codec)
     if not isinstance(tensor, torch.Tensor):
@@ -129,7 +133,7 @@ def encode(
                     x.numel(), bucket_size, 0)
     try:
         # Settings and dtype are checked above: what the kernels refuse now is the values.
-        return _encode_values(x, header, seed, impl)
+        return _encode_values(x, header, seed, impl, scratch)
     except CodecError:
         if not allow_non_finite:
             raise
@@ -145,12 +149,33 @@ def non_finite_block(codec: Codec | int, bits: int, bucket_size: int, numel: int
     return EncodedBlock(header, np.frombuffer(wire.pack_header(header), dtype=np.uint8).copy())
 
 
-def _encode_values(x: torch.Tensor, header: Header, seed: int, impl: str) -> EncodedBlock:
+class PayloadScratch:
+    """A CPU payload buffer reused across encodes of one buffer. Reused only for the same
+    header settings and size: the kernels may leave padding bytes unwritten, and those must be
+    the zeros of a fresh buffer for the payload (and its crc) to be the same bytes as before."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._payload: np.ndarray | None = None
+
+    def payload(self, header: Header) -> np.ndarray:
+        key = (header.codec, header.bits, header.bucket_size, header.numel, header.flags)
+        if key != self._key or self._payload is None:
+            self._payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
+            self._key = key
+        return self._payload
+
+
+def _encode_values(x: torch.Tensor, header: Header, seed: int, impl: str,
+                   scratch: PayloadScratch | None = None) -> EncodedBlock:
     if impl == "cuda":
         from . import cuda
 
         return EncodedBlock(header, cuda.encode(x, header, seed))
-    payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
+    if scratch is None:
+        payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
+    else:
+        payload = scratch.payload(header)
     payload[:HEADER_SIZE] = np.frombuffer(wire.pack_header(header), dtype=np.uint8)
     body = payload[HEADER_SIZE:]
     if header.codec == Codec.MAXMIN:
@@ -226,14 +251,14 @@ def _encode_float_cpu(x: torch.Tensor, body: np.ndarray, codec: Codec) -> None:
 
 def encode_with_feedback(tensor: torch.Tensor, residual: torch.Tensor, codec: Codec | int, *, bits: int,
                          bucket_size: int, stochastic: bool, seed: int,
-                         allow_non_finite: bool = False) -> EncodedBlock:
+                         allow_non_finite: bool = False, scratch: PayloadScratch | None = None) -> EncodedBlock:
     """Error feedback: encode ``tensor + residual`` and leave in ``residual`` what the encoding
     left out, to be added next time. ``tensor`` is updated in place (it holds the sum). A
     non-finite block (``allow_non_finite``) leaves the residual as it was: that step's gradient
     is thrown away by every rank (a loss scaler skips it), its error with it."""
     tensor.add_(residual)
     encoded = encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed,
-                     allow_non_finite=allow_non_finite)
+                     allow_non_finite=allow_non_finite, scratch=scratch)
     if encoded.header.non_finite:
         return encoded
     dequantize(encoded, out=residual)

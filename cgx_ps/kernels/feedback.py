@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import EncodedBlock, encode, encode_with_feedback
+from .api import EncodedBlock, PayloadScratch, encode, encode_with_feedback
 from .wire import Codec
 
 __all__ = ["ErrorFeedback", "encode_block"]
@@ -28,15 +28,18 @@ class ErrorFeedback:
 
 
 def encode_block(tensor: torch.Tensor, codec: Codec | int, *, bits: int, bucket_size: int, stochastic: bool,
-                 seed: int, feedback: ErrorFeedback | None = None, allow_non_finite: bool = False) -> EncodedBlock:
+                 seed: int, feedback: ErrorFeedback | None = None, allow_non_finite: bool = False,
+                 scratch: PayloadScratch | None = None) -> EncodedBlock:
     """Encode ``tensor`` with ``codec``. With ``feedback`` and max-min quantization, encode
     ``tensor + feedback.residual`` instead (``tensor`` is updated in place: it holds that sum)
     and keep in the residual what this encoding left out. ``allow_non_finite``: a tensor with
-    NaN/Inf becomes a non-finite block instead of an error (the residual is kept as it was)."""
+    NaN/Inf becomes a non-finite block instead of an error (the residual is kept as it was).
+    ``scratch``: the payload's reused memory (``PayloadScratch``)."""
     if feedback is None or int(codec) != Codec.MAXMIN:
         return encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed,
-                      allow_non_finite=allow_non_finite)
+                      allow_non_finite=allow_non_finite, scratch=scratch)
     if feedback.residual is None:
         feedback.residual = torch.zeros_like(tensor)
     return encode_with_feedback(tensor, feedback.residual, codec, bits=bits, bucket_size=bucket_size,
-                                stochastic=stochastic, seed=seed, allow_non_finite=allow_non_finite)
+                                stochastic=stochastic, seed=seed, allow_non_finite=allow_non_finite,
+                                scratch=scratch)

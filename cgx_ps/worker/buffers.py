@@ -6,10 +6,17 @@ node's shared memory or IPC-exported GPU memory when the node's ranks reduce tog
 copied back by ``copy_out``, segment by segment. A tensor's elements are consecutive in its
 blocks and its blocks consecutive in the layout, so a tensor is one view of the buffers too:
 ``tensor(name)`` gives its averaged gradient without a copy (adaptive bits read each step's).
+
+Fewer bytes touched: where a block's gradients already lie end to end in one float32 tensor
+(a slice of one large ``.grad``; a DDP bucket), ``span`` gives that memory and the pipeline
+encodes from it and decodes into it, skipping both copies (``work_in_place`` says when that is
+allowed at all). ``fill`` and ``copy_out`` skip a segment whose source and destination are
+already the same memory.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -17,9 +24,56 @@ import torch
 from ..v1 import ps_pb2
 from .intranode import NodeReducer
 
-__all__ = ["BlockBuffers", "TensorOf"]
+__all__ = ["BlockBuffers", "InPlace", "TensorOf", "adjacent_span", "work_in_place"]
 
 TensorOf = Callable[[str], "torch.Tensor | None"]  # a front end's tensors by name (None: it has none)
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Whether blocks may be encoded from and decoded into the front end's own gradient memory."""
+
+    allowed: bool
+    reason: str  # why not (empty when allowed)
+
+
+def work_in_place(intranode: bool, tuned: bool) -> InPlace:
+    """Decide once per pipeline whether a block may work on the front end's memory.
+
+    Not with intra-node reduction: the node's ranks reduce through their block buffers (shared
+    memory, CUDA IPC), so gradients must be in them. Not with a tuner (adaptive bits, auto mode):
+    it reads each step's averaged gradients from the block buffers (``tensor``) after the step,
+    when a DDP bucket already holds the next step's gradients. Everything else (error feedback,
+    warm-up, uncompressed tensors, checkpoints) works on any float32 memory."""
+    if intranode:
+        return InPlace(False, "intra-node reduction reads every local rank's gradients from its block buffers")
+    if tuned:
+        return InPlace(False, "the tuner (adaptive/auto) reads the averaged gradients from the block buffers")
+    return InPlace(True, "")
+
+
+def adjacent_span(pieces: Sequence["torch.Tensor | None"]) -> "torch.Tensor | None":
+    """One flat view covering ``pieces`` when they are float32, on one device and end to end in
+    one storage, in order (a slice of one contiguous gradient; a DDP bucket's tensors); else None
+    (a missing gradient, another dtype, a non-contiguous tensor, or pieces apart: copy them)."""
+    if not pieces or any(p is None for p in pieces):
+        return None
+    first = pieces[0]
+    storage = first.untyped_storage().data_ptr()
+    for prev, piece in zip([None, *pieces], pieces):
+        if piece.dtype != torch.float32 or piece.device != first.device or not piece.is_contiguous():
+            return None
+        if piece.untyped_storage().data_ptr() != storage:
+            return None
+        if prev is not None and piece.storage_offset() != prev.storage_offset() + prev.numel():
+            return None
+    return first.as_strided((sum(p.numel() for p in pieces),), (1,))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the same elements (a gradient that is a view of the block buffer)."""
+    return (a.dtype == b.dtype and a.device == b.device and a.numel() == b.numel()
+            and a.data_ptr() == b.data_ptr() and a.is_contiguous() and b.is_contiguous())
 
 
 class BlockBuffers:
@@ -56,6 +110,17 @@ class BlockBuffers:
     def tensors_in(self, block_id: int) -> list[str]:
         return [name for name, *_ in self._segments[block_id]]
 
+    def span(self, block_id: int, grad_of: TensorOf) -> "torch.Tensor | None":
+        """The block's gradients as one flat float32 view of the front end's memory, where they
+        lie end to end there (``adjacent_span``); None: they must be copied in (``fill``)."""
+        pieces = []
+        for name, t_off, _, n in self._segments[block_id]:
+            grad = grad_of(name)
+            if grad is None or not grad.is_contiguous():  # reshape would copy: not the gradient's memory
+                return None
+            pieces.append(grad.detach().view(-1)[t_off:t_off + n])
+        return adjacent_span(pieces)
+
     def fill(self, block_id: int, grad_of: TensorOf) -> None:
         """Copy the block's share of each tensor's gradient in (zeros for a tensor without one)."""
         buffer = self._views[block_id]
@@ -63,16 +128,22 @@ class BlockBuffers:
             grad = grad_of(name)
             if grad is None:
                 buffer[b_off:b_off + n].zero_()  # unused in this step: contributes zeros
-            else:
-                buffer[b_off:b_off + n].copy_(grad.detach().reshape(-1)[t_off:t_off + n])
+                continue
+            source = grad.detach().reshape(-1)[t_off:t_off + n]
+            if not _same_memory(source, buffer[b_off:b_off + n]):  # a .grad viewing the buffer is there
+                buffer[b_off:b_off + n].copy_(source)
 
-    def copy_out(self, block_id: int, out_of: TensorOf) -> None:
-        """Copy the block into ``out_of(name)`` of each of its tensors (skipped where None)."""
-        buffer = self._views[block_id]
+    def copy_out(self, block_id: int, out_of: TensorOf, source: "torch.Tensor | None" = None) -> None:
+        """Copy the block (or ``source``, the memory it was decoded into) into ``out_of(name)`` of
+        each of its tensors (skipped where None, or where that is the same memory)."""
+        buffer = self._views[block_id] if source is None else source
         for name, t_off, b_off, n in self._segments[block_id]:
             out = out_of(name)
-            if out is not None:
-                out.view(-1)[t_off:t_off + n].copy_(buffer[b_off:b_off + n])
+            if out is None:
+                continue
+            target = out.view(-1)[t_off:t_off + n]
+            if not _same_memory(target, buffer[b_off:b_off + n]):
+                target.copy_(buffer[b_off:b_off + n])
 
     def tensor(self, name: str) -> torch.Tensor:
         """A tensor's elements, flat: a view where its pieces are adjacent in one storage (always,

@@ -18,6 +18,8 @@
     CGX_PS_RECOVERY_TIMEOUT                            seconds to wait for a shard that went away
                                                        (restart, dropped connection) before failing
                                                        (default 60; 0: fail at once)
+    CGX_PS_CODEC_THREADS                               codec threads of this process (default 0:
+                                                       sized for the host, threads.plan_threads)
     CGX_PS_TOKEN_FILE                                  the job token the shards require
     CGX_PS_TLS_CA, CGX_PS_TLS_CERT, CGX_PS_TLS_KEY     TLS: the CA of the shards' certificates;
                                                        a client certificate for mutual TLS
@@ -64,6 +66,8 @@ class WorkerConfig:
     incarnation: int = 0
     # intra-node reduction transport: "auto", "shm" or "cuda"
     intranode: str = "auto"
+    # codec threads of this process; 0: the spare cores of the host (threads.plan_threads)
+    codec_threads: int = 0
     # how to reach the shards: job token, TLS (docs/security.md)
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
 
@@ -77,6 +81,7 @@ class WorkerConfig:
              f"WORLD_SIZE={self.world_size} != {self.num_nodes} nodes x LOCAL_WORLD_SIZE={self.local_world_size}"),
             (self.intranode in INTRANODE_TRANSPORTS,
              f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
+            (0 <= self.codec_threads <= 256, f"CGX_PS_CODEC_THREADS={self.codec_threads} is not in 0..256"),
             (0 <= self.incarnation < 1 << 32, f"incarnation {self.incarnation} is not in 0..2^32-1"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
             (0 <= self.recovery_timeout_s < float("inf"),
@@ -132,6 +137,7 @@ class WorkerConfig:
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      incarnation=num("CGX_PS_INCARNATION", num("TORCHELASTIC_RESTART_COUNT", 0)),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
+                     codec_threads=num("CGX_PS_CODEC_THREADS", 0),
                      security=security)
         return replace(config, **overrides) if overrides else config
 

@@ -23,6 +23,13 @@ backward works unchanged; the last bucket also starts the blocks of tensors DDP 
 (zeros), waits for every block and ends the step. The tuner (adaptive bits, auto mode) runs at
 the next step's first bucket, on the training thread.
 
+A block whose tensors lie end to end in one bucket (every block of a large tensor; small tensors
+DDP put in the same bucket in layout order) is encoded straight from the bucket's memory and its
+average decoded straight back into it; blocks across buckets are copied through the pipeline's
+buffers (``buffers.work_in_place`` says when in place is not allowed at all). DDP then copies
+the bucket into ``.grad``, unless it was built with ``gradient_as_bucket_view=True``: then the
+gradients are the bucket, and that copy goes too (recommended).
+
 With DDP, DDP itself divides by nothing when a hook is registered: the pipeline averages (it
 divides the aggregate by the world size), as torch's ``allreduce_hook`` does. ``no_sync()``
 steps never call the hook: gradients accumulate in the parameters and travel at the next

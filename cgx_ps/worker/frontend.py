@@ -8,6 +8,8 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
     driver.gradient_arrived()                # each hook call: the step's timing; the last
                                              # step's after-work if nobody ran it yet
     driver.submit_ready(names, grad_of)      # these tensors are final: start their full blocks
+                                             # (in place on grad_of's memory where it allows:
+                                             # leave those tensors alone until the block is done)
     driver.submit_rest(grad_of)              # end of backward: the blocks still waiting (zeros)
     driver.finish(waiting_since)             # every block done: the step's stats
     driver.after_step()                      # the tuner (its broadcast blocks) and metrics
@@ -70,6 +72,10 @@ class StepDriver:
         self.pipe, self.options = pipe, options
         compression = options.compression
         self.tuner = Tuner(pipe, compression) if compression.adaptive or compression.auto else None
+        # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
+        # a DDP bucket) are encoded from and decoded into it, not copied through the block
+        # buffers, unless the node reduces through its buffers or a tuner reads them
+        self.in_place = pipe.in_place(tuned=self.tuner is not None)
         self._lock = threading.Lock()  # gradients may arrive on several autograd threads
         self._first: float | None = None  # this step's first gradient
         self._last = 0.0  # and its latest
@@ -101,11 +107,11 @@ class StepDriver:
 
     def submit_ready(self, names, grad_of: TensorOf) -> None:
         for block in self.pipe.tensors_ready(names):
-            self.pipe.submit(block, grad_of)
+            self.pipe.submit(block, grad_of, self.in_place.allowed)
 
     def submit_rest(self, grad_of: TensorOf) -> None:
         for block in self.pipe.take_unsubmitted():
-            self.pipe.submit(block, grad_of)
+            self.pipe.submit(block, grad_of, self.in_place.allowed)
 
     def finish(self, waiting_since: float | None = None) -> StepStats:
         """Wait for every block (raises the first error, the step aborted), end the step."""

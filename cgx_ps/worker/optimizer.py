@@ -5,11 +5,19 @@
     loss.backward(); opt.step()
 
 A post-accumulate-grad hook on every parameter tells the block pipeline (``pipeline.py``) that
-its gradient is final; once every parameter of a block is, the pipeline copies the block into
-its flat buffer and exchanges it (encode, push, pull, decode) on the communication thread while
-backward goes on. ``step()`` waits only for blocks still in flight, writes the averaged
-gradients back into ``.grad`` and steps the wrapped optimizer. Every worker decodes the same
+its gradient is final; once every parameter of a block is, the pipeline exchanges it (encode,
+push, pull, decode) on the communication thread while backward goes on. ``step()`` waits only
+for blocks still in flight and steps the wrapped optimizer. Every worker decodes the same
 aggregate bytes, so replicas stay bit-identical.
+
+A block that is a slice of one float32 ``.grad`` (every block of a large tensor) is encoded
+straight from ``.grad`` and its average decoded straight back into it: no copy in or out,
+whether ``zero_grad()`` keeps the gradients or sets them to None (torch's default). Blocks that
+pack several small tensors, non-float32 gradients (upcast), and every block when the node's
+local ranks reduce together or adaptive/auto compression reads the block buffers, go through
+the pipeline's flat float32 buffers instead (``buffers.work_in_place``). Between backward and
+``step()`` the gradients belong to the pipeline: change them only after ``synchronize()``; a
+step that raised may leave them partly averaged, so compute them again before retrying.
 
 For gradient clipping after synchronization (Horovod style)::
 
@@ -166,7 +174,8 @@ class _DistributedMixin:
         return result
 
     def _cgx_finite(self) -> bool:
-        return all(bool(torch.isfinite(self._cgx_pipe.buffers[b]).all()) for b in range(self._cgx_pipe.num_blocks))
+        # the averages are in .grad (decoded there, or copied there from the block buffers)
+        return all(bool(torch.isfinite(p.grad).all()) for p in self._cgx_params.values() if p.grad is not None)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 

@@ -14,6 +14,10 @@ and takes the averaged gradients back, through a handful of calls::
     for b in range(pipe.num_blocks):
         pipe.copy_out(b, out.get)                 # the averaged gradient into the front end's tensors
 
+``submit(b, grads.get, in_place=True)`` (where ``in_place()`` allows it) skips the copy in and
+out for a block whose gradients lie end to end in one float32 tensor: it is encoded from that
+memory and decoded into it (``buffers.py``).
+
 Between ``submit`` and its future, for one block: the owner of the block among the node's
 local ranks waits until every local rank wrote it and sums them (``NodeReducer``); encodes the
 sum (error feedback; a seed from node, block and round; uncompressed during warm-up and when
@@ -49,10 +53,10 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from .. import timeline
-from ..kernels import Codec, CodecError, ErrorFeedback, dequantize, encode_block
+from ..kernels import Codec, CodecError, ErrorFeedback, PayloadScratch, dequantize, encode_block
 from ..layout import codec_of
 from ..v1 import ps_pb2
-from .buffers import BlockBuffers, TensorOf
+from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
 from .errors import CgxPsError
@@ -82,12 +86,17 @@ class _Block:
     tensors: int  # distinct tensors in the block: arrivals that complete it
     settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
     feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
+    # where this step's gradient is encoded from and the average decoded into: ``buffer``, or
+    # the front end's own memory when the block's gradients lie end to end there (``submit``)
+    work: torch.Tensor
     round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
     base: int = 0  # the round this process's session began at: the intra-node flags count from it
     # this step: tensors arrived, whether it was handed to the communication thread, and its result
     arrived: set[str] = field(default_factory=set)
     submitted: bool = False
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
+    scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
+    in_place: bool = False  # this step's work is the front end's memory
 
 
 class BlockPipeline:
@@ -117,7 +126,7 @@ class BlockPipeline:
         for spec in layout.blocks:
             names = self.buffers.tensors_in(spec.block_id)
             block = _Block(spec, self.buffers[spec.block_id], len(names), spec.codec,
-                           ErrorFeedback() if error_feedback else None)
+                           ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id])
             for name in names:
                 self._blocks_of.setdefault(name, []).append(block)
             self._blocks.append(block)
@@ -178,9 +187,17 @@ class BlockPipeline:
                 block.submitted = True
         return [b.spec.block_id for b in rest]
 
-    def submit(self, block_id: int, grad_of: TensorOf) -> torch.futures.Future:
+    def in_place(self, tuned: bool) -> InPlace:
+        """Whether ``submit(..., in_place=True)`` may work on the front end's memory
+        (``buffers.work_in_place``); ``tuned``: a tuner reads the block buffers after each step."""
+        return work_in_place(self._reducer is not None, tuned)
+
+    def submit(self, block_id: int, grad_of: TensorOf, in_place: bool = False) -> torch.futures.Future:
         """Copy block ``block_id``'s gradients in (``grad_of(name)``: the tensor's gradient, or
-        None for zeros) and start its exchange; returns ``future(block_id)``."""
+        None for zeros) and start its exchange; returns ``future(block_id)``. ``in_place`` (only
+        where ``in_place()`` allows it): where the block's gradients lie end to end in one float32
+        tensor, encode from and decode into that memory instead, without copying; the front
+        end must then leave them alone until the future completes, as DDP does its buckets."""
         block, reducer = self._blocks[block_id], self._reducer
         self._exchanged = True
         round_, seq = block.round, block.round - block.base + 1  # the job's round; the session's count
@@ -188,11 +205,15 @@ class BlockPipeline:
         hand_over = timeline.mark()
         if reducer is not None:
             reducer.before_write(block_id, seq)  # the owner: peers took the last result from our buffer
-        self.buffers.fill(block_id, grad_of)
+        span = self.buffers.span(block_id, grad_of) if in_place and reducer is None else None
+        if span is None:
+            self.buffers.fill(block_id, grad_of)
+        block.work = block.buffer if span is None else span
+        block.in_place = span is not None
         ready = None
-        if block.buffer.is_cuda:  # the communication thread must not read the buffer before the copies ran
+        if block.work.is_cuda:  # the communication thread must not read the gradient before the copies ran
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(block.buffer.device))
+            ready.record(torch.cuda.current_stream(block.work.device))
         if reducer is not None:
             reducer.mark_ready(block_id, seq)
         if reducer is not None and reducer.owner(block_id) != self.config.local_rank:
@@ -222,7 +243,8 @@ class BlockPipeline:
             raise CgxPsError("finish_step() before every block was submitted (take_unsubmitted() gives the rest)")
         t0 = time.perf_counter() if waiting_since is None else waiting_since
         waited = timeline.mark()
-        stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s)
+        stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s,
+                          in_place_blocks=sum(b.in_place for b in self._blocks))
         try:
             for block in self._blocks:
                 try:
@@ -259,8 +281,9 @@ class BlockPipeline:
     def copy_out(self, block_id: int, out_of: TensorOf) -> None:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
         (skipping those for which it returns None)."""
-        with timeline.span("write-back", self._blocks[block_id].round - 1, block=block_id):
-            self.buffers.copy_out(block_id, out_of)
+        block = self._blocks[block_id]
+        with timeline.span("write-back", block.round - 1, block=block_id):
+            self.buffers.copy_out(block_id, out_of, block.work)
 
     # ---- one block, on the communication thread ------------------------------------------------------
 
@@ -299,15 +322,15 @@ class BlockPipeline:
     def _encode(self, block: _Block, compressed: bool, seed: int) -> bytes:  # on a codec thread
         s = block.settings
         codec = codec_of(s) if compressed else Codec.FP32
-        return encode_block(block.buffer, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+        return encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
                             stochastic=s.stochastic, seed=seed, feedback=block.feedback,
-                            allow_non_finite=self.allow_non_finite).to_bytes()
+                            allow_non_finite=self.allow_non_finite, scratch=block.scratch).to_bytes()
 
     def _decode(self, block: _Block, result: bytes) -> None:  # on a codec thread
-        dequantize(result, out=block.buffer)
-        block.buffer.mul_(1.0 / self.config.world_size)
-        if block.buffer.is_cuda:
-            torch.cuda.current_stream(block.buffer.device).synchronize()
+        dequantize(result, out=block.work)
+        block.work.mul_(1.0 / self.config.world_size)
+        if block.work.is_cuda:
+            torch.cuda.current_stream(block.work.device).synchronize()
 
     # ---- what the tuner reads and changes (autotune.Tunable) -----------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from typing import Sequence
@@ -13,10 +14,12 @@ from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
 from .errors import ConfigError
 from .layout import merge_layouts
+from .threads import apply_thread_plan, host_thread_plan
 
 __all__ = ["init", "shutdown", "current_config", "engine_for_layout", "engines_for_layouts", "connected_engine", "rank",
            "size"]
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _config: WorkerConfig | None = None
 _engine: CommEngine | None = None
@@ -67,7 +70,12 @@ def engines_for_layouts(layouts: Sequence[ps_pb2.Layout]) -> tuple[list[CommEngi
                               "work: create each one's DDPHookState before the first backward")
         layout, offsets = merge_layouts(layouts)
         # The node is what the shards count; each local rank speaks for it as one member.
-        engine = CommEngine(config, node_id=config.node_id, num_nodes=config.num_nodes, member=config.local_rank)
+        plan = host_thread_plan(config.servers, config.local_world_size, config.codec_threads)
+        apply_thread_plan(plan)
+        log.info("codec threads: %d block(s) at once x %d per call (%s)", plan.codec_workers, plan.kernel_threads,
+                 plan.reason)
+        engine = CommEngine(config, node_id=config.node_id, num_nodes=config.num_nodes, member=config.local_rank,
+                            codec_threads=plan.codec_workers)
         try:
             engine.connect(layout)
         except BaseException:

@@ -25,6 +25,7 @@ class StepStats:
     compressed: bool = True  # False during warm-up steps and when auto mode does not compress
     backward_s: float = 0.0  # the front end's first to last gradient: what communication can hide behind
     comm_window_s: float = 0.0  # this process's first push to its last result
+    in_place_blocks: int = 0  # blocks encoded from and decoded into the front end's memory: no copies
 
     @property
     def ratio(self) -> float:

@@ -80,7 +80,7 @@ def optimizer_run(rank: int, compression="4bit", steps: int = 3, accumulate: int
         for part in range(accumulate):
             _loss(model, named, rank, step, part).backward()
         opt.step()
-    return {"final": _snapshot(model), "layout": opt.layout.SerializeToString(),
+    return {"final": _snapshot(model), "layout": opt.layout.SerializeToString(), "stats": vars(opt.stats),
             "tuning": [d.as_dict() for d in opt.tuning_history]}
 
 
@@ -231,6 +231,7 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "hook_4bit": lambda r: hook_run(r, "4bit"),
     "optimizer_4bit": lambda r: optimizer_run(r, "4bit"),
     "hook_static_graph": lambda r: hook_run(r, "4bit", static_graph=True),
+    "hook_bucket_view": lambda r: hook_run(r, "4bit", gradient_as_bucket_view=True),
     "hook_fp32": lambda r: hook_run(r, "fp32"),
     "plain_ddp": lambda r: plain_ddp_run(r),
     # error feedback, warm-up, exclusions and overrides, adaptive bits: as the optimizer does them

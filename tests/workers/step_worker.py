@@ -16,6 +16,8 @@ import zlib
 import torch
 
 import cgx_ps.worker as cgx
+from cgx_ps.kernels import cpu as cpu_kernels
+from cgx_ps.worker.runtime import connected_engine
 
 
 def model_for(dtype: torch.dtype, hidden: int) -> torch.nn.Module:
@@ -69,6 +71,7 @@ def main() -> None:
     initial = {n: t.cpu() for n, t in initial.items()}
     torch.save({"initial": initial, "final": cpu, "layout": opt.layout.SerializeToString(),
                 "rank": config.rank, "stats": vars(opt.stats),
+                "codec_threads": (connected_engine().executor._max_workers, cpu_kernels.num_threads()),
                 "intranode": opt.intranode, "tuning": [d.as_dict() for d in opt.tuning_history]}, args.out)
     cgx.shutdown()
 
