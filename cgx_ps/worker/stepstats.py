@@ -25,6 +25,8 @@ class StepStats:
     compressed: bool = True  # False during warm-up steps and when auto mode does not compress
     backward_s: float = 0.0  # the front end's first to last gradient: what communication can hide behind
     comm_window_s: float = 0.0  # this process's first push to its last result
+    path: str = "shards"  # how the step was averaged: "shards", or "allreduce" (the DDP hook's
+    # uncompressed steps in auto mode go through DDP's own allreduce, not the shards)
 
     @property
     def ratio(self) -> float:
