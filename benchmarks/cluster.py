@@ -13,9 +13,11 @@ threads per worker:
     cgx-4bit      cgx-ps, 4-bit max-min quantization
     cgx-2bit      cgx-ps, 2-bit
     ddp-cgx-4bit  DDP (gloo group) + the cgx-ps DDP comm hook, 4-bit   (ddp_step.py --hook cgx)
+    ddp-cgx-auto  the same hook in auto mode, deciding every 5 steps (uncompressed: DDP's allreduce)
 
-The last one is the second front end of the same block pipeline: DDP's buckets and overlap,
-cgx-ps shards for the averaging; its step time is compared with cgx-4bit's (target: within 10%).
+The last two are the second front end of the same block pipeline: DDP's buckets and overlap,
+cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
+within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%).
 
 cgx-ps shards run as ``cgx-ps server`` processes inside the host namespaces: ``--topology
 colocated`` (default) puts one shard on every worker host (BytePS's advice when there are no
@@ -76,9 +78,10 @@ CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compres
     "cgx-4bit": ("cgx", "4bit", "cgx-ps 4-bit"),
     "cgx-2bit": ("cgx", "2bit", "cgx-ps 2-bit"),
     "ddp-cgx-4bit": ("ddp-hook", "4bit", "DDP + cgx-ps hook 4-bit"),
+    "ddp-cgx-auto": ("ddp-hook", "auto:5", "DDP + cgx-ps hook auto"),
 }
 TARGETS = {"comm_cut_vs_ddp_fp32": 4.0, "comm_cut_vs_ddp_fp16": 2.0, "comm_over_ideal": 1.5, "loss_rel": 0.02,
-           "cpu_over_compute": 1.5, "hook_over_optimizer": 1.10}
+           "cpu_over_compute": 1.5, "hook_over_optimizer": 1.10, "auto_over_best": 1.05}
 
 
 def _log(msg: str) -> None:
@@ -136,6 +139,8 @@ def _summarize(res: nc.JobResult, steps: int, warmup: int) -> dict:
         row["exposed_comm_s"] = max(r["exposed_comm_s"] for r in ok)
         row["pushed_bytes"] = ok[0]["bytes_pushed_per_step"]
         row["fp32_bytes"] = ok[0]["fp32_bytes_per_step"]
+    if ok[0].get("tuning"):  # auto mode: what it chose, step by step
+        row["tuning"] = ok[0]["tuning"]
     return row
 
 
@@ -184,7 +189,9 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
             rows.append(row)
             _log(f"  {label}: {row['status']} ({row['wall_s']:.1f}s wall)"
                  + (f", {row['step_s']:.3f} s/step" if row.get("step_s") else "")
-                 + (f", exposed comm {row['exposed_comm_s']:.3f} s" if row.get("exposed_comm_s") is not None else ""))
+                 + (f", exposed comm {row['exposed_comm_s']:.3f} s" if row.get("exposed_comm_s") is not None else "")
+                 + (", auto mode's decisions (compress?): " + " ".join(
+                     "yes" if d.get("compress") else "no" for d in row["tuning"]) if row.get("tuning") else ""))
             if not row["status"].startswith(("ok", "timed out")) and row.get("error"):
                 _log(f"    stderr: ...{row['error'][-600:]}")
         singles.append(_single(cluster, base, kw, args, "end"))
@@ -323,19 +330,33 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         out.append("")
         checks = target_checks([r for r in rs if r["config"] != "single"])
         if checks:
-            out.append("Targets for cgx-ps 4-bit:\n")
+            out.append("Targets:\n")
             for text, ok in checks:
                 out.append(f"- {'PASS' if ok else 'FAIL'}: {text}")
             out.append("")
     return "\n".join(out)
 
 
+def auto_check(by: dict[str, dict]) -> list[tuple[str, bool]]:
+    """The hook's auto mode against the faster of its two choices run on their own: DDP fp32
+    (a fast link) and the hook at 4 bits (a slow one)."""
+    auto = by.get("ddp-cgx-auto")
+    others = [by[c] for c in ("ddp-fp32", "ddp-cgx-4bit") if by.get(c) and by[c].get("step_s")]
+    if not auto or auto.get("step_s") is None or not others:
+        return []
+    best = min(others, key=lambda r: r["step_s"])
+    ratio = auto["step_s"] / best["step_s"]
+    return [(f"DDP + cgx-ps hook auto step {auto['step_s']:.3f} s vs the faster of "
+             f"{' and '.join(r['label'] for r in others)}: {best['label']} {best['step_s']:.3f} s: {ratio:.2f}x "
+             f"(target <= {TARGETS['auto_over_best']:.2f}x)", ratio <= TARGETS["auto_over_best"])]
+
+
 def target_checks(rs: list[dict]) -> list[tuple[str, bool]]:
     by = {r["config"]: r for r in rs}
+    out = auto_check(by)
     c4 = by.get("cgx-4bit")
     if not c4 or c4.get("step_s") is None:
-        return []
-    out = []
+        return out
     for cfg, key, label in (("ddp-fp32", "comm_cut_vs_ddp_fp32", "DDP gloo fp32"),
                             ("ddp-fp16", "comm_cut_vs_ddp_fp16", "the fp16 hook")):
         o, cut = by.get(cfg), c4.get(key)
