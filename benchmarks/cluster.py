@@ -13,9 +13,11 @@ threads per worker:
     cgx-4bit      cgx-ps, 4-bit max-min quantization
     cgx-2bit      cgx-ps, 2-bit
     ddp-cgx-4bit  DDP (gloo group) + the cgx-ps DDP comm hook, 4-bit   (ddp_step.py --hook cgx)
+    ddp-cgx-auto  the same hook in auto mode, deciding every 5 steps (uncompressed: DDP's allreduce)
 
-The last one is the second front end of the same block pipeline: DDP's buckets and overlap,
-cgx-ps shards for the averaging; its step time is compared with cgx-4bit's (target: within 10%).
+The last two are the second front end of the same block pipeline: DDP's buckets and overlap,
+cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
+within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%).
 
 cgx-ps shards run as ``cgx-ps server`` processes inside the host namespaces: ``--topology
 colocated`` (default) puts one shard on every worker host (BytePS's advice when there are no
@@ -126,6 +128,8 @@ def _summarize(res: nc.JobResult, steps: int, warmup: int) -> dict:
         row["exposed_comm_s"] = max(r["exposed_comm_s"] for r in ok)
         row["pushed_bytes"] = ok[0]["bytes_pushed_per_step"]
         row["fp32_bytes"] = ok[0]["fp32_bytes_per_step"]
+    if ok[0].get("tuning"):  # auto mode: what it chose, step by step
+        row["tuning"] = ok[0]["tuning"]
     return row
 
 
@@ -174,7 +178,9 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
             rows.append(row)
             _log(f"  {label}: {row['status']} ({row['wall_s']:.1f}s wall)"
                  + (f", {row['step_s']:.3f} s/step" if row.get("step_s") else "")
-                 + (f", exposed comm {row['exposed_comm_s']:.3f} s" if row.get("exposed_comm_s") is not None else ""))
+                 + (f", exposed comm {row['exposed_comm_s']:.3f} s" if row.get("exposed_comm_s") is not None else "")
+                 + (", auto mode's decisions (compress?): " + " ".join(
+                     "yes" if d.get("compress") else "no" for d in row["tuning"]) if row.get("tuning") else ""))
             if not row["status"].startswith(("ok", "timed out")) and row.get("error"):
                 _log(f"    stderr: ...{row['error'][-600:]}")
         singles.append(_single(cluster, base, kw, args, "end"))

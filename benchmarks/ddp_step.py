@@ -186,7 +186,8 @@ def main(argv=None) -> int:
         result.update({"compression": args.compression, "block_mb": args.block_mb,
                        "exposed_comm_s": statistics.median(exposed) if exposed else None,
                        "bytes_pushed_per_step": moved["pushed"] / max(args.steps, 1),
-                       "fp32_bytes_per_step": moved["fp32"] / max(args.steps, 1)})
+                       "fp32_bytes_per_step": moved["fp32"] / max(args.steps, 1),
+                       "tuning": [d.as_dict() for d in hook_state.tuning_history]})
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

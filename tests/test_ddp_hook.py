@@ -114,6 +114,14 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
     for r in results:  # auto mode decided once, the same on every rank
         assert [d["compress"] for d in r["hook_auto"]["tuning"]] == [d["compress"] for d in r0["hook_auto"]["tuning"]]
         assert len(r["hook_auto"]["tuning"]) == 1
+    # auto mode's uncompressed steps: DDP's own allreduce, exact, the shards' rounds untouched
+    fallback = r0["hook_allreduce_fallback"]
+    assert fallback["paths"] == ["shards", "allreduce", "allreduce", "shards"]
+    assert [r - fallback["rounds"][0] for r in fallback["rounds"]] == [0, 0, 0, 1]
+    for step in (1, 2):
+        for name, p in fallback["before"][step].items():
+            average = sum(rank_gradient(name, p, r, step, 0) for r in range(WORLD)) / WORLD
+            assert torch.equal(fallback["before"][step + 1][name], p - average), (step, name)
     stats = r0["hook_4bit"]["stats"]
     assert stats["fp32_bytes"] / stats["bytes_pushed"] > 5 and stats["exposed_comm_s"] >= 0
     assert r0["hook_4bit"]["intranode"] is None
@@ -179,6 +187,8 @@ def test_bad_state_options_are_named_before_any_training():
         cgx.DDPHookState(model, warmup_steps=-1)
     with pytest.raises(cgx.ConfigError, match="allow_non_finite must be True or False"):
         cgx.DDPHookState(model, allow_non_finite="yes")
+    with pytest.raises(cgx.ConfigError, match="uncompressed_via must be one of"):
+        cgx.DDPHookState(model, uncompressed_via="nccl")
     with pytest.raises(cgx.ConfigError, match="needs a DDPHookState"):
         cgx.ddp_comm_hook(object(), None)
     with pytest.raises(cgx.CgxPsError, match="registers with the shards at the first backward"):

@@ -37,6 +37,13 @@ synchronized step. Unused parameters (``find_unused_parameters=True``) arrive as
 bucket on every rank. Mixed precision: ``allow_non_finite`` is on by default, as DDP's own
 allreduce lets NaN/Inf through: a rank's overflow reaches every rank as NaN, and a GradScaler
 skips the same step everywhere.
+
+Auto mode (``compression="auto"``) never makes DDP slower than DDP: the steps it sends
+uncompressed go through DDP's own allreduce on the DDP model's process group (as torch's
+``allreduce_hook``: divide, sum), not through the shards' fp32 path, so on a link fast enough
+that compression does not pay the hook costs what DDP costs. Which path a step takes is
+``uncompressed_path``; every rank applies auto mode's decisions at the same step boundary, so
+every rank takes the same one. ``uncompressed_via="shards"`` keeps every step on the shards.
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
@@ -47,6 +54,7 @@ import weakref
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from ..v1 import ps_pb2
 from .autotune import Decision
@@ -55,7 +63,9 @@ from .frontend import StepDriver, SyncOptions
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import StepStats
 
-__all__ = ["DDPHookState", "ddp_comm_hook"]
+__all__ = ["DDPHookState", "ddp_comm_hook", "uncompressed_path"]
+
+UNCOMPRESSED_VIA = ("allreduce", "shards")
 
 # States created but not yet registered with the shards, in creation order (the same on every
 # rank: it names their tensors in the session). The first backward of any of them registers them
@@ -63,6 +73,12 @@ __all__ = ["DDPHookState", "ddp_comm_hook"]
 # training starts. Weak: a state dropped before training (no DDP model holds it) takes no part.
 _waiting: list[weakref.ref] = []
 _waiting_lock = threading.Lock()
+
+
+def uncompressed_path(compress: bool, via: str, group_available: bool) -> str:
+    """How this step's buckets are averaged: "shards" (the block pipeline, compressed or not) or
+    "allreduce" (DDP's own, for auto mode's uncompressed steps when a process group is there)."""
+    return "allreduce" if not compress and via == "allreduce" and group_available else "shards"
 
 
 class DDPHookState:
@@ -73,13 +89,19 @@ class DDPHookState:
     compression, error_feedback, warmup_steps, block_bytes: as for ``DistributedOptimizer``.
     allow_non_finite: NaN/Inf gradients reach every rank as NaN (default, as DDP's allreduce
         does; a GradScaler then skips the step on every rank); False raises instead.
+    uncompressed_via: where auto mode's uncompressed steps go: "allreduce" (default: DDP's own
+        allreduce on the DDP model's process group, or the default group when ``module`` is not
+        the DDP wrapper) or "shards" (fp32 through the shards).
     """
 
     def __init__(self, module: torch.nn.Module, compression: str | Compression | None = "4bit", *,
                  error_feedback: bool = False, warmup_steps: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 allow_non_finite: bool = True) -> None:
+                 allow_non_finite: bool = True, uncompressed_via: str = "allreduce") -> None:
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"DDPHookState needs the model (an nn.Module), got {type(module).__name__}")
+        if uncompressed_via not in UNCOMPRESSED_VIA:
+            raise ConfigError(f"uncompressed_via must be one of {UNCOMPRESSED_VIA}, got {uncompressed_via!r}")
+        self.uncompressed_via = uncompressed_via
         self.options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite)
         self.module = module
         # set when registered with the shards (the first backward)
@@ -114,7 +136,7 @@ class DDPHookState:
     def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         module = self.module
         inner = getattr(module, "module", None)
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel) and isinstance(inner, torch.nn.Module):
+        if _is_ddp(module) and isinstance(inner, torch.nn.Module):
             module = inner  # its names without DDP's "module." prefix: the same as the model's
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -141,7 +163,14 @@ class DDPHookState:
         driver = self.open()
         pipe = driver.pipe
         try:
-            driver.gradient_arrived()
+            driver.gradient_arrived()  # a step's first bucket: auto mode's decision is applied here
+        except BaseException:
+            driver.abort()
+            raise
+        group = self._group()
+        if uncompressed_path(pipe.compress, self.uncompressed_via, group is not None) == "allreduce":
+            return self._allreduce(bucket, driver, group)
+        try:
             names = self._names(bucket.parameters())
             grads = dict(zip(names, bucket.gradients()))  # views into bucket.buffer()
             with self._lock:
@@ -172,6 +201,36 @@ class DDPHookState:
             return buffer
 
         return torch.futures.collect_all([pipe.future(b) for b in waiting]).then(averaged)
+
+    def _group(self):
+        """The process group for DDP's own allreduce: the DDP model's, else the default one."""
+        if self.uncompressed_via != "allreduce":
+            return None
+        if _is_ddp(self.module):
+            return self.module.process_group
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    def _allreduce(self, bucket: torch.distributed.GradBucket, driver: StepDriver,
+                   group) -> torch.futures.Future[torch.Tensor]:
+        """The bucket averaged by DDP's own allreduce, as torch's ``allreduce_hook`` does it
+        (divide, then sum; every rank gets the same bytes). The last bucket ends the step."""
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size(group))
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        if not bucket.is_last():
+            return future.then(lambda done: done.value()[0])
+        waiting_since = time.perf_counter()
+
+        def step_done(done: torch.futures.Future) -> torch.Tensor:
+            try:
+                averaged = done.value()[0]
+            except BaseException:
+                driver.abort()  # the next bucket starts a new step
+                raise
+            driver.finish_elsewhere(waiting_since)
+            return averaged
+
+        return future.then(step_done)
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
@@ -211,6 +270,10 @@ class DDPHookState:
     @property
     def tuning_history(self) -> list[Decision]:
         return self._opened().tuning_history
+
+
+def _is_ddp(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.parallel.DistributedDataParallel)
 
 
 def ddp_comm_hook(state: DDPHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -12,6 +12,7 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
                                              # leave those tensors alone until the block is done)
     driver.submit_rest(grad_of)              # end of backward: the blocks still waiting (zeros)
     driver.finish(waiting_since)             # every block done: the step's stats
+    driver.finish_elsewhere(waiting_since)   # or: the step was averaged without the shards
     driver.after_step()                      # the tuner (its broadcast blocks) and metrics
 
 ``after_step`` runs once per finished step: from ``DistributedOptimizer.step()``, or, when no one
@@ -115,10 +116,17 @@ class StepDriver:
 
     def finish(self, waiting_since: float | None = None) -> StepStats:
         """Wait for every block (raises the first error, the step aborted), end the step."""
+        return self._end_step(lambda backward_s: self.pipe.finish_step(backward_s, waiting_since))
+
+    def finish_elsewhere(self, waiting_since: float) -> StepStats:
+        """End a step the front end averaged without the shards (``pipe.step_done_elsewhere``)."""
+        return self._end_step(lambda backward_s: self.pipe.step_done_elsewhere(backward_s, waiting_since))
+
+    def _end_step(self, end) -> StepStats:
         with self._lock:
             backward_s = self._last - self._first if self._first is not None else 0.0
             self._first = None
-        stats = self.pipe.finish_step(backward_s, waiting_since)
+        stats = end(backward_s)
         with self._lock:
             self._after_pending = True
         return stats

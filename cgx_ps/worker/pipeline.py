@@ -269,6 +269,19 @@ class BlockPipeline:
         self._next_step()
         return stats
 
+    def step_done_elsewhere(self, backward_s: float, waiting_since: float) -> StepStats:
+        """Count a step whose gradients were averaged without the shards (the DDP hook's
+        uncompressed steps go through DDP's allreduce): nothing was submitted, no round is used
+        (the shards' round counters continue where they stopped), the tuner sees a step."""
+        if any(b.submitted for b in self._blocks):
+            self.abort_step()
+            raise CgxPsError("a step is averaged either through the shards or elsewhere, not both")
+        stats = StepStats(step=self.steps, compressed=False, backward_s=backward_s, path="allreduce",
+                          exposed_comm_s=max(0.0, time.perf_counter() - waiting_since))
+        self.stats, self.steps = stats, self.steps + 1
+        self._next_step()
+        return stats
+
     def abort_step(self) -> None:
         """Forget this step's arrivals and futures (after an error, before a step is retried)."""
         self._next_step()

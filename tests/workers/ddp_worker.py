@@ -84,6 +84,28 @@ def optimizer_run(rank: int, compression="4bit", steps: int = 3, accumulate: int
             "tuning": [d.as_dict() for d in opt.tuning_history]}
 
 
+def allreduce_fallback_run(rank: int, steps: int = 4) -> dict:
+    """Auto mode's uncompressed steps go through DDP's allreduce: steps 1 and 2 are switched to
+    uncompressed on every rank at the same step boundary, as auto mode's decision is."""
+    model = _model()
+    ddp = _ddp(model)
+    state = cgx.DDPHookState(ddp, compression="4bit", block_bytes=BLOCK_BYTES)
+    ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    before, paths, rounds = [], [], []
+    for step in range(steps):
+        if step in (1, 3):
+            state.open().pipe.apply(step == 3, {})  # what every rank does with auto mode's decision
+        before.append(_snapshot(model))
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+        paths.append(state.stats.path)
+        rounds.append(state.open().pipe.next_round)
+    return {"before": before, "final": _snapshot(model), "paths": paths, "rounds": rounds}
+
+
 def plain_ddp_run(rank: int, steps: int = 3) -> dict:
     model = _model()
     initial = _snapshot(model)
@@ -240,6 +262,7 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "hook_adaptive": lambda r: hook_run(r, "adaptive:2", steps=4),
     "optimizer_adaptive": lambda r: optimizer_run(r, "adaptive:2", steps=4),
     "hook_auto": lambda r: hook_run(r, "auto", steps=2),
+    "hook_allreduce_fallback": allreduce_fallback_run,
     "hook_no_sync": lambda r: hook_run(r, "4bit", steps=2, accumulate=2),
     "optimizer_accumulate": lambda r: optimizer_run(r, "4bit", steps=2, accumulate=2),
     "unused": unused_run,
