@@ -13,12 +13,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from .. import timeline
-from ..kernels import Codec, EncodedSum, ErrorFeedback, encode_block
+from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
 from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
@@ -97,7 +96,7 @@ class ShardServer:
                                               self.config.shard_index, self.config.num_shards)
         # Before serving: a restarted shard must sum its first rounds at full speed, and loading
         # the codec kernels takes about a second (measured: 1.1 s; BENCHMARKS.md, "Recovery").
-        await asyncio.get_running_loop().run_in_executor(self.executor, _warm_kernels)
+        await asyncio.get_running_loop().run_in_executor(self.executor, warm_kernels)
         server = grpc.aio.server(options=GRPC_OPTIONS + _EXCLUSIVE_PORT,
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         add_parameter_server(server, self.service, self.token, status=self.status)
@@ -159,19 +158,6 @@ class ShardServer:
             log.info("timeline written to %s", written)
         log.info("stopped")
         self.status.close()
-
-
-def _warm_kernels() -> None:
-    """Run every kernel a round uses once, on a tiny block (numba loads them on first use)."""
-    values = torch.linspace(-1.0, 1.0, 1024)
-    for codec, bits in ((Codec.MAXMIN, 4), (Codec.FP32, 32)):
-        for stochastic in (False, True):
-            payload = encode_block(values, codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1,
-                                   feedback=ErrorFeedback()).to_bytes()
-            total = EncodedSum(1024, parts=2)  # the round's sum (aggregator.py)
-            total.add(payload)
-            total.add(payload)
-            total.encode(codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1, feedback=ErrorFeedback())
 
 
 class _ShardFilter(logging.Filter):
