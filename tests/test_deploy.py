@@ -70,7 +70,7 @@ from cgx_ps import wait_for_shards as wfs  # noqa: E402 - the init container's c
 from cgx_ps.addresses import servers_from_env  # noqa: E402
 from cgx_ps.security import ChannelSecurity  # noqa: E402
 from cgx_ps.server.sizing import shard_memory_mib  # noqa: E402
-from cgx_ps.server.cluster import launch_shard, wait_for_port_file  # noqa: E402
+from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -1422,14 +1422,17 @@ def real_shard(tmp_path: Path, rel: str, files: dict[str, bytes]):
     port_file = tmp_path / "ports.json"
     proc_env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
     proc_env.update(env)
-    proc_env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    # a cache of its own, as the manifest gives the pod, shared by these tests: one cold compile
+    proc_env["NUMBA_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "cgx-ps-test-numba-cache")
     assert args[0] == "server", args
     proc = launch_shard(args[1:], port_file, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         try:
-            info = wait_for_port_file(proc, port_file, time.monotonic() + 60)
+            # its own NUMBA_CACHE_DIR, as the manifest sets: the shard compiles its kernels cold
+            info = wait_for_port_file(proc, port_file, time.monotonic() + STARTUP_TIMEOUT_S)
         except (RuntimeError, TimeoutError) as exc:
-            raise AssertionError(f"shard {exc}: {proc.stdout.read()}") from None
+            proc.kill()  # reading a live shard's output would wait for it forever
+            raise AssertionError(f"shard {exc}: {proc.communicate()[0]}") from None
         yield proc, info, env, sts
     finally:
         if proc.poll() is None:

@@ -19,6 +19,12 @@ from .config import shard_flags
 __all__ = ["LocalCluster", "launch_shard", "run_cluster", "wait_for_port_file"]
 
 
+# A shard compiles its kernels before it serves: ~70 s on 2 cores the first time after an install
+# (numba caches them next to the package; later starts take ~1 s), so the first `cgx-ps demo` or
+# `cgx-ps cluster` after `pip install` needs this much patience.
+STARTUP_TIMEOUT_S = 240.0
+
+
 class LocalCluster:
     """Start N ``cgx-ps server`` processes and wait until each serves; stop them with SIGTERM.
 
@@ -30,7 +36,7 @@ class LocalCluster:
 
     def __init__(self, shards: int, host: str = "127.0.0.1", base_port: int = 0,
                  metrics_base_port: int = -1, extra_args: list[str] | None = None,
-                 startup_timeout_s: float = 60.0, log_dir: str | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S, log_dir: str | None = None,
                  token_file: str | None = None) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
