@@ -17,7 +17,7 @@ import torch
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.autotune import Decision
-from cgx_ps.worker.automode import AutoFigures, ModeChooser
+from cgx_ps.worker.automode import REEXPLORE, AutoFigures, ModeChooser
 from cgx_ps.worker.blobformat import decode_object, encode_object
 from cgx_ps.worker.layout import Compression
 
@@ -150,6 +150,45 @@ def test_auto_decides_from_measured_steps_with_a_margin_to_start_compressing(inc
     compress, reason = modes.choose(compress, _Figures())
     assert (compress, reason) == (expected, "measured"), modes.measured
     assert modes.medians() == {"compressed": base * ratio, "uncompressed": base}
+
+
+class _Hopeless:
+    """The model's view at 10 Gbit/s through gRPC: uncompressed steps look far slower than they are."""
+
+    def exposed(self, compress: bool) -> float:
+        return 0.150 if compress else 2.0
+
+
+@pytest.mark.parametrize("uncompressed_s, expected", [(0.070, False), (0.200, True), (0.110, True)])
+def test_auto_measures_an_uncompressed_path_the_model_cannot_see_once(uncompressed_s, expected):
+    # through the shards, the model rules uncompressed steps out and they are never tried
+    shards = ModeChooser()
+    assert shards.choose(True, _Hopeless()) == (True, "model")
+    shards.record(0.100)
+    assert shards.choose(True, _Hopeless())[1].startswith("model rules the other mode out")
+    # through a collective (the DDP hook's allreduce) the model cannot tell: measure once
+    modes = ModeChooser(model_sees_uncompressed=False)
+    assert modes.choose(True, _Hopeless()) == (True, "model")
+    modes.record(0.100)
+    compress, reason = modes.choose(True, _Hopeless())
+    assert compress is False and "cannot predict" in reason, reason
+    modes.record(uncompressed_s)
+    assert modes.choose(False, _Hopeless()) == (expected, "measured"), modes.measured
+    # later, the other mode is tried again only if its last measurement was within reach,
+    # whatever the model says
+    current = expected
+    tried = []
+    for _ in range(2 * REEXPLORE):
+        modes.record(0.100 if current else uncompressed_s)
+        new, reason = modes.choose(current, _Hopeless())
+        tried.append(reason.startswith("measuring the other mode"))
+        if new != current:
+            modes.record(0.100 if new else uncompressed_s)
+            back, _ = modes.choose(new, _Hopeless())
+            assert back == current, (new, back, modes.measured)
+        current = expected
+    far_apart = max(0.100, uncompressed_s) > 1.25 * min(0.100, uncompressed_s)
+    assert any(tried) is not far_apart, tried
 
 
 def test_decisions_travel_as_plain_data():

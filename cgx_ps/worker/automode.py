@@ -8,6 +8,13 @@ time decides (``ModeChooser``): every interval rank 0 records the median step ti
 current mode, tries the other mode for one interval when the model says it could plausibly be
 faster (and again every ``REEXPLORE`` decisions, as conditions change), and compresses only if
 compressed steps measured at least 5% faster than uncompressed ones.
+
+The model sees only the shards' path: its rates come from a probe of the shards and from the
+pipeline's own pushes. When uncompressed steps take another path (the DDP hook's allreduce, a
+native collective written in C++ that moves bytes at a rate no gRPC probe shows), the model's
+guess for them can be off several times over (2.3 s predicted, 0.38 s measured at 10 Gbit/s):
+then the uncompressed mode is measured once whatever the model says, and afterwards its own last
+measurement, not the model, says whether it is worth trying again.
 """
 
 from __future__ import annotations
@@ -87,7 +94,9 @@ class ModeChooser:
     (module doc). It depends only on the step times recorded and the figures given (no clock, no
     I/O), so tests drive it directly."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_sees_uncompressed: bool = True) -> None:
+        # False: uncompressed steps do not go through the shards, so the model cannot predict them
+        self.model_sees_uncompressed = model_sees_uncompressed
         self.decisions = 0
         self.samples: list[float] = []  # step times of the current mode since the last decision
         self.measured: dict[bool, tuple[float, int]] = {}  # mode -> (median step seconds, decision index)
@@ -125,10 +134,12 @@ class ModeChooser:
         incumbent = current if exploring is None else exploring
         if other not in self.measured or k - self.measured[other][1] >= REEXPLORE:
             now = self.measured[current][0]
-            predicted = now - figures.exposed(current) + figures.exposed(other)
-            if predicted <= _PLAUSIBLE * now:
+            predicted, source = self._predict(other, now, figures)
+            if predicted is None or predicted <= _PLAUSIBLE * now:
                 self._incumbent = current
-                return other, f"measuring the other mode (model predicts {predicted * 1e3:.0f} ms/step)"
+                why = "never measured, and the model cannot predict it" if predicted is None else \
+                    f"{source} predicts {predicted * 1e3:.0f} ms/step"
+                return other, f"measuring the other mode ({why})"
             if other not in self.measured:
                 return current, f"model rules the other mode out ({predicted * 1e3:.0f} ms/step predicted)"
         if True in self.measured and False in self.measured:
@@ -136,3 +147,12 @@ class ModeChooser:
             margin = 1.0 if incumbent else _COMPRESS_MARGIN
             return self.measured[True][0] < margin * self.measured[False][0], "measured"
         return current, "measured"
+
+    def _predict(self, mode: bool, now: float, figures: AutoFigures) -> tuple[float | None, str]:
+        """The step time ``mode`` is expected to take, and from what: the model where it sees both
+        modes' paths; else that mode's last measurement (None: never measured)."""
+        if self.model_sees_uncompressed:
+            return now - figures.exposed(not mode) + figures.exposed(mode), "model"
+        if mode in self.measured:
+            return self.measured[mode][0], "its last measurement"
+        return None, ""

@@ -99,7 +99,9 @@ class Decision:
 
 
 class Tuner:
-    def __init__(self, target: Tunable, compression: Compression) -> None:
+    def __init__(self, target: Tunable, compression: Compression, model_sees_uncompressed: bool = True) -> None:
+        """``model_sees_uncompressed``: False when auto mode's uncompressed steps bypass the shards
+        (``automode``'s module doc)."""
         self.target = target
         self.compression = compression
         self.interval = max(1, compression.interval)
@@ -110,7 +112,7 @@ class Tuner:
         self.names = {b.block_id: layout.tensors[b.segments[0].tensor_index].name
                       for b in layout.blocks if b.codec.codec == ps_pb2.CODEC_MAXMIN}
         self.history: list[Decision] = []
-        self.modes = ModeChooser()  # auto mode, rank 0
+        self.modes = ModeChooser(model_sees_uncompressed)  # auto mode, rank 0
         self._last_step_end: float | None = None
         self._skip_sample = True  # the first step after a switch pays one-off costs: not a sample
 

@@ -65,7 +65,6 @@ from .pipeline import StepStats
 
 __all__ = ["DDPHookState", "ddp_comm_hook", "uncompressed_path"]
 
-UNCOMPRESSED_VIA = ("allreduce", "shards")
 
 # States created but not yet registered with the shards, in creation order (the same on every
 # rank: it names their tensors in the session). The first backward of any of them registers them
@@ -99,10 +98,9 @@ class DDPHookState:
                  allow_non_finite: bool = True, uncompressed_via: str = "allreduce") -> None:
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"DDPHookState needs the model (an nn.Module), got {type(module).__name__}")
-        if uncompressed_via not in UNCOMPRESSED_VIA:
-            raise ConfigError(f"uncompressed_via must be one of {UNCOMPRESSED_VIA}, got {uncompressed_via!r}")
+        self.options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite,
+                                      uncompressed_via)
         self.uncompressed_via = uncompressed_via
-        self.options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite)
         self.module = module
         # set when registered with the shards (the first backward)
         self._driver: StepDriver | None = None

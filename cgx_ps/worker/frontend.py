@@ -35,7 +35,9 @@ from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .metrics import after_step as export_step_metrics
 from .pipeline import BlockPipeline, PipelineSpec, StepStats
 
-__all__ = ["StepDriver", "SyncOptions"]
+__all__ = ["StepDriver", "SyncOptions", "UNCOMPRESSED_VIA"]
+
+UNCOMPRESSED_VIA = ("allreduce", "shards")  # where auto mode's uncompressed steps can go
 
 
 @dataclass(frozen=True)
@@ -47,18 +49,22 @@ class SyncOptions:
     warmup_steps: int = 0  # the first steps travel uncompressed
     block_bytes: int = DEFAULT_BLOCK_BYTES  # fp32 bytes per block
     allow_non_finite: bool = False  # NaN/Inf gradients reach every rank as NaN instead of an error
+    uncompressed_via: str = "shards"  # auto mode's uncompressed steps: "shards" or "allreduce" (a collective)
 
     @classmethod
     def of(cls, compression: "str | Compression | None", error_feedback: bool = False, warmup_steps: int = 0,
-           block_bytes: int = DEFAULT_BLOCK_BYTES, allow_non_finite: bool = False) -> "SyncOptions":
+           block_bytes: int = DEFAULT_BLOCK_BYTES, allow_non_finite: bool = False,
+           uncompressed_via: str = "shards") -> "SyncOptions":
         for name, value, least in [("warmup_steps", warmup_steps, 0), ("block_bytes", block_bytes, 4)]:
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         for name, flag in [("error_feedback", error_feedback), ("allow_non_finite", allow_non_finite)]:
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if uncompressed_via not in UNCOMPRESSED_VIA:
+            raise ConfigError(f"uncompressed_via must be one of {UNCOMPRESSED_VIA}, got {uncompressed_via!r}")
         return cls(Compression.parse(compression), error_feedback, int(warmup_steps), int(block_bytes),
-                   allow_non_finite)
+                   allow_non_finite, uncompressed_via)
 
     def spec(self, named_tensors) -> PipelineSpec:
         return PipelineSpec(named_tensors, self.compression, self.block_bytes,
@@ -72,7 +78,8 @@ class StepDriver:
     def __init__(self, pipe: BlockPipeline, options: SyncOptions) -> None:
         self.pipe, self.options = pipe, options
         compression = options.compression
-        self.tuner = Tuner(pipe, compression) if compression.adaptive or compression.auto else None
+        self.tuner = Tuner(pipe, compression, model_sees_uncompressed=options.uncompressed_via == "shards") \
+            if compression.adaptive or compression.auto else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block
         # buffers, unless the node reduces through its buffers or a tuner reads them
