@@ -36,13 +36,11 @@ def test_fused_sum_writes_the_accumulator_paths_bytes(numel: int, bits: int, buc
                                                        stochastic: bool, feedback: bool, keep: int | None,
                                                        seed: int) -> None:
     """Every width, bucket size (partial last buckets included), node count, rounding mode, with and
-    without server-side error feedback over three rounds, and with the slots' memory cap forcing
-    folds into the accumulator (keep: bodies that fit; 0 = none, the accumulator path itself).
+    without server-side error feedback over three rounds, and with fewer slots than pushes forcing
+    folds into the accumulator (keep: slots; 0 = none, the accumulator path itself).
     Above 128 buckets a call is split across threads (cpu._run_split)."""
     gen = torch.Generator().manual_seed(seed % 2**31)
-    body = len(encode(torch.zeros(numel), Codec.MAXMIN, bits=bits, bucket_size=bucket).to_bytes()) - 32
-    keep_bytes = None if keep is None else keep * (-(-body // 8) * 8)
-    total = EncodedSum(numel, parts=nodes, keep_bytes=keep_bytes)
+    total = EncodedSum(numel, parts=max(1, nodes if keep is None else keep), keep_bytes=0 if keep == 0 else None)
     want_fb, got_fb = (ErrorFeedback(), ErrorFeedback()) if feedback else (None, None)
     for round_ in range(3):
         payloads = pushes(gen, nodes, numel, Codec.MAXMIN, bits, bucket, round_)
@@ -113,3 +111,29 @@ def test_bad_push_changes_nothing_and_non_finite_or_overflowing_sums() -> None:
         accumulator_path(huge, numel, Codec.MAXMIN, 4, 64, False, 0, None)
     with pytest.raises(CodecError, match="NaN/Inf|overflows"):
         total.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=False, seed=0)
+
+
+def test_a_sum_holds_its_slots_or_its_accumulator_not_both() -> None:
+    """A shard is sized for one fp32 accumulator per block (server/sizing.py): the slots that
+    replace it must not come on top of it."""
+    numel, gen = 4096, torch.Generator().manual_seed(5)
+    acc_bytes = 4 * numel
+    total = EncodedSum(numel, parts=3)
+    for round_, (codec, bits, bucket) in enumerate([(Codec.FP32, 32, 0), (Codec.MAXMIN, 4, 64),
+                                                    (Codec.MAXMIN, 4, 64), (Codec.FP16, 16, 0)]):
+        payloads = pushes(gen, 3, numel, codec, bits, bucket, round_)
+        for payload in payloads:
+            total.add(payload)
+        got = total.encode(codec, bits=bits, bucket_size=bucket, stochastic=True, seed=round_).to_bytes()
+        assert got == accumulator_path(payloads, numel, codec, bits, bucket, True, round_, None)
+        total.clear()
+        slots = 3 * -(-len(payloads[0][32:]) // 8) * 8
+        assert total.held_bytes == (acc_bytes if codec != Codec.MAXMIN else slots), (round_, total.held_bytes)
+    # 16 nodes at 4 bits do not fit in one accumulator's size: they sum through the accumulator
+    many = EncodedSum(numel, parts=16)
+    payloads = pushes(gen, 16, numel, Codec.MAXMIN, 4, 64, 9)
+    for payload in payloads:
+        many.add(payload)
+        assert many.held_bytes <= acc_bytes
+    assert many.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=True, seed=9).to_bytes() == \
+        accumulator_path(payloads, numel, Codec.MAXMIN, 4, 64, True, 9, None)

@@ -12,10 +12,16 @@ for a 4 MB block of 4-bit pushes, 8 MB of memory traffic per 0.5 MB pushed, and 
 arrive, and one fused kernel per round sums each bucket from all of them in a scratch buffer that
 stays in L1 and encodes it right away (``cpu.sum_maxmin_into``): no accumulator at all. The
 additions are the same, in the same order, so the bytes equal the accumulator path's
-(tests/test_summation.py). The slots hold at most ``keep_bytes`` (default: the accumulator's
-size, so memory never exceeds what they replace); when they are full they are folded into an fp32
-accumulator by the same kernel, storing instead of encoding. Float codecs (FP32, FP16, BF16) are
-decoded into the accumulator as they come.
+(tests/test_summation.py). Float codecs (FP32, FP16, BF16) are decoded into an fp32 accumulator
+as they come.
+
+Memory: a sum holds either its slots or its accumulator, not both (``held_bytes``), so a shard
+needs what the accumulator path needed (server/sizing.py). Slots are used only when one body from
+each of ``parts`` nodes fits in ``keep_bytes`` (default: the accumulator's size, 4 x numel: up to
+7 nodes at 4 bits, 15 at 2 bits); more nodes sum through the accumulator. Switching between the two
+(a warm-up's FP32 rounds, then 4-bit ones) frees the one no longer used. More bodies than slots, or
+a change of encoding within one sum (a shard refuses both), are folded into the accumulator by
+the same kernel, storing instead of encoding; only then are both held, until the sum is cleared.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class EncodedSum:
         slots = self._slots_for(header) if header.codec == Codec.MAXMIN else None
         if slots is None:
             self._fold()  # what was kept comes first: the additions stay in arrival order
+            if self._slots is not None and not self._kept:
+                self._slots = None  # the accumulator replaces them (module doc: one or the other)
             acc = self._accumulator()
             dequantize(EncodedBlock(header, _as_array(payload)), out=acc, accumulate=self._acc_holds_sum)
             self._acc_holds_sum = True
@@ -96,21 +104,30 @@ class EncodedSum:
                             seed=seed, feedback=feedback, allow_non_finite=allow_non_finite)
 
     def clear(self) -> None:
-        """Start a new sum (the buffers are kept for it)."""
+        """Start a new sum (the buffers are kept for it; after a fold, only the slots)."""
+        if self._slots is not None and self._acc is not None:
+            self._acc = None
         self.count, self.non_finite, self._kept, self._kept_format, self._acc_holds_sum = 0, False, 0, None, False
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers this sum holds (slots and accumulator)."""
+        return (0 if self._slots is None else self._slots.nbytes) + \
+            (0 if self._acc is None else self._acc.numel() * self._acc.element_size())
 
     # ---- internals --------------------------------------------------------------------------------
 
     def _slots_for(self, header: Header) -> np.ndarray | None:
-        """Rows for bodies of this header's size (allocated once, reused), or None when not even
-        one fits in ``keep_bytes``."""
+        """One row per part for bodies of this header's size (allocated once, reused), or None
+        when they would not fit in ``keep_bytes`` (the accumulator path)."""
         stride = -(-header.body_size // 8) * 8  # rows 8-byte aligned: the float32 metadata is read in place
-        rows = min(self.parts, self.keep_bytes // max(stride, 1))
-        if rows < 1:
+        if self.parts * stride > self.keep_bytes:
             return None
-        if self._slots is None or self._slots.shape[1] != stride or self._slots.shape[0] < rows:
+        if self._slots is None or self._slots.shape != (self.parts, stride):
             self._fold()  # bodies of another size may be kept: sum them before their rows go
-            self._slots = np.empty((rows, stride), dtype=np.uint8)
+            self._slots = np.empty((self.parts, stride), dtype=np.uint8)
+            if not self._acc_holds_sum:
+                self._acc = None  # the slots replace it (module doc: one or the other)
         return self._slots
 
     def _accumulator(self) -> torch.Tensor:
