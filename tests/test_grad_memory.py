@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgx_ps.kernels import Codec, PayloadScratch, encode
+from cgx_ps.kernels import Codec, CodecError, PayloadScratch, encode
 from cgx_ps.worker import WorkerConfig
 from cgx_ps.worker.buffers import adjacent_span, work_in_place
 from cgx_ps.worker.engine import CommEngine
@@ -71,6 +71,9 @@ def test_in_place_blocks_are_bit_identical_to_the_copy_path_and_reuse_their_buff
                 assert mine[name].data_ptr() == memory[name]  # decoded where the gradient was
             for b in whole:  # the in-place blocks never touched the block buffers
                 assert not in_place.buffers[b].any() and copied.buffers[b].any()
+            # nor do they keep this step's gradients alive after it (zero_grad(set_to_none=True))
+            held = {block.work.untyped_storage().data_ptr() for block in in_place._blocks if block.work is not None}
+            assert not held & {t.untyped_storage().data_ptr() for t in mine.values()}, step
             if step >= 1:  # compressed steps: each block's payload memory is reused, not allocated afresh
                 payloads[step] = [in_place._blocks[b].scratch._payload for b in range(in_place.num_blocks)]
         assert all(a is b and a is not None for a, b in zip(payloads[1], payloads[2], strict=True))
@@ -82,16 +85,29 @@ def test_in_place_blocks_are_bit_identical_to_the_copy_path_and_reuse_their_buff
 
 
 def test_payload_scratch_gives_the_bytes_of_a_fresh_encode():
+    """A reused buffer holds the last payload's bytes (or a failed encode's half-written ones): the
+    next encode with the same settings must still give exactly a fresh encode's bytes."""
     scratch = PayloadScratch()
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
-    for bits, stochastic in [(4, False), (4, True), (3, False), (4, False)]:
-        fresh = encode(x, Codec.MAXMIN, bits=bits, stochastic=stochastic, seed=7).to_bytes()
+    gen = torch.Generator().manual_seed(1)
+    x = [torch.randn(5000, generator=gen) * (1 + i) for i in range(4)]
+    nan = x[0].clone()
+    nan[4000] = float("nan")  # found after most buckets are packed
+    runs = [(4, False, x[0]), (4, False, x[1]), (4, True, x[1]), (4, True, x[2]), (3, False, x[2]),
+            (3, False, nan), (3, False, x[3]), (3, False, x[0])]
+    previous = None
+    for bits, stochastic, values in runs:
         before = scratch._payload
-        reused = encode(x, Codec.MAXMIN, bits=bits, stochastic=stochastic, seed=7, scratch=scratch)
-        assert reused.to_bytes() == fresh
+        if values is nan:
+            with pytest.raises(CodecError):
+                encode(values, Codec.MAXMIN, bits=bits, stochastic=stochastic, seed=7, scratch=scratch)
+            assert scratch._payload is before  # the failed encode wrote into the reused buffer
+            continue
+        fresh = encode(values, Codec.MAXMIN, bits=bits, stochastic=stochastic, seed=7).to_bytes()
+        reused = encode(values, Codec.MAXMIN, bits=bits, stochastic=stochastic, seed=7, scratch=scratch)
+        assert reused.to_bytes() == fresh, (bits, stochastic)
         assert reused.payload is scratch._payload
-        assert (before is scratch._payload) is (bits == 4 and not stochastic and before is not None
-                                                 and len(before) == len(fresh))
+        assert (before is scratch._payload) is (previous == (bits, stochastic))  # reused only for the same settings
+        previous = (bits, stochastic)
 
 
 def test_in_place_decisions_and_spans():

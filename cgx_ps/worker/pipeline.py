@@ -87,8 +87,9 @@ class _Block:
     settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
     feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
     # where this step's gradient is encoded from and the average decoded into: ``buffer``, or
-    # the front end's own memory when the block's gradients lie end to end there (``submit``)
-    work: torch.Tensor
+    # the front end's own memory when the block's gradients lie end to end there (``submit``);
+    # None once such a block is written back, so the step's .grad is not kept past the step
+    work: torch.Tensor | None
     round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
     base: int = 0  # the round this process's session began at: the intra-node flags count from it
     # this step: tensors arrived, whether it was handed to the communication thread, and its result
@@ -295,8 +296,14 @@ class BlockPipeline:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
         (skipping those for which it returns None)."""
         block = self._blocks[block_id]
+        if block.work is None:  # in place and already written back this step: nothing is left to copy
+            return
         with timeline.span("write-back", block.round - 1, block=block_id):
             self.buffers.copy_out(block_id, out_of, block.work)
+        if block.in_place:
+            # the front end's memory (a .grad that zero_grad() sets to None) must not stay
+            # allocated through the next forward and backward because a block still points at it
+            block.work = None
 
     # ---- one block, on the communication thread ------------------------------------------------------
 
