@@ -198,7 +198,7 @@ def test_a_shard_not_back_within_the_recovery_timeout_fails_every_worker(tmp_pat
 def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp_path: Path) -> None:
     round_timeout = 3
     with LocalCluster(2, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as cluster:
-        workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 60 s
+        workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 180 s
         wait_for_rounds(cluster.addresses[1], 3, workers)
         os.kill(cluster.procs[1].pid, signal.SIGSTOP)  # alive to TCP and keepalive, answering nothing
         stopped = time.monotonic()

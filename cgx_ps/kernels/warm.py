@@ -1,10 +1,10 @@
 """Compile and load every CPU kernel a shard round and a worker step use, once.
 
 numba compiles the kernels on first use and caches them next to the sources (``__pycache__``).
-A cold compile takes about a minute on a 2-core machine, so a shard runs this before it serves
-(its first rounds would otherwise stall), and ``scripts/test.sh`` and image builds run it once
-up front (``python -m cgx_ps.kernels.warm``) so that concurrent processes load from the cache
-instead of each compiling.
+A cold compile takes 60-90 s on a 2-core machine, so a shard runs this before it serves (its
+first rounds would otherwise stall), and ``scripts/test.sh`` runs it once up front (``python -m
+cgx_ps.kernels.warm``) so that concurrent test processes load from the cache instead of each
+compiling. Images do not ship a cache: numba's cache is keyed to the CPU it was compiled on.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ __all__ = ["warm_kernels"]
 def warm_kernels() -> None:
     """Run every kernel a round uses once, on a tiny block."""
     values = torch.linspace(-1.0, 1.0, 1024)
-    for codec, bits in ((Codec.MAXMIN, 4), (Codec.FP32, 32)):
+    # FP16 and BF16: mixed precision's gradients, whose non-finite scan is its own kernel
+    for codec, bits in ((Codec.MAXMIN, 4), (Codec.FP32, 32), (Codec.FP16, 16), (Codec.BF16, 16)):
         for stochastic in (False, True):
             payload = encode_block(values, codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1,
                                    feedback=ErrorFeedback()).to_bytes()

@@ -94,8 +94,10 @@ class ShardServer:
     async def start(self) -> None:
         self._timeline = timeline.start_shard(self.config.timeline, self.config.timeline_steps,
                                               self.config.shard_index, self.config.num_shards)
-        # Before serving: a restarted shard must sum its first rounds at full speed, and loading
-        # the codec kernels takes about a second (measured: 1.1 s; BENCHMARKS.md, "Recovery").
+        # Before serving: a restarted shard must sum its first rounds at full speed. Loading the
+        # kernels from numba's cache takes about a second (BENCHMARKS.md, "Recovery"); compiling
+        # them cold (a new pod's empty cache) 60-90 s on one core, which the startupProbe and the
+        # workers' CGX_PS_RECOVERY_TIMEOUT allow for.
         await asyncio.get_running_loop().run_in_executor(self.executor, warm_kernels)
         server = grpc.aio.server(options=GRPC_OPTIONS + _EXCLUSIVE_PORT,
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
