@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -130,6 +132,37 @@ def test_multithreaded_split_matches_reference() -> None:
             assert torch.equal(out, 1 + dequantize(ref, impl="reference"))
     finally:
         cpu.set_num_threads(old)
+
+
+def test_thread_count_changes_while_other_threads_encode() -> None:
+    """Workers set the kernels' split at run time (worker/threads.py), while a shard in the same
+    process, or another pipeline, may be mid-call: no call may fail or change its bytes."""
+    old = cpu.num_threads()
+    x = _data(200_003)
+    ref = quantize(x, 4, 256, stochastic=True, seed=3).to_bytes()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def encode_loop() -> None:
+        try:
+            while not stop.is_set():
+                assert quantize(x, 4, 256, stochastic=True, seed=3).to_bytes() == ref
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=encode_loop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for k in range(60):
+            cpu.set_num_threads(1 + k % 4)
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        cpu.set_num_threads(old)
+    assert not errors, errors[0]
 
 
 def test_stochastic_rounding_is_unbiased_and_nearest_is_not() -> None:

@@ -502,32 +502,43 @@ def set_num_threads(n: int) -> None:
         raise ValueError(f"num_threads must be >= 1, got {n}")
     with _pool_lock:
         _threads = n
-        if _pool is not None:
-            _pool.shutdown(wait=False)
-            _pool = None
+        # Not shut down: a call in flight on another thread still submits to it. Its threads
+        # exit once the last such call drops it (ThreadPoolExecutor's own clean-up).
+        _pool = None
 
 
-def _get_pool() -> ThreadPoolExecutor:
-    # Created on first use, never at import: importing the codecs must not start threads.
+def _pool_and_threads() -> tuple[ThreadPoolExecutor, int]:
+    """The pool and the thread count it was made for, read together (set_num_threads may run
+    on another thread). Created on first use, never at import: importing must not start threads."""
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=max(1, _threads - 1), thread_name_prefix="cgx-codec")
-        return _pool
+        return _pool, _threads
 
 
-def _run_split(fn, nbuckets: int, args: tuple, status: np.ndarray) -> None:
-    """Run fn(*args, b0, b1, status_row) over bucket ranges; the caller's thread takes one."""
-    parts = max(1, min(_threads, nbuckets // _MIN_BUCKETS_PER_THREAD))
+def _run_split(fn, nbuckets: int, args: tuple, columns: int) -> np.ndarray:
+    """Run fn(*args, b0, b1, status_row) over bucket ranges, the caller's thread taking one;
+    the status rows (``columns`` int64 each, -1 where nothing was flagged)."""
+    pool, threads = _pool_and_threads()
+    parts = max(1, min(threads, nbuckets // _MIN_BUCKETS_PER_THREAD))
+    status = np.full((parts, columns), -1, dtype=np.int64)
     if parts == 1:
         fn(*args, 0, nbuckets, status[0])
-        return
+        return status
     edges = [nbuckets * k // parts for k in range(parts + 1)]
-    pool = _get_pool()
     futures = [pool.submit(fn, *args, edges[k], edges[k + 1], status[k]) for k in range(1, parts)]
     fn(*args, edges[0], edges[1], status[0])
     for f in futures:
         f.result()
+    return status
+
+
+def _first_flagged(status: np.ndarray) -> tuple[int, int]:
+    """(first bucket holding NaN/Inf or -1, first overflowing bucket or -1) over every part."""
+    bad = status[:, 0][status[:, 0] >= 0]
+    over = status[:, 1][status[:, 1] >= 0]
+    return (int(bad.min()) if bad.size else -1), (int(over.min()) if over.size else -1)
 
 
 def encode_maxmin_into(
@@ -541,13 +552,9 @@ def encode_maxmin_into(
     if n == 0:
         return -1, -1
     nb = -(-n // bucket_size)
-    status = np.full((_threads, 2), -1, dtype=np.int64)
     key = rng.seed_key(seed) if stochastic else 0
     args = (x, x.view(np.int32), meta, packed, bits, bucket_size, stochastic, key)
-    _run_split(_encode_range, nb, args, status)
-    bad = status[:, 0][status[:, 0] >= 0]
-    over = status[:, 1][status[:, 1] >= 0]
-    return (int(bad.min()) if bad.size else -1), (int(over.min()) if over.size else -1)
+    return _first_flagged(_run_split(_encode_range, nb, args, 2))
 
 
 def decode_maxmin_into(
@@ -559,9 +566,8 @@ def decode_maxmin_into(
     if n == 0:
         return
     nb = -(-n // bucket_size)
-    status = np.full((_threads, 1), -1, dtype=np.int64)
     args = (meta, packed, out, accumulate, n, bits, bucket_size)
-    _run_split(_decode_range, nb, args, status)
+    _run_split(_decode_range, nb, args, 1)
 
 
 def sum_maxmin_into(
@@ -579,16 +585,12 @@ def sum_maxmin_into(
     if count == 0 and not from_acc:
         raise ValueError("nothing to sum: no bodies and no partial sum")
     nb = -(-numel // bucket_size)
-    status = np.full((_threads, 2), -1, dtype=np.int64)
     meta, packed = out if out is not None else (_NO_F32, _NO_U8)
     key = rng.seed_key(seed) if stochastic and out is not None else 0
     args = (slots, slots.view(np.float32), count, 8 * nb, numel, bits, bucket_size,
             acc if acc is not None else _NO_F32, from_acc, out is not None,
             residual if residual is not None else _NO_F32, residual is not None, meta, packed, stochastic, key)
-    _run_split(_sum_range, nb, args, status)
-    bad = status[:, 0][status[:, 0] >= 0]
-    over = status[:, 1][status[:, 1] >= 0]
-    return (int(bad.min()) if bad.size else -1), (int(over.min()) if over.size else -1)
+    return _first_flagged(_run_split(_sum_range, nb, args, 2))
 
 
 _NO_F32 = np.empty(0, dtype=np.float32)  # placeholders: numba needs typed arrays for unused args
