@@ -401,3 +401,9 @@ def test_a_stream_that_ended_under_our_write_is_recovered_and_a_shard_error_is_f
     shard_error = "shard error in Exchange: KeyError"
     assert after_stream_end(grpc.StatusCode.INTERNAL, shard_error, False) == Fail(grpc.StatusCode.INTERNAL, shard_error)
     assert connect_failure("s:1", grpc.StatusCode.INTERNAL, shard_error) is not None
+    # a failed TLS handshake is final; a name lookup of a host called mtls-... is not a handshake
+    handshake = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.7:7070: Ssl handshake " \
+                "failed: SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED"
+    assert connect_failure("s:1", grpc.StatusCode.UNAVAILABLE, handshake, tls=True) is not None
+    lookup = "DNS resolution failed for mtls-shard-0.cgx-ps:7070: C-ares status is not ARES_SUCCESS"
+    assert connect_failure("s:1", grpc.StatusCode.UNAVAILABLE, lookup, tls=True) is None

@@ -105,7 +105,7 @@ class ShardClient(ConnectionSupervisor):
                 await self._register(resume=False, timeout=10.0)
                 break
             except grpc.aio.AioRpcError as exc:
-                fatal = connect_failure(self.address, exc.code(), exc.details() or "")
+                fatal = connect_failure(self.address, exc.code(), exc.details() or "", self.security.tls)
                 if fatal is not None:
                     raise fatal from None
                 if time.monotonic() + delay > deadline:
@@ -240,8 +240,11 @@ class ShardClient(ConnectionSupervisor):
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details() or ""
                 gone = code == grpc.StatusCode.UNAVAILABLE or broke_under_write(code, details)
-                if not gone or attempt or self.recovery_timeout_s <= 0:
+                if not gone:
                     raise ShardRejectedError(self.address, code.name, details) from None
+                if attempt or self.recovery_timeout_s <= 0:  # gone, and not back: not a refusal
+                    raise ShardUnavailableError(f"shard {self.address} went away during {what}: {code.name}: "
+                                                f"{details}") from None
                 self._stream_broke(self._generation, f"{what}: {code.name}: {details}")
         raise AssertionError("unreachable: the second attempt returns or raises")
 

@@ -50,16 +50,19 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # here: a shard SIGKILLed during a write ends the stream with it in 11 of 20 trials; taking it for
 # a refusal failed a worker instead of recovering (the 1-in-12 chaos-test flake of issue 15).
 WRITE_FAILED_DETAILS = "Internal error from Core"
-# Words gRPC puts in the details of a failed TLS handshake: retrying will not fix a certificate.
-_TLS_FAILURE_MARKERS = ("handshake", "certificate_verify_failed", "ssl_error", "tls", "certificate")
+# Words gRPC puts in the details of a failed TLS handshake ("Ssl handshake failed: SSL_ERROR_SSL:
+# ... CERTIFICATE_VERIFY_FAILED"): retrying will not fix a certificate. gRPC's own words only:
+# a bare "tls" would also match a host name such as mtls-shard-0 in a name-lookup failure.
+_TLS_FAILURE_MARKERS = ("handshake failed", "certificate_verify_failed", "ssl_error")
 
 
-def connect_failure(address: str, code: grpc.StatusCode, details: str) -> CgxPsError | None:
-    """The error that ends connecting to a shard, or None when the failure may pass (retry)."""
+def connect_failure(address: str, code: grpc.StatusCode, details: str, tls: bool = False) -> CgxPsError | None:
+    """The error that ends connecting to a shard, or None when the failure may pass (retry);
+    ``tls``: the channel uses TLS (only then can a failure be a handshake's)."""
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return ShardRejectedError(address, code.name, f"{details} (check CGX_PS_TOKEN_FILE: the shards and "
                                                       f"workers of a job must use the same token)")
-    if code == grpc.StatusCode.UNAVAILABLE and any(m in details.lower() for m in _TLS_FAILURE_MARKERS):
+    if tls and code == grpc.StatusCode.UNAVAILABLE and any(m in details.lower() for m in _TLS_FAILURE_MARKERS):
         return ShardRejectedError(address, "TLS", f"the TLS handshake failed: {details} (check CGX_PS_TLS_CA, "
                                                   f"CGX_PS_TLS_CERT/KEY and CGX_PS_TLS_SERVER_NAME)")
     if code not in _RETRYABLE and not broke_under_write(code, details):

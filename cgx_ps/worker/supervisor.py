@@ -154,7 +154,7 @@ class ConnectionSupervisor:
                         await self._write(block_id, round_, entry.payload)
                 self._ready.set()
         except grpc.aio.AioRpcError as exc:
-            fatal = connect_failure(self.address, exc.code(), exc.details() or "")
+            fatal = connect_failure(self.address, exc.code(), exc.details() or "", self.security.tls)
             if fatal is not None:
                 raise fatal from None
             raise _TryAgain(f"{exc.code().name}: {exc.details()}") from None
