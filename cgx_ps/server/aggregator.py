@@ -9,9 +9,9 @@ session) hears the result with the member of each node that pushed it. Blocks ar
 so early blocks are returned while later ones are still arriving.
 
 Mixed precision: a node whose gradient overflowed pushes a non-finite block (the header alone,
-``FLAG_NONFINITE``). It is validated like any push (header, exact size, crc), decodes as NaN
-into the sum, and makes the round's result a non-finite block too, so every node sees the
-overflow and its loss scaler skips the same step. Only a flagged push does that: a sum that
+``FLAG_NONFINITE``). It is validated like any push (header, exact size, crc), makes the sum
+NaN (``EncodedSum``: nothing more is added), and so the round's result a non-finite block too:
+every node sees the overflow and its loss scaler skips the same step. Only a flagged push does that: a sum that
 overflows from finite pushes still fails the round.
 
 A block records who pushed it (node -> member) for the round under way and the one before, and

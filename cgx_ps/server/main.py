@@ -61,7 +61,7 @@ class ShardServer:
         self.config = config
         self.metrics = ShardMetrics(config.shard_index)
         threads = config.kernel_threads or len(os.sched_getaffinity(0))
-        # Kernel work (decode-accumulate, re-encode) runs here; the kernels release the GIL.
+        # Kernel work (checking pushes, summing and re-encoding a round) runs here; the kernels release the GIL.
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cgx-shard")
         self.service = ParameterServerService(config, self.executor, self.metrics)
         self.status = ShardStatus(self.service)  # the Status RPC and session gauges

@@ -10,7 +10,7 @@ What is recorded (``args`` of every span name its step and block):
     worker, training thread   step > backward-ready (copy a block in), exposed wait, write-back, optimizer
     worker, codec threads     encode, decode
     worker, track "block B"   block > reduce (intra-node), push, wait (on the shard), pull
-    shard, kernel threads     sum (decode-accumulate one push), re-encode
+    shard, kernel threads     sum (check and keep one push), re-encode (sum the round, encode once)
     shard, track "N/M recv"   receive (one push, first chunk to last), per member M of node N
     shard, track "N/M send"   send (one result)
 

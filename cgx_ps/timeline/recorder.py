@@ -67,6 +67,27 @@ class Recorder:
         self._events.append((name, start_ns, max(end_ns - start_ns, 0), tid, args))
         next(self._appended)
 
+    def note_pull(self, key: Hashable, at_ns: int) -> None:
+        """A pull began at ``at_ns`` (its first chunk came); ``take_pull`` reads it once."""
+        if len(self._notes) > 4096:  # results no exchange waited for (a failed stream): forget them
+            self._notes.clear()
+        self._notes[key] = at_ns
+
+    def take_pull(self, key: Hashable, default: int) -> int:
+        return self._notes.pop(key, default)
+
+    def begin_step(self, step: int, at_ns: int) -> None:
+        """The step's start, kept from its first call until ``end_step``."""
+        if self._step is None or self._step[0] != step:
+            self._step = (step, at_ns)
+
+    def end_step(self, step: int) -> int | None:
+        """The start of ``step`` if it is the step under way (then no step is), else None."""
+        if self._step is None or self._step[0] != step:
+            return None
+        start, self._step = self._step[1], None
+        return start
+
     def _new_thread(self) -> int:
         tid = threading.get_native_id()  # what top and py-spy show
         self._threads[tid] = threading.current_thread().name

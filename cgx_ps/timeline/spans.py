@@ -125,9 +125,7 @@ def note(block_id: int, round_: int) -> None:
     """The first chunk of a block's result arrived (the worker's stream reader): its pull begins."""
     rec = _on(round_)
     if rec is not None:
-        if len(rec._notes) > 4096:  # results no exchange waited for (a failed stream): forget them
-            rec._notes.clear()
-        rec._notes[(block_id, round_)] = now_ns()
+        rec.note_pull((block_id, round_), now_ns())
 
 
 def pulled(pushed: int | None, block_id: int, round_: int) -> None:
@@ -138,7 +136,7 @@ def pulled(pushed: int | None, block_id: int, round_: int) -> None:
         return
     end = now_ns()
     # the first chunk can arrive before the coroutine that pushed resumes: then no wait
-    first = min(max(rec._notes.pop((block_id, round_), pushed), pushed), end)
+    first = min(max(rec.take_pull((block_id, round_), pushed), pushed), end)
     track = block_track(block_id)
     rec.add("wait", pushed, first, track, {"block": block_id, "step": round_})
     rec.add("pull", first, end, track, {"block": block_id, "step": round_})
@@ -155,17 +153,17 @@ def result_sent(start: int | None, block_id: int, round_: int, nbytes: int, node
 def step_begins(step: int) -> None:
     """The step's first block is handed over (the front end calls this before "backward-ready")."""
     rec = _on(step)
-    if rec is not None and (rec._step is None or rec._step[0] != step):
-        rec._step = (step, now_ns())
+    if rec is not None:
+        rec.begin_step(step, now_ns())
 
 
 def step_ends(step: int, **args: Any) -> None:
     """The optimizer stepped: "step" from ``step_begins`` to now, on this thread's row."""
     rec = _on(step)
-    if rec is not None and rec._step is not None and rec._step[0] == step:
+    start = rec.end_step(step) if rec is not None else None
+    if start is not None:
         args["step"] = step
-        rec.add("step", rec._step[1], now_ns(), None, args)
-        rec._step = None
+        rec.add("step", start, now_ns(), None, args)
 
 
 # ---- starting and stopping ---------------------------------------------------------------------
