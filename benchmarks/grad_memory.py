@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ddp_step import MODELS, build_model  # noqa: E402
 
-from cgx_ps.kernels import api as kernels_api  # noqa: E402
+from cgx_ps.kernels import HEADER_SIZE, PayloadScratch  # noqa: E402
 from cgx_ps.worker import WorkerConfig  # noqa: E402
 from cgx_ps.worker.engine import CommEngine  # noqa: E402
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
@@ -48,11 +48,11 @@ class EchoEngine(CommEngine):
         return payload
 
 
-class FreshPayloads(kernels_api.PayloadScratch):
+class FreshPayloads(PayloadScratch):
     """The old behaviour: a zeroed payload buffer allocated for every encode."""
 
     def payload(self, header):  # noqa: D102
-        return np.zeros(kernels_api.HEADER_SIZE + header.body_size, dtype=np.uint8)
+        return np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
 
 
 def one_step(pipe: BlockPipeline, template: dict[str, torch.Tensor], in_place: bool) -> tuple[float, float]:

@@ -4,12 +4,12 @@ memory once it has settled (``shard_memory.py``, ``shard_attack.py``)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file
 
 __all__ = ["MiB", "Shard", "run", "settle", "shown", "start_shard", "status"]
 
@@ -77,19 +77,17 @@ class Shard:
 def start_shard(tmp: str, token: str, inflight_mb: int, error_feedback: bool = False,
                 extra: tuple[str, ...] = ()) -> Shard:
     port_file = Path(tmp) / f"port-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
-           "--port-file", str(port_file), "--metrics-port", "-1", "--token-file", token,
-           "--max-inflight-mb", str(inflight_mb), "--kernel-threads", "1", "--log-level", "ERROR",
-           *(["--error-feedback"] if error_feedback else []), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    deadline = time.monotonic() + 120
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"shard did not start: {' '.join(cmd)}")
-        time.sleep(0.05)
-    port = json.loads(port_file.read_text())["port"]
-    return Shard(proc, f"127.0.0.1:{port}", cmd)
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--token-file", token,
+             "--max-inflight-mb", str(inflight_mb), "--kernel-threads", "1", "--log-level", "ERROR",
+             *(["--error-feedback"] if error_feedback else []), *extra]
+    proc = launch_shard(flags, port_file, cwd=ROOT)
+    try:
+        port = wait_for_port_file(proc, port_file, time.monotonic() + STARTUP_TIMEOUT_S)["port"]
+    except (RuntimeError, TimeoutError) as exc:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"shard did not start ({exc}): {' '.join(proc.args)}") from None
+    return Shard(proc, f"127.0.0.1:{port}", list(proc.args))
 
 
 def shown(cmd: list[str]) -> str:

@@ -124,8 +124,9 @@ def attack(tmp: str, token: str, inflight_mb: int, worst: bool, parked: int = PA
         else:
             await att.blobs(7, blob, "full", finish=True)
             stages.append(("+ 7/8 of blob store", await asyncio.to_thread(settle, shard.pid)))
-            await att.blobs(8, blob, "open", finish=False)  # each <= capacity - used: admitted
-            stages.append(("+ unfinished PutBlobs fill upload budget (M)",
+            # uploads reserve their size from the same capacity as stored blobs: one more fills it
+            await att.blobs(1, blob, "open", finish=False)
+            stages.append(("+ an unfinished PutBlob fills the rest of the store",
                            await asyncio.to_thread(settle, shard.pid)))
             await att.partial_blocks(0)
             stages.append(("+ partial blocks fill in-flight budget (M)", await asyncio.to_thread(settle, shard.pid)))

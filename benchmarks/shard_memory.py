@@ -19,10 +19,11 @@ container's memory cgroup too). Scenarios, for each M:
   attack    one registered member (it has the token: a compromised or buggy worker) fills the blob
             store to its capacity (M) with one blob, then opens streams that each hold a partial
             block until the in-flight budget (M) is taken
-  worst     what the code allows beyond that: 7/8 of the blob store, PutBlob uploads left
-            unfinished up to the upload budget (another M), partial blocks up to the in-flight
-            budget (M), and 32 more Exchange streams each parked with a 7 MiB chunk while they
-            wait for budget (per-stream cost; the shard admits --max-concurrent-rpcs calls)
+  worst     what the code allows beyond that: 7/8 of the blob store stored and the last 1/8
+            held by a PutBlob left unfinished (uploads reserve from the store's capacity M),
+            partial blocks up to the in-flight budget (M), and 32 more Exchange streams each
+            parked with a 7 MiB chunk while they wait for budget (per-stream cost; the shard
+            admits --max-concurrent-rpcs calls)
 
 The attack shards run with --round-timeout 600 so the partial uploads are not timed out while
 the script measures; the caps themselves are the defaults. Then, from the same run:
@@ -215,7 +216,7 @@ def main() -> None:
         print(f"error feedback at M={m}: +{(a['VmRSS'] - plain['VmRSS']) / x:.2f} x model (RSS), "
               f"+{(a['VmHWM'] - plain['VmHWM']) / x:.2f} x model (HWM)")
     for name, data, last in (("attack (store full + partial blocks)", fit_attack, -1),
-                             ("worst without the parked streams (7/8 store + open uploads + partial blocks)",
+                             ("worst without the parked streams (7/8 store + an open upload + partial blocks)",
                               fit_worst, -2)):
         mx = np.array([m for m, *_ in data], dtype=float)
         for key in ("VmRSS", "VmHWM"):

@@ -1,7 +1,7 @@
 """cgx-ps shards inside the emulated hosts, and the cgx-ps training job against them.
 
 ``start_shards`` starts one ``cgx-ps server`` per listed host, on a free port read back from a
-port file; the shards are ordinary spawned processes, so the cluster's teardown kills them on
+port file (the local cluster's launcher, ``cgx_ps.server.cluster``); the shards are ordinary spawned processes, so the cluster's teardown kills them on
 every exit path too. ``run_cgx`` starts shards on ``shard_hosts`` (default: colocated, one per
 worker host), runs ``benchmarks/cgx_step.py`` (or ``ddp_step.py --hook cgx``) on
 ``worker_hosts`` and stops the shards::
@@ -13,13 +13,13 @@ worker host), runs ``benchmarks/cgx_step.py`` (or ``ddp_step.py --hook cgx``) on
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -27,6 +27,8 @@ from benchmarks.emulator import Cluster
 from benchmarks.jobs import PORTS, REPO_ROOT, JobResult, ddp_argv, repo_env, run_job, thread_env
 from benchmarks.netns import HOST_IFACE, PREFIX, ClusterError, kill_pids
 from benchmarks.procstat import HOST_PIDS_ENV, proc_cpu_seconds
+from cgx_ps.security import new_token_file
+from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file
 
 __all__ = ["FRONT_ENDS", "ShardSet", "run_cgx", "start_shards"]
 
@@ -116,10 +118,12 @@ class ShardSet:
 
 
 def start_shards(cluster: Cluster, hosts: Sequence[int], extra_args: Sequence[str] = (),
-                 env: Mapping[str, object] | None = None, startup_timeout: float = 60.0) -> ShardSet:
+                 env: Mapping[str, object] | None = None, startup_timeout: float = STARTUP_TIMEOUT_S) -> ShardSet:
     """Start one ``cgx-ps server`` per entry of ``hosts`` (shard k on host ``hosts[k]``),
     wait until each serves, and return them.  ``extra_args`` go to every server
-    (default log level WARNING, metrics off, a short drain on SIGTERM)."""
+    (default log level WARNING, metrics off, a short drain on SIGTERM).  The start-up is the
+    local cluster's (``cgx_ps.server.cluster.launch_shard``, port-file handshake), each
+    shard spawned inside its host's network namespace."""
     hosts = list(hosts)
     if not hosts:
         raise ValueError("start_shards needs at least one host")
@@ -130,35 +134,26 @@ def start_shards(cluster: Cluster, hosts: Sequence[int], extra_args: Sequence[st
     tmp = tempfile.TemporaryDirectory(prefix=PREFIX + "shards-")
     procs: list[subprocess.Popen] = []
     shards = ShardSet(cluster, hosts, procs, [], tmp)
-    from cgx_ps.security import new_token_file
-
     shards.token_file = new_token_file(tmp.name)  # shards listen beyond loopback: require a job token
     try:
         port_files = []
         for k, h in enumerate(hosts):
-            port_file = Path(tmp.name) / f"shard{k}.json"
-            port_files.append(port_file)
-            argv = [sys.executable, "-m", "cgx_ps.cli", "server", "--host", cluster.address(h), "--port", "0",
-                    "--shard-index", str(k), "--num-shards", str(len(hosts)), "--metrics-port", "-1",
-                    "--port-file", str(port_file), "--log-level", "WARNING", "--drain-timeout", "2",
-                    "--token-file", shards.token_file, *extra_args]
+            port_files.append(Path(tmp.name) / f"shard{k}.json")
+            flags = ["--host", cluster.address(h), "--port", "0", "--shard-index", str(k),
+                     "--num-shards", str(len(hosts)), "--metrics-port", "-1", "--log-level", "WARNING",
+                     "--drain-timeout", "2", "--token-file", shards.token_file, *extra_args]
             log = open(Path(tmp.name) / f"shard{k}.log", "w")
             try:
-                procs.append(cluster.spawn(h, argv, env=repo_env(env), stdout=log, stderr=subprocess.STDOUT,
-                                           cwd=str(REPO_ROOT)))
+                procs.append(launch_shard(flags, port_files[k], partial(cluster.spawn, h), env=repo_env(env),
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT)))
             finally:
                 log.close()  # the child holds its own descriptor
         deadline = time.monotonic() + startup_timeout
         for k, (p, port_file) in enumerate(zip(procs, port_files)):
-            while not port_file.exists():
-                if p.poll() is not None:
-                    raise ClusterError(f"shard {k} on host {hosts[k]} exited with code {p.returncode} during "
-                                       f"startup:\n{shards.log_tail(k)}")
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"shard {k} on host {hosts[k]} did not serve within {startup_timeout}s:\n"
-                                       f"{shards.log_tail(k)}")
-                time.sleep(0.05)
-            port = json.loads(port_file.read_text())["port"]
+            try:
+                port = wait_for_port_file(p, port_file, deadline)["port"]
+            except (RuntimeError, TimeoutError) as exc:
+                raise ClusterError(f"shard {k} on host {hosts[k]} {exc}:\n{shards.log_tail(k)}") from None
             shards.addresses.append(f"{cluster.address(hosts[k])}:{port}")
     except BaseException:
         shards.close()

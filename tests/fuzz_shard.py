@@ -1,6 +1,9 @@
 """Fuzz a real shard over every RPC with generated, mutated and garbage messages.
 
-    .venv/bin/python tests/fuzz_shard.py --cases 10000 [--seed 0] [--subprocess | --in-process]
+    .venv/bin/python -m tests.fuzz_shard --cases 10000 [--seed 0] [--subprocess | --in-process]
+
+from the repository root (or as ``tests/fuzz_shard.py`` where cgx-ps is installed, as
+``scripts/bootstrap.sh`` does).
 
 Starts ``cgx-ps server`` in its own process (by default: its RSS and its log are then its own),
 checks a legitimate 2-node round works (this also warms up the kernels, so the RSS baseline is
@@ -57,25 +60,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(REPO))
+import grpc
+import torch
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
-from google.protobuf.descriptor import FieldDescriptor  # noqa: E402
-from google.protobuf.message import Message  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-
-from cgx_ps.kernels import HEADER_SIZE, Codec, dequantize, encode  # noqa: E402
-from cgx_ps.layout import codec_of, layout_hash  # noqa: E402
-from cgx_ps.security import ChannelSecurity, new_token_file, read_token  # noqa: E402
-from cgx_ps.server.cluster import launch_shard, wait_for_port_file  # noqa: E402
-from cgx_ps.v1 import ps_pb2, ps_pb2_grpc  # noqa: E402
-from cgx_ps.worker.client import ShardClient  # noqa: E402
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.kernels import HEADER_SIZE, Codec, dequantize, encode
+from cgx_ps.layout import codec_of, layout_hash
+from cgx_ps.security import ChannelSecurity, new_token_file, read_token
+from cgx_ps.server.cluster import launch_shard, wait_for_port_file
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
 __all__ = ["FuzzReport", "LogStats", "run_fuzz", "main"]
+
+REPO = Path(__file__).resolve().parents[1]  # the shard runs from the checkout (`python -m cgx_ps.cli`)
 
 SERVICE = "cgx_ps.v1.ParameterServer"
 METHODS = ("Register", "Exchange", "PutBlob", "GetBlob", "SetCodecs", "Probe")

@@ -1,8 +1,10 @@
-"""What many tests share: the job token their shards require, clients that carry it, and stopping a process."""
+"""What many tests share: the job token their shards require, clients that carry it, a worker's
+environment, and stopping a process."""
 
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import signal
 import subprocess
@@ -17,6 +19,16 @@ atexit.register(shutil.rmtree, _dir, True)
 TOKEN_FILE = new_token_file(_dir)  # one job token for the test session's shards and clients
 SECURITY = ChannelSecurity(token_file=TOKEN_FILE)
 METADATA = SECURITY.metadata()  # authorization: Bearer <token>, for raw stub calls
+
+
+def env_for(rank: int, world: int, servers: list[str], **extra: str) -> dict[str, str]:
+    """The environment of worker process ``rank`` of ``world``, alone on its node (one rank per
+    node), against the shards at ``servers``; ``extra`` added last."""
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(world), CGX_PS_SERVERS=",".join(servers),
+               OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
+    env.update(extra)
+    return env
 
 
 async def connect(server, layout, nodes: int, prefix: str = "node") -> list[ShardClient]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -34,6 +33,13 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
+
+from cgx_ps import wait_for_shards as wfs  # the init container's command, `cgx-ps wait-for-shards`
+from cgx_ps.addresses import servers_from_env
+from cgx_ps.examples import train as example_train  # the Job's training script (/app/examples/train.py)
+from cgx_ps.security import ChannelSecurity
+from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file
+from cgx_ps.server.sizing import shard_memory_mib
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -57,20 +63,6 @@ GPU = "nvidia.com/gpu"
 # API groups of custom resources in deploy/: kubernetes-validate has no schemas for them.
 CUSTOM_GROUPS = {"cert-manager.io"}
 
-
-def _load_by_path(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-from cgx_ps import wait_for_shards as wfs  # noqa: E402 - the init container's command, `cgx-ps wait-for-shards`
-from cgx_ps.addresses import servers_from_env  # noqa: E402
-from cgx_ps.security import ChannelSecurity  # noqa: E402
-from cgx_ps.server.sizing import shard_memory_mib  # noqa: E402
-from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
@@ -656,10 +648,9 @@ def test_worker_command_is_one_torchrun_per_node(rel):
 @pytest.mark.parametrize("rel", RENDER_DIRS)
 def test_worker_args_parse_with_the_training_script(rel):
     targs, env = _torchrun_args(rel)
-    script = REPO / "cgx_ps" / "examples" / Path(targs.training_script).name
-    assert script.is_file(), f"{script} does not exist (the Job runs it)"
-    module = _load_by_path("cgx_ps_example_train", script)
-    args = module.build_parser().parse_args(targs.training_script_args)
+    # the image copies cgx_ps/examples/train.py there (test_worker_command_is_one_torchrun_per_node)
+    assert Path(targs.training_script).name == Path(example_train.__file__).name, targs.training_script
+    args = example_train.build_parser().parse_args(targs.training_script_args)
     cfg = config(rel)
     assert args.epochs == int(cfg["TRAIN_EPOCHS"])
     assert args.batch_size == int(cfg["TRAIN_BATCH_SIZE"])

@@ -16,6 +16,7 @@ from cgx_ps.kernels.wire import HEADER_SIZE, parse_header
 from cgx_ps.layout import LayoutError, layout_hash, validate_layout
 from cgx_ps.server import ShardServer
 from cgx_ps.server.budget import ByteBudget
+from cgx_ps.transport import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
@@ -321,6 +322,29 @@ async def test_blob_chunk_errors_name_the_field(start_shard):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.PutBlob(send(), metadata=METADATA)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    await close(server, [member], [])
+
+
+async def test_a_refused_blob_upload_reports_its_reason_to_a_client_still_writing(start_shard):
+    """Before: the shard ended a refused PutBlob at once, while the client was still writing the
+    blob, and grpc.aio's client then reported INTERNAL "Internal error from Core" (or failed the
+    write) instead of the refusal (grpc/grpc#36066): a worker whose broadcast did not fit the blob
+    store was not told why (found by benchmarks/shard_memory.py's "worst" case)."""
+    server = await start_shard(max_inflight_bytes=2 << 20)
+    (member,) = await connect(server, layout_of((64, 64)), 1)
+    total = 4 * CHUNK_BYTES  # over the blob capacity (the in-flight cap): refused at its first chunk
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = ps_pb2_grpc.ParameterServerStub(channel).PutBlob(metadata=METADATA)
+        for offset in range(0, total, CHUNK_BYTES):
+            await call.write(ps_pb2.BlobChunk(key="big", total_bytes=total, offset=offset, data=bytes(CHUNK_BYTES),
+                                              node_id="node-0", session_id=member.session_id))
+            await asyncio.sleep(0.1)  # the shard reads the first chunk and refuses the blob meanwhile
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call, 10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    assert "exceeds the shard's blob capacity" in err.value.details()
+    assert server.service.blobs.used == 0
     await close(server, [member], [])
 
 

@@ -1,4 +1,4 @@
-"""The timeline (cgx_ps/timeline.py): a real 2-worker job against 2 shards, each process writing a
+"""The timeline (cgx_ps/timeline/): a real 2-worker job against 2 shards, each process writing a
 Chrome trace, read back and checked for content, step range, nesting, order and one clock; and
 the step range and event cap on their own."""
 

@@ -21,6 +21,7 @@ from cgx_ps.server.aggregator import result_seed
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker.threads import plan_threads
+from support import env_for
 from workers.step_worker import rank_gradient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,14 +33,6 @@ pytestmark = pytest.mark.slow
 def cluster():
     with LocalCluster(2, extra_args=["--round-timeout", "8", "--log-level", "WARNING"]) as c:
         yield c
-
-
-def env_for(rank: int, world: int, servers: list[str], **extra: str) -> dict[str, str]:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(world), CGX_PS_SERVERS=",".join(servers),
-               OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
-    env.update(extra)
-    return env
 
 
 def run_workers(script: Path, world: int, servers: list[str], args_for, timeout: float = 240,

@@ -4,7 +4,6 @@ behaviour plain PyTorch would have, never silently diverging replicas or a hang.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -17,6 +16,7 @@ import cgx_ps.worker as cgx
 from cgx_ps.server import LocalCluster
 from cgx_ps.worker import runtime
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from support import env_for
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -29,9 +29,7 @@ def cluster():
 
 
 def run(cluster, scenario: str, servers: list[str] | None = None) -> dict:
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               CGX_PS_SERVERS=",".join(servers or cluster.addresses), CGX_PS_JOB_ID=uuid.uuid4().hex[:8],
-               OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="10")
+    env = env_for(0, 1, servers or cluster.addresses, CGX_PS_JOB_ID=uuid.uuid4().hex[:8], CGX_PS_CONNECT_TIMEOUT="10")
     res = subprocess.run([sys.executable, str(ROOT / "tests/workers/misuse_worker.py"), scenario], env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]

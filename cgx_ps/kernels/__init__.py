@@ -7,14 +7,16 @@
     total.add(payload); total.encode(...)            # re-encode once (summation.py)
 
 Implementations: plain-torch reference (``reference``), fused multithreaded CPU kernels (``cpu``,
-numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks one. This package
-imports nothing else of cgx_ps, so it can be reused on its own.
+numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks one. Modules:
+``encoding`` and ``decoding`` (one tensor to and from the wire format, ``wire``), ``feedback``
+(encoding with error feedback), ``summation`` (a shard's sum of pushes). This package imports
+nothing else of cgx_ps, so it can be reused on its own.
 """
 
-from .api import (EncodedBlock, Impl, PayloadScratch, check_payload, decode_header, dequantize, encode,
-                  encode_with_feedback, non_finite_block, quantize)
+from .decoding import check_payload, decode_header, dequantize
+from .encoding import EncodedBlock, Impl, PayloadScratch, encode, non_finite_block, quantize
 from .errors import CodecError
-from .feedback import ErrorFeedback, encode_block
+from .feedback import ErrorFeedback, encode_block, encode_with_feedback
 from .summation import EncodedSum
 from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
 

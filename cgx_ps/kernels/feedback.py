@@ -3,6 +3,7 @@
     feedback = ErrorFeedback()                      # one per buffer that is encoded every round
     payload = encode_block(buffer, Codec.MAXMIN, bits=4, bucket_size=1024, stochastic=True,
                            seed=seed, feedback=feedback).to_bytes()
+    encode_with_feedback(tensor, residual, Codec.MAXMIN, ...)   # the same with a residual of one's own
 
 Quantization drops part of every gradient; error feedback (EF-SGD) adds what the last encoding
 of the same buffer dropped before encoding again, so the errors cancel over rounds instead of
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .api import EncodedBlock, PayloadScratch, encode, encode_with_feedback
+from .decoding import dequantize
+from .encoding import EncodedBlock, PayloadScratch, encode
 from .wire import Codec
 
-__all__ = ["ErrorFeedback", "encode_block"]
+__all__ = ["ErrorFeedback", "encode_block", "encode_with_feedback"]
 
 
 class ErrorFeedback:
@@ -43,3 +45,20 @@ def encode_block(tensor: torch.Tensor, codec: Codec | int, *, bits: int, bucket_
     return encode_with_feedback(tensor, feedback.residual, codec, bits=bits, bucket_size=bucket_size,
                                 stochastic=stochastic, seed=seed, allow_non_finite=allow_non_finite,
                                 scratch=scratch)
+
+
+def encode_with_feedback(tensor: torch.Tensor, residual: torch.Tensor, codec: Codec | int, *, bits: int,
+                         bucket_size: int, stochastic: bool, seed: int,
+                         allow_non_finite: bool = False, scratch: PayloadScratch | None = None) -> EncodedBlock:
+    """Error feedback: encode ``tensor + residual`` and leave in ``residual`` what the encoding
+    left out, to be added next time. ``tensor`` is updated in place (it holds the sum). A
+    non-finite block (``allow_non_finite``) leaves the residual as it was: that step's gradient
+    is thrown away by every rank (a loss scaler skips it), its error with it."""
+    tensor.add_(residual)
+    encoded = encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed,
+                     allow_non_finite=allow_non_finite, scratch=scratch)
+    if encoded.header.non_finite:
+        return encoded
+    dequantize(encoded, out=residual)
+    residual.neg_().add_(tensor)
+    return encoded

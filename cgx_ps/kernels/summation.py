@@ -30,10 +30,11 @@ import numpy as np
 import torch
 
 from . import cpu
-from .api import BytesLike, EncodedBlock, _split_body, check_payload, dequantize, non_finite_block
+from .decoding import check_payload, dequantize
+from .encoding import BytesLike, EncodedBlock, non_finite_block
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block
-from .wire import FLAG_STOCHASTIC, HEADER_SIZE, Codec, Header, pack_header
+from .wire import FLAG_STOCHASTIC, HEADER_SIZE, Codec, Header, pack_header, split_maxmin_body
 
 __all__ = ["EncodedSum"]
 
@@ -148,7 +149,7 @@ class EncodedSum:
                       feedback: ErrorFeedback | None, allow_non_finite: bool) -> EncodedBlock:
         header = Header(Codec.MAXMIN, bits, FLAG_STOCHASTIC if stochastic else 0, self.numel, bucket_size, 0)
         payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
-        meta, packed = _split_body(payload[HEADER_SIZE:], self.numel, bucket_size)
+        meta, packed = split_maxmin_body(payload[HEADER_SIZE:], self.numel, bucket_size)
         residual = None
         if feedback is not None:
             if feedback.residual is None:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .api import dequantize
+from .decoding import dequantize
 from .feedback import ErrorFeedback, encode_block
 from .summation import EncodedSum
 from .wire import Codec

@@ -11,6 +11,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import CodecError
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "FLAG_NONFINITE",
     "body_size",
     "num_buckets",
+    "split_maxmin_body",
     "parse_header",
     "pack_header",
     "validate_settings",
@@ -103,6 +106,13 @@ def body_size(codec: Codec, numel: int, bits: int, bucket_size: int) -> int:
         # (min, unit) float32 pairs per bucket, then levels packed LSB-first, `bits` per element
         return 8 * num_buckets(numel, bucket_size) + (numel * bits + 7) // 8
     return _ELEMENT_BYTES[codec] * numel
+
+
+def split_maxmin_body(body: np.ndarray, numel: int, bucket_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A max-min body (uint8) as views of its two parts: the (min, unit) float32 pairs, one per
+    bucket, and the packed levels."""
+    nmeta = 2 * num_buckets(numel, bucket_size)
+    return body[: 4 * nmeta].view(np.float32), body[4 * nmeta:]
 
 
 def pack_header(header: Header) -> bytes:

@@ -57,7 +57,7 @@ class ServerConfig:
     # where metrics listen; None: the same address as the gRPC port
     metrics_host: str | None = None
     log_level: str = "INFO"
-    # a Chrome trace of the rounds (cgx_ps/timeline.py): its path (+ ".shard<index>"), which rounds
+    # a Chrome trace of the rounds (cgx_ps/timeline/): its path (+ ".shard<index>"), which rounds
     timeline: str | None = None
     timeline_steps: str = ""
 

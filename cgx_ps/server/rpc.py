@@ -122,6 +122,21 @@ async def read_message(context: grpc.aio.ServicerContext, cls: type[M]) -> M | A
     return parse_message(cls, raw)
 
 
+async def discard_rest(context: grpc.aio.ServicerContext, timeout_s: float) -> None:
+    """Read and drop what is left of a client stream, until its end or ``timeout_s``, before a
+    refusal: a grpc.aio client still writing when the call ends is told INTERNAL "Internal error
+    from Core" instead of the refusal (grpc/grpc#36066). Raw messages, one at a time: nothing is
+    parsed or kept, and the call is bounded in time as an accepted one is."""
+    async def drain() -> None:
+        while await context.read() is not grpc.aio.EOF:
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except asyncio.TimeoutError:
+        pass  # a client that never finishes gets the refusal now, however its library reports it
+
+
 Handler = Callable[..., Awaitable[Any]]
 
 

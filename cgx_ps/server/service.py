@@ -33,7 +33,7 @@ from .errors import (BadRequest, Conflict, Forbidden, InternalError, NotMember, 
 from .frames import PushFrame, read_push, result_frames
 from .metrics import ShardMetrics
 from .reassembly import InflightPushes, PushAssembler
-from .rpc import grpc_status, read_message
+from .rpc import discard_rest, grpc_status, read_message
 from .session import Session
 from .stream import NodeStream
 
@@ -224,6 +224,18 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         first = await _first_message(context, ps_pb2.BlobChunk)
         if first is grpc.aio.EOF:
             raise BadRequest("PutBlob stream carried no chunk")
+        try:
+            await self._put_blob(first, context)
+        except TimedOut:
+            raise  # the upload's time is up: no waiting for the rest
+        except ProtocolError:
+            # Refused while the client may still be writing the blob: let it finish first, so it
+            # hears why (a broadcast that does not fit the store), not INTERNAL.
+            await discard_rest(context, self.config.round_timeout_s)
+            raise
+        return ps_pb2.PutBlobResponse()
+
+    async def _put_blob(self, first: ps_pb2.BlobChunk, context: grpc.aio.ServicerContext) -> None:
         session = self._blob_writer(first.node_id, first.member, first.session_id)
 
         async def next_chunk() -> ps_pb2.BlobChunk | None:
@@ -242,7 +254,6 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             reserved = 0
         finally:
             self.blobs.release(reserved)
-        return ps_pb2.PutBlobResponse()
 
     async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext) -> None:
         if self.session is None or not self.session.proves(request.session_id):

@@ -22,8 +22,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from ..kernels import wire
-from ..kernels.api import dequantize, quantize
+from ..kernels import dequantize, quantize, wire
 from ..kernels.wire import HEADER_SIZE, Codec
 from .knapsack import Option, evaluate, solve_min_bytes
 

@@ -18,12 +18,8 @@ and takes the averaged gradients back, through a handful of calls::
 out for a block whose gradients lie end to end in one float32 tensor: it is encoded from that
 memory and decoded into it (``buffers.py``).
 
-Between ``submit`` and its future, for one block: the owner of the block among the node's
-local ranks waits until every local rank wrote it and sums them (``NodeReducer``); encodes the
-sum (error feedback; a seed from node, block and round; uncompressed during warm-up and when
-auto mode says so); pushes it to the block's shard and pulls the aggregate of all nodes;
-decodes it, divides by the world size, and publishes it to the other local ranks, which copy it
-(their future completes then). Every rank decodes the same bytes: replicas stay bit-identical.
+Between ``submit`` and its future, the block's exchange runs on the communication thread
+(``blockexchange.py``): local sum, encode, push, pull, decode, share with the node's other ranks.
 
 The DDP communication hook (``ddp_hook.py``) drives it per DDP bucket: it names the bucket's
 gradients, submits the blocks ``tensors_ready`` returns (a block may wait for a later bucket's
@@ -37,8 +33,9 @@ communication thread. Both front ends share their step bookkeeping through ``fro
 (the header alone) and every rank decodes NaN for it, so a loss scaler skips the step on every
 rank; without it the step fails, naming the tensors.
 
-Beside it: ``stepstats.py`` (what ``finish_step`` measured) and ``pipeline_state.py`` (the
-checkpoint, which ``state_dict`` / ``load_state_dict`` delegate to).
+Beside it: ``blockexchange.py`` (one block's exchange), ``stepstats.py`` (what ``finish_step``
+measured) and ``pipeline_state.py`` (the checkpoint, which ``state_dict`` / ``load_state_dict``
+delegate to).
 """
 
 from __future__ import annotations
@@ -46,16 +43,15 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from .. import timeline
-from ..kernels import Codec, CodecError, ErrorFeedback, PayloadScratch, dequantize, encode_block
-from ..layout import codec_of
+from ..kernels import CodecError, ErrorFeedback
 from ..v1 import ps_pb2
+from .blockexchange import BlockExchange, BlockState
 from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
@@ -79,27 +75,6 @@ class PipelineSpec:
     options: Mapping[str, object] = field(default_factory=dict)  # error_feedback, warmup_steps, allow_non_finite
 
 
-@dataclass(eq=False)
-class _Block:
-    spec: ps_pb2.BlockSpec
-    buffer: torch.Tensor  # in BlockBuffers: the gradient in, the average out
-    tensors: int  # distinct tensors in the block: arrivals that complete it
-    settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
-    feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
-    # where this step's gradient is encoded from and the average decoded into: ``buffer``, or
-    # the front end's own memory when the block's gradients lie end to end there (``submit``);
-    # None once such a block is written back, so the step's .grad is not kept past the step
-    work: torch.Tensor | None
-    round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
-    base: int = 0  # the round this process's session began at: the intra-node flags count from it
-    # this step: tensors arrived, whether it was handed to the communication thread, and its result
-    arrived: set[str] = field(default_factory=set)
-    submitted: bool = False
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)
-    scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
-    in_place: bool = False  # this step's work is the front end's memory
-
-
 class BlockPipeline:
     """The per-block exchange of one process (see the module doc); also the ``Tunable`` that
     ``autotune.Tuner`` reads and adjusts."""
@@ -108,9 +83,6 @@ class BlockPipeline:
                  devices: Mapping[str, torch.device], *, error_feedback: bool = False, warmup_steps: int = 0,
                  allow_non_finite: bool = False) -> None:
         self.layout, self.config, self.warmup_steps = layout, config, warmup_steps
-        # a gradient with NaN/Inf travels as a non-finite block (every rank decodes NaN) instead of
-        # failing the step: for loss scalers (mixed precision), which then skip it on every rank
-        self.allow_non_finite = allow_non_finite
         self.compress = True  # auto mode may turn compression off (all ranks at once)
         self.steps = 0  # finished steps
         self.stats = StepStats()
@@ -120,13 +92,14 @@ class BlockPipeline:
                                      run_tag=engine.session_id)
         self._lock = threading.Lock()  # tensors_ready may run on several autograd threads
         self._span = CommSpan()
+        self._exchange = BlockExchange(engine, self._reducer, config, self._span, allow_non_finite)
         first = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
         self.buffers = BlockBuffers(layout, first, self._reducer)
-        self._blocks: list[_Block] = []
-        self._blocks_of: dict[str, list[_Block]] = {}  # tensor -> the blocks holding a piece of it
+        self._blocks: list[BlockState] = []
+        self._blocks_of: dict[str, list[BlockState]] = {}  # tensor -> the blocks holding a piece of it
         for spec in layout.blocks:
             names = self.buffers.tensors_in(spec.block_id)
-            block = _Block(spec, self.buffers[spec.block_id], len(names), spec.codec,
+            block = BlockState(spec, self.buffers[spec.block_id], len(names), spec.codec,
                            ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id])
             for name in names:
                 self._blocks_of.setdefault(name, []).append(block)
@@ -217,10 +190,7 @@ class BlockPipeline:
             ready.record(torch.cuda.current_stream(block.work.device))
         if reducer is not None:
             reducer.mark_ready(block_id, seq)
-        if reducer is not None and reducer.owner(block_id) != self.config.local_rank:
-            work = self._fetch(block, seq)
-        else:
-            work = self._exchange(block, round_, seq, ready, self.compressing)
+        work = self._exchange.work(block, round_, seq, ready, self.compressing)
         timeline.since(hand_over, "backward-ready", round_, block=block_id)
         running = self._engine.submit(timeline.traced(work, "block", round_, timeline.block_track(block_id),
                                                       block=block_id, shard=block.spec.shard))
@@ -230,7 +200,8 @@ class BlockPipeline:
 
     def future(self, block_id: int) -> torch.futures.Future:
         """Completes with the bytes this process pushed for the block (0: another local rank
-        pushed it) once its averaged gradient is in the pipeline's buffer, or with the error."""
+        pushed it) once its averaged gradient is in its work memory (the block buffer, or the front
+        end's own for an in-place block), or with the error."""
         return self._blocks[block_id].future
 
     def finish_step(self, backward_s: float = 0.0, waiting_since: float | None = None) -> StepStats:
@@ -305,52 +276,11 @@ class BlockPipeline:
             # allocated through the next forward and backward because a block still points at it
             block.work = None
 
-    # ---- one block, on the communication thread ------------------------------------------------------
-
     @property
     def compressing(self) -> bool:
+        """Whether this step's blocks travel compressed: not during warm-up, nor when auto mode
+        turned compression off."""
         return self.steps >= self.warmup_steps and self.compress
-
-    async def _exchange(self, block: _Block, round_: int, seq: int, ready, compressed: bool) -> int:
-        """Owner of the block for this node: (local sum,) encode, push, pull, decode, publish.
-        ``round_`` numbers the job's rounds (wire and seed), ``seq`` this session's (local ranks)."""
-        engine, reducer, spec = self._engine, self._reducer, block.spec
-        seed = zlib.crc32(f"{self.config.node_rank}/{spec.block_id}/{round_}".encode())
-        if ready is not None:
-            await engine.in_thread(ready.synchronize)
-        if reducer is not None:
-            with timeline.span("reduce", round_, timeline.block_track(spec.block_id), block=spec.block_id):
-                await reducer.reduce(spec.block_id, seq, engine.in_thread)
-        payload = await engine.in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
-                                         block, compressed, seed)
-        self._span.note(first=time.perf_counter())  # first byte out
-        result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
-        await engine.in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
-        self._span.note(last=time.perf_counter())  # last result in
-        if reducer is not None:
-            reducer.publish(spec.block_id, seq)
-        return len(payload)
-
-    async def _fetch(self, block: _Block, seq: int) -> int:
-        """Another local rank owns the block: copy its result (our own stream to the block's
-        shard hears of a failed round too: stop waiting then)."""
-        shard = block.spec.shard
-        await self._reducer.fetch(block.spec.block_id, seq, failed=lambda: self._engine.shard_error(shard),
-                                  run_in_thread=self._engine.in_thread)
-        return 0
-
-    def _encode(self, block: _Block, compressed: bool, seed: int) -> bytes:  # on a codec thread
-        s = block.settings
-        codec = codec_of(s) if compressed else Codec.FP32
-        return encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
-                            stochastic=s.stochastic, seed=seed, feedback=block.feedback,
-                            allow_non_finite=self.allow_non_finite, scratch=block.scratch).to_bytes()
-
-    def _decode(self, block: _Block, result: bytes) -> None:  # on a codec thread
-        dequantize(result, out=block.work)
-        block.work.mul_(1.0 / self.config.world_size)
-        if block.work.is_cuda:
-            torch.cuda.current_stream(block.work.device).synchronize()
 
     # ---- what the tuner reads and changes (autotune.Tunable) -----------------------------------------
 

@@ -1,0 +1,152 @@
+"""Decoding: ``dequantize`` a wire payload (or an ``EncodedBlock``) into a float32 tensor, and
+``check_payload`` / ``decode_header``: validate one without decoding it (what a shard does with
+each push before it keeps it).
+
+A payload from the wire is hostile: its header, size, crc32, max-min metadata and the values of
+a float body are all checked before anything is written, so a bad payload raises CodecError and
+leaves the output untouched. The output's device picks the implementation as for encoding
+(``encoding.pick_impl``): CuPy kernels for CUDA, fused numba kernels for the CPU, or the
+plain-torch reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import cpu, reference, wire
+from .encoding import BytesLike, EncodedBlock, Impl, pick_impl
+from .errors import CodecError
+from .wire import HEADER_SIZE, Codec, Header, split_maxmin_body
+
+__all__ = ["check_payload", "decode_header", "dequantize"]
+
+
+def decode_header(payload: BytesLike) -> Header:
+    """Parse and validate a payload's header (sizes included); does not check the crc."""
+    return wire.parse_header(payload)
+
+
+def check_payload(payload: BytesLike) -> Header:
+    """Validate a wire payload as ``dequantize`` does before it writes anything (header, size,
+    crc32, max-min metadata, NaN/Inf in a float body), without decoding it; its header."""
+    header = wire.parse_header(payload)
+    wire.check_crc(payload, header)
+    if header.non_finite:
+        return header
+    body = np.frombuffer(payload, dtype=np.uint8, offset=HEADER_SIZE)
+    if header.codec == Codec.MAXMIN:
+        _validate_meta(split_maxmin_body(body, header.numel, header.bucket_size)[0], header.bits)
+    else:
+        _float_values(body, header)
+    return header
+
+
+def dequantize(
+    block_or_bytes: EncodedBlock | BytesLike,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """Decode an EncodedBlock or a wire payload into a float32 tensor of ``numel`` elements.
+
+    With ``out`` the result is written there (any shape with numel elements, contiguous);
+    with ``accumulate=True`` it is added into ``out`` instead (the server's hot path). A payload
+    from the wire is fully validated (header, size, crc32, metadata, NaN/Inf) before anything is
+    written, so a bad payload raises CodecError and leaves ``out`` untouched.
+    """
+    if accumulate and out is None:
+        raise CodecError("accumulate=True needs out=")
+    if isinstance(block_or_bytes, EncodedBlock):
+        header, payload = block_or_bytes.header, block_or_bytes.payload
+    else:
+        payload = block_or_bytes
+        header = wire.parse_header(payload)
+        wire.check_crc(payload, header)
+    target = out
+    if target is not None:
+        if target.numel() != header.numel:
+            raise CodecError(f"out has {target.numel()} elements, the block holds {header.numel}")
+        if not target.is_contiguous():
+            raise CodecError("out must be contiguous")
+        if not target.is_floating_point():
+            raise CodecError(f"out must be a floating-point tensor, got {target.dtype}")
+    device = target.device if target is not None else (
+        payload.device if isinstance(payload, torch.Tensor) else torch.device("cpu"))
+    impl = pick_impl(impl, device)
+    if header.non_finite:  # NaN + anything is NaN: accumulating or not, the result is NaN
+        if target is None:
+            return torch.full((header.numel,), float("nan"), dtype=torch.float32, device=device)
+        return target.fill_(float("nan"))
+    if impl == "cuda":
+        from . import cuda
+
+        result = cuda.decode(payload, header, target, accumulate)
+        return target if target is not None else result
+    if isinstance(payload, torch.Tensor):
+        payload = payload.cpu().numpy()
+    body = np.frombuffer(payload, dtype=np.uint8, offset=HEADER_SIZE)
+    if target is None:
+        return _decode_cpu(body, header, None, False, impl)
+    flat = target.view(-1)
+    if flat.dtype == torch.float32:
+        _decode_cpu(body, header, flat, accumulate, impl)
+    else:  # decode in float32, then round once into the caller's dtype
+        decoded = _decode_cpu(body, header, None, False, impl)
+        flat.add_(decoded) if accumulate else flat.copy_(decoded)
+    return target
+
+
+def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulate: bool,
+                impl: str) -> torch.Tensor:
+    if h.codec != Codec.MAXMIN:
+        values = _float_values(body, h)
+        if out is None:
+            return torch.from_numpy(values.astype(np.float32, copy=True))
+        target = out.numpy()
+        if accumulate:
+            np.add(target, values, out=target)
+        else:
+            target[:] = values
+        return out
+    meta, packed = split_maxmin_body(body, h.numel, h.bucket_size)
+    _validate_meta(meta, h.bits)
+    if impl == "reference":
+        m = torch.from_numpy(meta.copy()).view(-1, 2)
+        values = reference.decode_maxmin(m, torch.from_numpy(packed.copy()), h.numel, h.bits,
+                                         h.bucket_size)
+        if out is None:
+            return values
+        return out.add_(values) if accumulate else out.copy_(values)
+    if out is None:
+        out = torch.empty(h.numel, dtype=torch.float32)
+    cpu.decode_maxmin_into(meta, packed, out.numpy(), accumulate, h.bits, h.bucket_size)
+    return out
+
+
+def _float_values(body: np.ndarray, h: Header) -> np.ndarray:
+    """The body of an FP32/FP16/BF16 payload as a numpy array (a view where possible)."""
+    kind = {Codec.FP32: "<f4", Codec.FP16: "<f2", Codec.BF16: "bf16"}[h.codec]
+    bad = cpu.first_nonfinite(body, kind)
+    if bad >= 0:
+        raise CodecError(f"payload contains NaN/Inf (first at element {bad})")
+    if h.codec == Codec.FP32:
+        return body.view("<f4")
+    if h.codec == Codec.FP16:
+        return body.view("<f2")
+    # bfloat16 is the top half of a float32
+    return (body.view("<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _validate_meta(meta: np.ndarray, bits: int) -> None:
+    pairs = meta.reshape(-1, 2)
+    mn, unit = pairs[:, 0], pairs[:, 1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        top = mn + unit * np.float32((1 << bits) - 1)
+    ok = np.isfinite(mn) & np.isfinite(unit) & (unit >= 0) & np.isfinite(top)
+    if not ok.all():
+        b = int(np.argmin(ok))
+        raise CodecError(
+            f"bucket {b} has invalid metadata (min={mn[b]}, unit={unit[b]}): corrupted payload?"
+        )

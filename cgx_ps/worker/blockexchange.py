@@ -1,0 +1,130 @@
+"""One block's exchange with the shards, on the communication thread: what happens between
+``BlockPipeline.submit`` and the block's future.
+
+    exchange = BlockExchange(engine, reducer, config, span, allow_non_finite)
+    work = exchange.work(block, round_, seq, ready, compressed)   # a coroutine for the engine
+
+For one block and one round, the owner of the block among the node's local ranks waits until
+every local rank wrote it and sums them (``NodeReducer``); encodes the sum (error feedback; a
+seed from node, block and round; uncompressed during warm-up and when auto mode says so);
+pushes it to the block's shard and pulls the aggregate of all nodes; decodes it, divides by the
+world size, and publishes it to the other local ranks, which copy it (``fetch``). Every rank
+decodes the same bytes: replicas stay bit-identical.
+
+``BlockState`` is what the pipeline keeps of each block (its buffers, settings, round counter
+and this step's bookkeeping); the exchange reads it and writes only the block's work memory.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Coroutine
+
+import torch
+
+from .. import timeline
+from ..kernels import Codec, ErrorFeedback, PayloadScratch, dequantize, encode_block
+from ..layout import codec_of
+from ..v1 import ps_pb2
+from .config import WorkerConfig
+from .engine import CommEngine, EngineShare
+from .intranode import NodeReducer
+from .stepstats import CommSpan
+
+__all__ = ["BlockExchange", "BlockState", "block_seed"]
+
+
+@dataclass(eq=False)
+class BlockState:
+    """One block of a pipeline, across steps."""
+
+    spec: ps_pb2.BlockSpec
+    buffer: torch.Tensor  # in BlockBuffers: the gradient in, the average out
+    tensors: int  # distinct tensors in the block: arrivals that complete it
+    settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
+    feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
+    # where this step's gradient is encoded from and the average decoded into: ``buffer``, or
+    # the front end's own memory when the block's gradients lie end to end there (``submit``);
+    # None once such a block is written back, so the step's .grad is not kept past the step
+    work: torch.Tensor | None
+    round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
+    base: int = 0  # the round this process's session began at: the intra-node flags count from it
+    # this step: tensors arrived, whether it was handed to the communication thread, and its result
+    arrived: set[str] = field(default_factory=set)
+    submitted: bool = False
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+    scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
+    in_place: bool = False  # this step's work is the front end's memory
+
+
+def block_seed(node_rank: int, block_id: int, round_: int) -> int:
+    """The stochastic rounding seed of a node's push of a block in a round: reproducible, and
+    different for every node, block and round."""
+    return zlib.crc32(f"{node_rank}/{block_id}/{round_}".encode())
+
+
+class BlockExchange:
+    """The per-block work of one process's pipeline; its coroutines run on the engine's loop and
+    their codec work on its codec threads (the kernels release the GIL)."""
+
+    def __init__(self, engine: CommEngine | EngineShare, reducer: NodeReducer | None, config: WorkerConfig,
+                 span: CommSpan, allow_non_finite: bool) -> None:
+        self._engine, self._reducer, self._config, self._span = engine, reducer, config, span
+        # a gradient with NaN/Inf travels as a non-finite block (every rank decodes NaN) instead of
+        # failing the step: for loss scalers (mixed precision), which then skip it on every rank
+        self.allow_non_finite = allow_non_finite
+
+    def work(self, block: BlockState, round_: int, seq: int, ready: torch.cuda.Event | None,
+             compressed: bool) -> Coroutine[None, None, int]:
+        """The block's exchange for this round, to hand to the engine: the owner's (``exchange``)
+        or, on another local rank, a copy of the owner's result (``fetch``). ``ready``: the
+        gradient's copies on a CUDA stream, to wait for before reading it."""
+        reducer = self._reducer
+        if reducer is not None and reducer.owner(block.spec.block_id) != self._config.local_rank:
+            return self.fetch(block, seq)
+        return self.exchange(block, round_, seq, ready, compressed)
+
+    async def exchange(self, block: BlockState, round_: int, seq: int, ready: torch.cuda.Event | None,
+                       compressed: bool) -> int:
+        """Owner of the block for this node: (local sum,) encode, push, pull, decode, publish.
+        ``round_`` numbers the job's rounds (wire and seed), ``seq`` this session's (local ranks).
+        Returns the bytes pushed."""
+        engine, reducer, spec = self._engine, self._reducer, block.spec
+        seed = block_seed(self._config.node_rank, spec.block_id, round_)
+        if ready is not None:
+            await engine.in_thread(ready.synchronize)
+        if reducer is not None:
+            with timeline.span("reduce", round_, timeline.block_track(spec.block_id), block=spec.block_id):
+                await reducer.reduce(spec.block_id, seq, engine.in_thread)
+        payload = await engine.in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
+                                         block, compressed, seed)
+        self._span.note(first=time.perf_counter())  # first byte out
+        result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
+        await engine.in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
+        self._span.note(last=time.perf_counter())  # last result in
+        if reducer is not None:
+            reducer.publish(spec.block_id, seq)
+        return len(payload)
+
+    async def fetch(self, block: BlockState, seq: int) -> int:
+        """Another local rank owns the block: copy its result (our own stream to the block's
+        shard hears of a failed round too: stop waiting then). Pushed nothing: returns 0."""
+        shard = block.spec.shard
+        await self._reducer.fetch(block.spec.block_id, seq, failed=lambda: self._engine.shard_error(shard),
+                                  run_in_thread=self._engine.in_thread)
+        return 0
+
+    def _encode(self, block: BlockState, compressed: bool, seed: int) -> bytes:  # on a codec thread
+        s = block.settings
+        codec = codec_of(s) if compressed else Codec.FP32
+        return encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                            stochastic=s.stochastic, seed=seed, feedback=block.feedback,
+                            allow_non_finite=self.allow_non_finite, scratch=block.scratch).to_bytes()
+
+    def _decode(self, block: BlockState, result: bytes) -> None:  # on a codec thread
+        dequantize(result, out=block.work)
+        block.work.mul_(1.0 / self._config.world_size)
+        if block.work.is_cuda:
+            torch.cuda.current_stream(block.work.device).synchronize()
