@@ -129,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handler (e.g. while importing)
         print(f"cgx-ps {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`cgx-ps status --json | head`): stop quietly, as other tools do;
+        # stdout goes to /dev/null so that flushing it at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
 def _run(args: argparse.Namespace) -> int:

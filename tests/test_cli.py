@@ -144,6 +144,17 @@ def test_cluster_with_a_port_in_use_says_so_in_one_line():
     assert "cgx-ps cluster: shard 0 exited with code 2 during startup" in res.stderr
 
 
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """`cgx-ps status --json | head -c 100`: the pipe closes under the writer."""
+    proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "status", "--servers", "127.0.0.1:1", "--json",
+                             "--sample", "0", "--timeout", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # nobody reads: the first write fails with EPIPE
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_ctrl_c_stops_the_cluster_without_a_traceback(when):
     """Ctrl-C reaches the whole foreground process group: the cluster and its shards."""
