@@ -18,14 +18,17 @@ import os
 import sys
 from typing import Sequence
 
-from .server.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, SETTINGS, flag_defaults
+# Everything else is imported by build_parser or a command, inside main's Ctrl-C handling: a
+# terminal's Ctrl-C reaches a `cgx-ps cluster`'s shards wherever they are in their start-up.
 
-__all__ = ["build_parser", "main", "DEFAULT_PORT", "DEFAULT_METRICS_PORT"]
+__all__ = ["build_parser", "main"]
 
 
 def _add_server_options(p: argparse.ArgumentParser, *, per_shard: bool) -> None:
     """A shard's settings as flags (server/config.py's SETTINGS), their defaults from the
     environment; ``per_shard``: also those that differ between the shards of a cluster."""
+    from .server.config import SETTINGS, flag_defaults
+
     try:
         defaults = flag_defaults(os.environ)
     except ValueError as exc:
@@ -54,6 +57,8 @@ def _add_shard_list_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .server.config import DEFAULT_PORT
+
     summary, _, rest = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(prog="cgx-ps", description=summary, epilog=rest,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,15 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    if not (sys.argv[1:] if argv is None else argv):
-        parser.print_help(sys.stderr)  # a first try with no arguments: the overview, not a usage error
-        return 2
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _run(args)
-    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handler (e.g. while importing)
-        print(f"cgx-ps {args.command}: interrupted", file=sys.stderr)
+        parser = build_parser()
+        if not words:
+            parser.print_help(sys.stderr)  # a first try with no arguments: the overview, not a usage error
+            return 2
+        return _run(parser.parse_args(words))
+    except KeyboardInterrupt:
+        # Ctrl-C before a command installed its own handler: while parsing or importing (the
+        # whole process group gets it, so a cluster's shards may be anywhere in their start-up)
+        name = next((w for w in words if not w.startswith("-")), "")
+        print(f"cgx-ps{' ' + name if name else ''}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # the reader went away (`cgx-ps status --json | head`): stop quietly, as other tools do;
