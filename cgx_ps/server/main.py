@@ -187,18 +187,18 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
     except (CredentialError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the port file says we serve: its reader may signal us
+        loop.add_signal_handler(sig, stop.set)
+    if server.tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, server.tls.request_reload)
     if port_file:
         tmp = port_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"port": server.port, "metrics_port": server.metrics_port, "health_port": server.health_port,
                        "pid": os.getpid()}, f)
         os.replace(tmp, port_file)  # readers never see a half-written file
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if server.tls is not None:
-        loop.add_signal_handler(signal.SIGHUP, server.tls.request_reload)
     await stop.wait()
     log.info("signal received: draining")
     await server.stop(drain=True)
