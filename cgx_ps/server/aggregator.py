@@ -82,8 +82,12 @@ class Aggregator:
         error_feedback: bool = False,
         metrics: ShardMetrics | None = None,
         resumed: bool = False,
+        kernel_split: int | None = None,
     ) -> None:
-        self.blocks = {b.block_id: BlockState(b, block_payload_size(b), EncodedSum(b.numel, parts=num_nodes),
+        # kernel_split: threads one summing kernel call splits a block over (server/threads.py;
+        # None: the kernels' default)
+        self.blocks = {b.block_id: BlockState(b, block_payload_size(b),
+                                              EncodedSum(b.numel, parts=num_nodes, threads=kernel_split),
                                               adopting=resumed, learning=resumed)
                        for b in blocks}
         self.resumed = resumed
