@@ -18,7 +18,8 @@ between two processes on loopback, in the same run.
 
 ``--baseline DIR`` adds one more plaintext shard whose code is the ``cgx_ps`` package under DIR
 (say, ``git archive <commit> cgx_ps | tar -x -C DIR``), listed first and interleaved with the
-others: before/after figures of a change from the same run, on the same load.
+others: before/after figures of a change from the same run, on the same load. That shard starts
+in DIR (``shard_source``), and which package it imports is checked first.
 
 The shard's capacity is also given per CPU-second (compressed input / the shard's CPU time):
 what one shard process would take in with a core of its own, which on this 2-core machine,
