@@ -53,7 +53,7 @@ from .blockstate import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState
 from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from .metrics import ShardMetrics
 
-__all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "result_seed"]
+__all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
 
 log = logging.getLogger(__name__)
 
