@@ -18,7 +18,8 @@ between two processes on loopback, in the same run.
 
 ``--baseline DIR`` adds one more plaintext shard whose code is the ``cgx_ps`` package under DIR
 (say, ``git archive <commit> cgx_ps | tar -x -C DIR``), listed first and interleaved with the
-others: before/after figures of a change from the same run, on the same load.
+others: before/after figures of a change from the same run, on the same load. That shard starts
+in DIR (``shard_source``), and which package it imports is checked first.
 
 The shard's capacity is also given per CPU-second (compressed input / the shard's CPU time):
 what one shard process would take in with a core of its own, which on this 2-core machine,
@@ -43,6 +44,8 @@ import os
 import socket
 import ssl
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -243,15 +246,27 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
 
 @contextlib.contextmanager
 def shard_source(directory: str | None):
-    """Shards started inside import cgx_ps from ``directory`` (None: as this process does)."""
+    """Shards started inside import cgx_ps from ``directory`` (None: as this process does).
+
+    ``python -m`` puts its working directory first on sys.path, ahead of PYTHONPATH, so a shard
+    started from a checkout's root imports that checkout's cgx_ps whatever PYTHONPATH says: the
+    ``--baseline`` shard ran the current code until 2026-11-23 (BENCHMARKS.md, "One executor hop
+    per push"). It is started in ``directory`` too, and the package it will import is checked."""
     if directory is None:
         yield
         return
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(directory).resolve()), *([old] if old else [])])
+    root = Path(directory).resolve()
+    old, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *([old] if old else [])])
+    os.chdir(root)
     try:
+        found = subprocess.run([sys.executable, "-c", "import cgx_ps; print(cgx_ps.__file__)"], check=True,
+                               capture_output=True, text=True).stdout.strip()
+        if not Path(found).resolve().is_relative_to(root):
+            raise SystemExit(f"--baseline: a shard would import {found}, not the cgx_ps under {root}")
         yield
     finally:
+        os.chdir(cwd)
         if old is None:
             del os.environ["PYTHONPATH"]
         else:

@@ -287,6 +287,59 @@ async def test_non_finite_push_makes_the_round_non_finite_for_every_node(shard: 
         await close([a, b])
 
 
+async def test_a_sum_that_cannot_be_encoded_fails_the_round_for_every_node(shard: ShardServer) -> None:
+    """Finite pushes whose sum overflows float32: the last push is kept, summed and encoded in one
+    kernel-thread hop (aggregator.py); the encoding's failure must still fail the round, loudly,
+    for every node, not pass as the last push's own refusal."""
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    a, b = await connect(shard, layout, 2, prefix="huge")
+    try:
+        huge = encode(torch.full((4096,), 3e38), Codec.MAXMIN, bits=4, bucket_size=512).to_bytes()
+        results = await asyncio.gather(a.exchange(0, 0, huge), b.exchange(0, 0, huge), return_exceptions=True)
+        for got in results:
+            assert isinstance(got, RoundFailedError), got
+            assert "aggregate of block 0 round 0 cannot be encoded: the sum contains NaN/Inf" in str(got)
+    finally:
+        await close([a, b])
+
+
+async def test_a_push_costs_one_kernel_thread_hop_the_rounds_last_included() -> None:
+    """The push completing a round is kept, summed and encoded in its own hop (aggregator.py):
+    two nodes, three rounds, six hops, and each round's result the exact sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cgx_ps.server.aggregator import Aggregator
+
+    class CountingExecutor(ThreadPoolExecutor):
+        hops = 0
+
+        def submit(self, fn, /, *args, **kwargs):
+            self.hops += 1
+            return super().submit(fn, *args, **kwargs)
+
+    class Sink:
+        def __init__(self) -> None:
+            self.results: list[bytes] = []
+
+        def deliver(self, block_id, round_, result, pushers) -> None:
+            self.results.append(result)
+
+        def round_failed(self, failure) -> None:
+            raise AssertionError(failure)
+
+    block = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512)).blocks[0]
+    with CountingExecutor(2) as executor:
+        sink = Sink()
+        agg = Aggregator([block], 2, executor, sink, {"n0", "n1"}, round_timeout_s=30)
+        for round_ in range(3):
+            pushed = [_good(block), _good(block)]
+            for node, payload in zip(("n0", "n1"), pushed):
+                assert (await agg.push(node, 0, block.block_id, round_, payload)).accepted
+            check_aggregate(block, pushed, sink.results[-1], round_)
+        assert executor.hops == 6 and len(sink.results) == 3
+        agg.close()
+
+
 async def test_push_before_register_refused(shard: ShardServer) -> None:
     channel, call = await raw_stream(shard, "stranger", make_layout())
     await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "has not registered")

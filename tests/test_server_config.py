@@ -61,3 +61,15 @@ def test_a_cluster_passes_its_settings_to_every_shard() -> None:
     assert config.error_feedback and config.max_inflight_bytes == 3 << 20 and config.tls_key == "k"
     assert "--token-file" not in argv and "--port" not in argv  # the cluster sets those per shard
     assert flag_defaults({})["max_inflight_bytes"] == 1024.0  # flags in MiB, fields in bytes
+
+
+def test_a_shard_splits_a_kernel_call_only_over_the_cores_its_executor_leaves_over() -> None:
+    """server/threads.py: with a kernel thread per core (the default), blocks run side by side and
+    one call is not split; with fewer executor threads than cores, a call takes the rest."""
+    from cgx_ps.server.threads import executor_threads, per_call_threads
+
+    assert executor_threads(0, 2) == 2 and executor_threads(1, 2) == 1 and executor_threads(3, 2) == 3
+    assert per_call_threads(0, 2) == 1  # the default on this 2-core machine: no split
+    assert per_call_threads(1, 2) == 2  # --kernel-threads 1: one block at a time, split in two
+    assert per_call_threads(3, 8) == 2
+    assert per_call_threads(4, 2) == 1  # more threads than cores: never below one

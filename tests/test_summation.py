@@ -31,16 +31,18 @@ def pushes(gen: torch.Generator, n: int, numel: int, codec: Codec, bits: int, bu
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(numel=st.integers(1, 3000), bits=st.integers(1, 8), bucket=st.sampled_from([8, 16, 24, 64, 512]),
        nodes=st.integers(1, 6), stochastic=st.booleans(), feedback=st.booleans(),
-       keep=st.sampled_from([None, 0, 1, 2]), seed=st.integers(0, 2**62))
+       keep=st.sampled_from([None, 0, 1, 2]), seed=st.integers(0, 2**62), threads=st.sampled_from([None, 1, 3]))
 def test_fused_sum_writes_the_accumulator_paths_bytes(numel: int, bits: int, bucket: int, nodes: int,
                                                        stochastic: bool, feedback: bool, keep: int | None,
-                                                       seed: int) -> None:
+                                                       seed: int, threads: int | None) -> None:
     """Every width, bucket size (partial last buckets included), node count, rounding mode, with and
     without server-side error feedback over three rounds, and with fewer slots than pushes forcing
     folds into the accumulator (keep: slots; 0 = none, the accumulator path itself).
-    Above 128 buckets a call is split across threads (cpu._run_split)."""
+    Above 128 buckets a call is split across threads (cpu._run_split): as many as the kernels'
+    default, one (a shard whose executor runs a thread per core, server/threads.py), or three."""
     gen = torch.Generator().manual_seed(seed % 2**31)
-    total = EncodedSum(numel, parts=max(1, nodes if keep is None else keep), keep_bytes=0 if keep == 0 else None)
+    total = EncodedSum(numel, parts=max(1, nodes if keep is None else keep), keep_bytes=0 if keep == 0 else None,
+                       threads=threads)
     want_fb, got_fb = (ErrorFeedback(), ErrorFeedback()) if feedback else (None, None)
     for round_ in range(3):
         payloads = pushes(gen, nodes, numel, Codec.MAXMIN, bits, bucket, round_)

@@ -517,11 +517,12 @@ def _pool_and_threads() -> tuple[ThreadPoolExecutor, int]:
         return _pool, _threads
 
 
-def _run_split(fn, nbuckets: int, args: tuple, columns: int) -> np.ndarray:
+def _run_split(fn, nbuckets: int, args: tuple, columns: int, threads: int | None = None) -> np.ndarray:
     """Run fn(*args, b0, b1, status_row) over bucket ranges, the caller's thread taking one;
-    the status rows (``columns`` int64 each, -1 where nothing was flagged)."""
-    pool, threads = _pool_and_threads()
-    parts = max(1, min(threads, nbuckets // _MIN_BUCKETS_PER_THREAD))
+    the status rows (``columns`` int64 each, -1 where nothing was flagged). ``threads``: at most
+    that many ranges (None: ``num_threads()``)."""
+    pool, default_threads = _pool_and_threads()
+    parts = max(1, min(default_threads if threads is None else threads, nbuckets // _MIN_BUCKETS_PER_THREAD))
     status = np.full((parts, columns), -1, dtype=np.int64)
     if parts == 1:
         fn(*args, 0, nbuckets, status[0])
@@ -573,13 +574,14 @@ def decode_maxmin_into(
 def sum_maxmin_into(
     slots: np.ndarray, count: int, numel: int, bits: int, bucket_size: int, acc: np.ndarray | None,
     from_acc: bool, out: tuple[np.ndarray, np.ndarray] | None, residual: np.ndarray | None,
-    stochastic: bool, seed: int,
+    stochastic: bool, seed: int, threads: int | None = None,
 ) -> tuple[int, int]:
     """Sum max-min bodies held in the rows of ``slots`` (uint8, each row one validated body of
     these settings, rows 8-byte aligned), after ``acc`` if ``from_acc``. With ``out`` (meta,
     packed), encode the sum there (with ``residual``: error feedback, updated in place) and
     return what encode_maxmin_into returns; without, store the sum into ``acc``. The result is
-    bit-identical to decoding the rows one by one into an accumulator, then encoding it."""
+    bit-identical to decoding the rows one by one into an accumulator, then encoding it, however
+    many ``threads`` (None: ``num_threads()``) the buckets are split over."""
     if numel == 0:
         return -1, -1
     if count == 0 and not from_acc:
@@ -590,7 +592,7 @@ def sum_maxmin_into(
     args = (slots, slots.view(np.float32), count, 8 * nb, numel, bits, bucket_size,
             acc if acc is not None else _NO_F32, from_acc, out is not None,
             residual if residual is not None else _NO_F32, residual is not None, meta, packed, stochastic, key)
-    return _first_flagged(_run_split(_sum_range, nb, args, 2))
+    return _first_flagged(_run_split(_sum_range, nb, args, 2, threads))
 
 
 _NO_F32 = np.empty(0, dtype=np.float32)  # placeholders: numba needs typed arrays for unused args

@@ -43,12 +43,18 @@ class EncodedSum:
     """The sum of encoded blocks of ``numel`` elements, added one at a time (not thread-safe: one
     caller at a time, as a shard's block lock ensures)."""
 
-    def __init__(self, numel: int, parts: int = 1, keep_bytes: int | None = None) -> None:
+    def __init__(self, numel: int, parts: int = 1, keep_bytes: int | None = None, threads: int | None = None
+                 ) -> None:
         if numel < 0 or parts < 1:
             raise ValueError(f"numel must be >= 0 and parts >= 1, got {numel} and {parts}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None: the kernels' default), got {threads}")
         self.numel = numel
         self.parts = parts  # blocks expected per sum: sizes the slots
         self.keep_bytes = 4 * numel if keep_bytes is None else keep_bytes
+        # threads one summing kernel call splits its buckets over (None: cpu.num_threads()); a
+        # caller that already sums several blocks at once on its own threads passes 1
+        self.threads = threads
         self.count = 0  # blocks added since the last clear
         self.non_finite = False  # one of them was a non-finite block: the sum is NaN
         self._slots: np.ndarray | None = None  # kept max-min bodies, one per row (8-byte aligned)
@@ -142,7 +148,7 @@ class EncodedSum:
             return
         bits, bucket = self._kept_format
         cpu.sum_maxmin_into(self._slots, self._kept, self.numel, bits, bucket, self._accumulator().numpy(),
-                            self._acc_holds_sum, None, None, False, 0)
+                            self._acc_holds_sum, None, None, False, 0, self.threads)
         self._acc_holds_sum, self._kept = True, 0
 
     def _encode_fused(self, bits: int, bucket_size: int, stochastic: bool, seed: int,
@@ -157,7 +163,8 @@ class EncodedSum:
             residual = feedback.residual.numpy()
         bad, overflow = cpu.sum_maxmin_into(self._slots, self._kept, self.numel, bits, bucket_size,
                                             self._acc.numpy() if self._acc_holds_sum else None,
-                                            self._acc_holds_sum, (meta, packed), residual, stochastic, seed)
+                                            self._acc_holds_sum, (meta, packed), residual, stochastic, seed,
+                                            self.threads)
         if bad >= 0 or overflow >= 0:
             if allow_non_finite:
                 return non_finite_block(Codec.MAXMIN, bits, bucket_size, self.numel)

@@ -8,6 +8,11 @@ the round's codec (kernels/summation.py), and the same bytes go to every node: t
 session) hears the result with the member of each node that pushed it. Blocks are independent,
 so early blocks are returned while later ones are still arriving.
 
+A push costs one hop to a kernel thread: the push that completes its round is kept, summed and
+encoded in that same hop, rather than in a second one per block. Each hop wakes an executor
+thread and, back on the event loop, resumes the push; the profile (BENCHMARKS.md, "One executor
+hop per push") counted these hand-offs among the shard's larger costs.
+
 Mixed precision: a node whose gradient overflowed pushes a non-finite block (the header alone,
 ``FLAG_NONFINITE``). It is validated like any push (header, exact size, crc), makes the sum
 NaN (``EncodedSum``: nothing more is added), and so the round's result a non-finite block too:
@@ -36,10 +41,10 @@ import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Collection, Mapping, Protocol
+from typing import Callable, Collection, Mapping, Protocol
 
 from .. import timeline
-from ..kernels import HEADER_SIZE, CodecError, EncodedSum, body_size, decode_header
+from ..kernels import HEADER_SIZE, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
@@ -48,9 +53,17 @@ from .blockstate import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState
 from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from .metrics import ShardMetrics
 
-__all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "result_seed"]
+__all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundSum:
+    """A round's sum as the kernel thread left it: the encoded result, or why it cannot be encoded."""
+
+    result: bytes | None
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,8 +95,12 @@ class Aggregator:
         error_feedback: bool = False,
         metrics: ShardMetrics | None = None,
         resumed: bool = False,
+        kernel_split: int | None = None,
     ) -> None:
-        self.blocks = {b.block_id: BlockState(b, block_payload_size(b), EncodedSum(b.numel, parts=num_nodes),
+        # kernel_split: threads one summing kernel call splits a block over (server/threads.py;
+        # None: the kernels' default)
+        self.blocks = {b.block_id: BlockState(b, block_payload_size(b),
+                                              EncodedSum(b.numel, parts=num_nodes, threads=kernel_split),
                                               adopting=resumed, learning=resumed)
                        for b in blocks}
         self.resumed = resumed
@@ -191,30 +208,33 @@ class Aggregator:
             except CodecError as exc:
                 raise BadRequest(f"block {block_id}: {exc}") from None
             encoding = check_header(block, header)
+            # what the round will be once this push is kept (applied below, only if it is)
+            stochastic = header.stochastic if block.learning and block.round_encoding is None else block.round_stochastic
+            non_finite = block.round_non_finite or header.non_finite  # the result is then a non-finite block
+            completes = len(block.pushed) + 1 == self.num_nodes  # check_round: a node's first push
+            encode = self._round_encoder(block, round_, encoding, stochastic, non_finite) if completes else None
             loop = asyncio.get_running_loop()
             first = not block.pushed
-            # validated (crc, metadata) and kept for the round's one summing kernel (_finish)
-            add = timeline.wrapped(functools.partial(block.sum.add, payload), "sum", round_, block=block_id,
-                                   node=node_id)
+            arrived = time.monotonic()
+            # One hop to a kernel thread per push: check and keep it and, when it completes the
+            # round, sum the round and encode the sum right there (module doc)
             try:
-                await loop.run_in_executor(self.executor, add)
+                kept = await loop.run_in_executor(self.executor, self._keep, block, round_, node_id, payload, encode)
             except CodecError as exc:
                 raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
-            if block.learning and block.round_encoding is None:
-                block.round_stochastic = header.stochastic
+            block.round_stochastic = stochastic
             if first:
-                block.first_push_at = time.monotonic()
+                block.first_push_at = arrived
                 block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
             block.pushed[node_id] = member
             block.round_encoding = encoding
-            non_finite = header.non_finite  # makes the sum NaN: the result is a non-finite block
-            block.round_non_finite |= non_finite
+            block.round_non_finite = non_finite
             if self.metrics:
                 self.metrics.bytes_in.inc(len(payload))
-                if not non_finite:
+                if not header.non_finite:
                     self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
-            if len(block.pushed) == self.num_nodes:
-                await self._finish(block, round_)
+            if kept is not None:
+                self._finish(block, round_, kept, arrived)
             return PushOutcome(accepted=True)
 
     async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes) -> PushOutcome:
@@ -245,22 +265,42 @@ class Aggregator:
                 self.sink.deliver(block_id, round_, result, waiting)
             return PushOutcome(accepted=True)
 
-    async def _finish(self, block: BlockState, round_: int) -> None:
+    def _round_encoder(self, block: BlockState, round_: int, encoding: tuple[int, int, int], stochastic: bool,
+                       non_finite: bool) -> Callable[[], EncodedBlock]:
+        """How the round's sum is encoded: the way its pushes were (a resumed session's block, which
+        learns its settings from the pushes, with their rounding too), seeded by block and round."""
+        codec, bits, bucket = encoding
+        return functools.partial(block.sum.encode, codec, bits=bits, bucket_size=bucket,
+                                 stochastic=stochastic if block.learning else block.settings_for(round_).stochastic,
+                                 seed=result_seed(block.spec.block_id, round_),
+                                 feedback=block.feedback if self.error_feedback else None,
+                                 allow_non_finite=non_finite)
+
+    @staticmethod
+    def _keep(block: BlockState, round_: int, node_id: str, payload: bytes | memoryview,
+              encode: Callable[[], EncodedBlock] | None) -> RoundSum | None:
+        """On a kernel thread: check and keep a push (CodecError: refused, nothing kept); with
+        ``encode`` (the push completes its round), the round's sum too."""
+        with timeline.span("sum", round_, block=block.spec.block_id, node=node_id):
+            block.sum.add(payload)
+        if encode is None:
+            return None
+        with timeline.span("re-encode", round_, block=block.spec.block_id):
+            try:
+                return RoundSum(encode().to_bytes())
+            except CodecError as exc:  # one node sent huge finite values: the sum is not encodable
+                return RoundSum(None, str(exc))
+
+    def _finish(self, block: BlockState, round_: int, summed: RoundSum, last_arrived: float) -> None:
         if block.timer is not None:
             block.timer.cancel()
-        loop = asyncio.get_running_loop()
-        wait = time.monotonic() - block.first_push_at
-        try:
-            result = await loop.run_in_executor(self.executor, timeline.wrapped(
-                self._encode_sum, "re-encode", round_, block=block.spec.block_id), block, round_)
-        except CodecError as exc:
-            # One node sent huge finite values: the sum is not encodable. Fail loudly for all.
+        if summed.result is None:  # fail loudly, for every node
             self._fail(RoundFailure(block.spec.block_id, round_,
                                     f"aggregate of block {block.spec.block_id} round {round_} "
-                                    f"cannot be encoded: {exc}", ()))
+                                    f"cannot be encoded: {summed.error}", ()))
             return
         block.sum.clear()
-        block.last_result = result
+        block.last_result = summed.result
         block.last_pushed = block.pushed
         block.pushed = {}
         block.round_encoding = None
@@ -270,18 +310,8 @@ class Aggregator:
         if self.metrics:
             self.metrics.rounds.inc()
             self.metrics.round_latency.observe(time.monotonic() - block.first_push_at)
-            self.metrics.last_node_wait.observe(wait)
-        self.sink.deliver(block.spec.block_id, round_, result, block.last_pushed)
-
-    def _encode_sum(self, block: BlockState, round_: int) -> bytes:
-        """Sum the round's pushes and encode the sum the way they were encoded."""
-        assert block.round_encoding is not None
-        codec, bits, bucket = block.round_encoding
-        stochastic = block.round_stochastic if block.learning else block.settings_for(round_).stochastic
-        return block.sum.encode(codec, bits=bits, bucket_size=bucket, stochastic=stochastic,
-                                seed=result_seed(block.spec.block_id, round_),
-                                feedback=block.feedback if self.error_feedback else None,
-                                allow_non_finite=block.round_non_finite).to_bytes()
+            self.metrics.last_node_wait.observe(last_arrived - block.first_push_at)
+        self.sink.deliver(block.spec.block_id, round_, summed.result, block.last_pushed)
 
     # ---- failure --------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService
 from .status import ShardStatus
+from .threads import executor_threads, usable_cpus
 from .tls import ReloadingServerCredentials
 
 __all__ = ["ShardServer", "run_server", "setup_logging"]
@@ -60,9 +61,9 @@ class ShardServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = ShardMetrics(config.shard_index)
-        threads = config.kernel_threads or len(os.sched_getaffinity(0))
         # Kernel work (checking pushes, summing and re-encoding a round) runs here; the kernels release the GIL.
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cgx-shard")
+        self.executor = ThreadPoolExecutor(max_workers=executor_threads(config.kernel_threads, usable_cpus()),
+                                           thread_name_prefix="cgx-shard")
         self.service = ParameterServerService(config, self.executor, self.metrics)
         self.status = ShardStatus(self.service)  # the Status RPC and session gauges
         self.health = health.aio.HealthServicer()

@@ -32,6 +32,7 @@ from .errors import ProtocolError, StreamAborted
 from .metrics import ShardMetrics
 from .frames import result_frames
 from .stream import NodeStream
+from .threads import per_call_threads, usable_cpus
 
 __all__ = ["Session", "owned_blocks"]
 
@@ -67,7 +68,8 @@ class Session:
         self.ended: str | None = None  # why the session ended (the first reason given)
         self.aggregator = Aggregator(owned, request.num_nodes, executor, sink=self, registered=self.nodes.keys(),
                                      round_timeout_s=config.round_timeout_s, error_feedback=config.error_feedback,
-                                     metrics=metrics, resumed=request.resume)
+                                     metrics=metrics, resumed=request.resume,
+                                     kernel_split=per_call_threads(config.kernel_threads, usable_cpus()))
         self._blobs = blobs  # the shard's store: the session's blobs go when it ends
         self._metrics = metrics
 

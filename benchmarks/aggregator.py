@@ -1,0 +1,126 @@
+"""A shard's kernel work without gRPC: N nodes push 4-bit blocks into an Aggregator on the shard's
+executor, round after round; the CPU per round of each code tree, rounds alternated between them.
+
+    .venv/bin/python benchmarks/aggregator.py [--trees DIR ...] [--rounds 30] [--nodes 4] [--mb 100]
+
+Each tree (a directory holding a ``cgx_ps`` package, say ``git archive <commit> cgx_ps | tar -x -C
+DIR``; this checkout is always the last) runs in a process of its own that sums one round per
+request, so round r of every tree runs back to back (the order rotated every round) on the same
+load: the paired ratios of CPU per round are the figure to trust on a shared machine. What a
+round costs here is what the shard's kernel threads and its event loop's aggregation spend on
+it (checking, keeping, summing, encoding, the executor hand-offs), without the gRPC I/O that
+benchmarks/server.py adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+async def child(nodes: int, mb: float, threads: int) -> None:
+    """Sum one round per line read on stdin; print its CPU (process, event loop thread) in ms."""
+    import inspect
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    import cgx_ps
+    from cgx_ps.kernels import quantize
+    from cgx_ps.server.aggregator import Aggregator
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+    layout = build_layout([TensorInfo("grad", (int(mb * 1e6 / 4),))], 1, Compression(bits=4, compress_1d=True),
+                          block_bytes=4 << 20)
+    gen = torch.Generator().manual_seed(0)
+    payloads = {b.block_id: [quantize(torch.randn(b.numel, generator=gen), 4, 1024, stochastic=True).to_bytes()
+                             for _ in range(nodes)] for b in layout.blocks}
+
+    class Sink:
+        def deliver(self, *args) -> None:
+            pass
+
+        def round_failed(self, failure) -> None:
+            raise SystemExit(failure.message)
+
+    extra = {}
+    if "kernel_split" in inspect.signature(Aggregator).parameters:  # as session.py passes it
+        from cgx_ps.server.threads import per_call_threads
+        extra["kernel_split"] = per_call_threads(0, threads)
+    loop = asyncio.get_running_loop()
+    print(cgx_ps.__file__, flush=True)
+    with ThreadPoolExecutor(threads, thread_name_prefix="cgx-shard") as executor:
+        agg = Aggregator(list(layout.blocks), nodes, executor, Sink(), {f"n{i}" for i in range(nodes)}, 60.0, **extra)
+
+        async def node(i: int, r: int) -> None:  # one stream: a node's blocks one after another
+            for b in layout.blocks:
+                await agg.push(f"n{i}", 0, b.block_id, r, payloads[b.block_id][i])
+
+        r = 0
+        while await loop.run_in_executor(None, sys.stdin.readline):
+            cpu, main = time.process_time(), time.thread_time()
+            await asyncio.gather(*[node(i, r) for i in range(nodes)])
+            r += 1
+            print(f"{(time.process_time() - cpu) * 1e3:.2f} {(time.thread_time() - main) * 1e3:.2f}", flush=True)
+        agg.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trees", nargs="*", default=[], help="directories holding a cgx_ps package to compare")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per tree (after two warm-ups)")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--mb", type=float, default=100.0, help="fp32 megabytes of gradient per node per round")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="executor threads")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        asyncio.run(child(args.nodes, args.mb, args.threads))
+        return
+    trees = [Path(t).resolve() for t in args.trees] + [HERE]
+    procs = []
+    for tree in trees:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        proc = subprocess.Popen([sys.executable, __file__, "--child", "--nodes", str(args.nodes), "--mb", str(args.mb),
+                                 "--threads", str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env=env)
+        procs.append(proc)
+        imported = Path(proc.stdout.readline().strip())
+        if not imported.is_relative_to(tree):
+            raise SystemExit(f"{tree}: the child imported {imported}")
+    cpu: list[list[float]] = [[] for _ in trees]
+    loop_ms: list[list[float]] = [[] for _ in trees]
+    load = os.getloadavg()[0]
+    try:
+        for r in range(args.rounds + 2):
+            for k in [*range(r % len(trees), len(trees)), *range(r % len(trees))]:
+                procs[k].stdin.write("round\n")
+                procs[k].stdin.flush()
+                total, main_thread = map(float, procs[k].stdout.readline().split())
+                if r >= 2:
+                    cpu[k].append(total)
+                    loop_ms[k].append(main_thread)
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait()
+    print(f"{args.nodes} nodes x {args.mb:g} MB, 4-bit, {args.threads} executor threads, {args.rounds} rounds "
+          f"alternated; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print("| code | CPU per round, median (min) | of which the event loop | × first, median of paired ratios |")
+    print("|---|---:|---:|---:|")
+    for k, tree in enumerate(trees):
+        paired = statistics.median(b / x for b, x in zip(cpu[0], cpu[k]))
+        print(f"| {tree} | {statistics.median(cpu[k]):.1f} ms ({min(cpu[k]):.1f}) | "
+              f"{statistics.median(loop_ms[k]):.1f} ms | {paired:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
