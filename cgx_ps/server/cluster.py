@@ -135,19 +135,18 @@ def launch_shard(flags: Sequence[str], port_file: Path, spawn: Callable[..., sub
     """Start ``cgx-ps server FLAGS --port-file PORT_FILE`` (``spawn(argv, **popen_kwargs)``: a
     Popen, or one in a network namespace); ``wait_for_port_file`` then says when it serves.
 
-    The shard ignores SIGINT until it serves (it installs its own handler before it writes the
-    port file): a terminal's Ctrl-C reaches the whole process group, and a shard still starting
-    up would die of it with a KeyboardInterrupt traceback from wherever its imports were. The
-    launcher, which gets the Ctrl-C too, stops such a shard with SIGTERM instead."""
-    popen_kwargs.setdefault("preexec_fn", _ignore_sigint)
-    return spawn([sys.executable, "-m", "cgx_ps.cli", "server", *flags, "--port-file", str(port_file)],
-                 **popen_kwargs)
-
-
-def _ignore_sigint() -> None:
-    # In the child between fork and exec; an ignored signal stays ignored across exec, and
-    # Python installs its KeyboardInterrupt handler only over the default disposition.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    The shard starts with SIGINT blocked and unblocks it once its handler is in place (before it
+    writes the port file): a terminal's Ctrl-C reaches the whole process group, and a shard still
+    starting up would die of it with a KeyboardInterrupt traceback from wherever its imports were.
+    The launcher, which gets the Ctrl-C too, stops such a shard with SIGTERM. (Blocked, because a
+    signal mask passes through exec; not a ``preexec_fn``: with gRPC channels open in this
+    process, gRPC's fork handlers crash a child forked that way, grpc/grpc#43055.)"""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # this thread only, for the spawn
+    try:
+        return spawn([sys.executable, "-m", "cgx_ps.cli", "server", *flags, "--port-file", str(port_file)],
+                     **popen_kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def wait_for_port_file(proc: subprocess.Popen, port_file: Path, deadline: float,

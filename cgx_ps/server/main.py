@@ -194,6 +194,7 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     if server.tls is not None:
         loop.add_signal_handler(signal.SIGHUP, server.tls.request_reload)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by a launcher until now (cluster.py)
     if port_file:
         tmp = port_file + ".tmp"
         with open(tmp, "w") as f:
