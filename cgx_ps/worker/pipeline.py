@@ -86,9 +86,10 @@ class _Block:
     tensors: int  # distinct tensors in the block: arrivals that complete it
     settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
     feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
-    # where this step's gradient is encoded from and the average decoded into: ``buffer``, or
-    # the front end's own memory when the block's gradients lie end to end there (``submit``)
+    # where this step's gradient is encoded from, and where its average is decoded into: ``buffer``,
+    # or the front end's own memory where the block's tensors lie end to end there (``submit``)
     work: torch.Tensor
+    result: torch.Tensor
     round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
     base: int = 0  # the round this process's session began at: the intra-node flags count from it
     # this step: tensors arrived, whether it was handed to the communication thread, and its result
@@ -96,7 +97,7 @@ class _Block:
     submitted: bool = False
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
     scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
-    in_place: bool = False  # this step's work is the front end's memory
+    in_place: bool = False  # this step's work and result are the front end's memory: no copy in or out
 
 
 class BlockPipeline:
@@ -126,7 +127,8 @@ class BlockPipeline:
         for spec in layout.blocks:
             names = self.buffers.tensors_in(spec.block_id)
             block = _Block(spec, self.buffers[spec.block_id], len(names), spec.codec,
-                           ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id])
+                           ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id],
+                           self.buffers[spec.block_id])
             for name in names:
                 self._blocks_of.setdefault(name, []).append(block)
             self._blocks.append(block)
@@ -192,12 +194,17 @@ class BlockPipeline:
         (``buffers.work_in_place``); ``tuned``: a tuner reads the block buffers after each step."""
         return work_in_place(self._reducer is not None, tuned)
 
-    def submit(self, block_id: int, grad_of: TensorOf, in_place: bool = False) -> torch.futures.Future:
+    def submit(self, block_id: int, grad_of: TensorOf, in_place: bool = False,
+               out_of: TensorOf | None = None) -> torch.futures.Future:
         """Copy block ``block_id``'s gradients in (``grad_of(name)``: the tensor's gradient, or
         None for zeros) and start its exchange; returns ``future(block_id)``. ``in_place`` (only
         where ``in_place()`` allows it): where the block's gradients lie end to end in one float32
         tensor, encode from and decode into that memory instead, without copying; the front
-        end must then leave them alone until the future completes, as DDP does its buckets."""
+        end must then leave them alone until the future completes, as DDP does its buckets.
+        ``out_of`` (default ``grad_of``): where the average goes when it is not the gradient's own
+        memory (the DDP hook decodes a fresh autograd gradient's average into DDP's bucket); with
+        ``in_place``, decoded straight into it where its tensors lie end to end, else into the
+        block buffer, and ``copy_out`` then copies it there."""
         block, reducer = self._blocks[block_id], self._reducer
         self._exchanged = True
         round_, seq = block.round, block.round - block.base + 1  # the job's round; the session's count
@@ -205,11 +212,14 @@ class BlockPipeline:
         hand_over = timeline.mark()
         if reducer is not None:
             reducer.before_write(block_id, seq)  # the owner: peers took the last result from our buffer
-        span = self.buffers.span(block_id, grad_of) if in_place and reducer is None else None
+        direct = in_place and reducer is None
+        span = self.buffers.span(block_id, grad_of) if direct else None
         if span is None:
             self.buffers.fill(block_id, grad_of)
+        out = span if out_of is None else self.buffers.span(block_id, out_of) if direct else None
         block.work = block.buffer if span is None else span
-        block.in_place = span is not None
+        block.result = block.buffer if out is None else out
+        block.in_place = span is not None and out is not None
         ready = None
         if block.work.is_cuda:  # the communication thread must not read the gradient before the copies ran
             ready = torch.cuda.Event()
@@ -296,7 +306,7 @@ class BlockPipeline:
         (skipping those for which it returns None)."""
         block = self._blocks[block_id]
         with timeline.span("write-back", block.round - 1, block=block_id):
-            self.buffers.copy_out(block_id, out_of, block.work)
+            self.buffers.copy_out(block_id, out_of, block.result)
 
     # ---- one block, on the communication thread ------------------------------------------------------
 
@@ -340,10 +350,10 @@ class BlockPipeline:
                             allow_non_finite=self.allow_non_finite, scratch=block.scratch).to_bytes()
 
     def _decode(self, block: _Block, result: bytes) -> None:  # on a codec thread
-        dequantize(result, out=block.work)
-        block.work.mul_(1.0 / self.config.world_size)
-        if block.work.is_cuda:
-            torch.cuda.current_stream(block.work.device).synchronize()
+        dequantize(result, out=block.result)
+        block.result.mul_(1.0 / self.config.world_size)
+        if block.result.is_cuda:
+            torch.cuda.current_stream(block.result.device).synchronize()
 
     # ---- what the tuner reads and changes (autotune.Tunable) -----------------------------------------
 
