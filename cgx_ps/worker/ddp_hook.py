@@ -114,6 +114,11 @@ class DDPHookState:
     uncompressed_via: where auto mode's uncompressed steps go: "allreduce" (default: DDP's own
         allreduce on the DDP model's process group, or the default group when ``module`` is not
         the DDP wrapper) or "shards" (fp32 through the shards).
+
+    Fastest: give it the DDP wrapper built with ``gradient_as_bucket_view=True`` and keep torch's
+    ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket (the
+    module doc). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a tensor
+    across buckets, and a block starts as soon as its tensors' gradients have arrived.
     """
 
     def __init__(self, module: torch.nn.Module, compression: str | Compression | None = "4bit", *,

@@ -326,6 +326,9 @@ class BlockPipeline:
                 await reducer.reduce(spec.block_id, seq, engine.in_thread)
         payload = await engine.in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
                                          block, compressed, seed)
+        # Encoded: let go of the gradient's memory where it is not where the average goes (the DDP
+        # hook's early hand-over encodes autograd's own tensor): it is freed now, not a step later.
+        block.work = block.buffer
         self._span.note(first=time.perf_counter())  # first byte out
         result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
         await engine.in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
