@@ -139,6 +139,7 @@ class DDPHookState:
         # bucket) and where its average goes (its place in DDP's bucket); blocks may wait for others
         self._sources: dict[str, torch.Tensor] = {}
         self._targets: dict[str, torch.Tensor] = {}
+        self._early: set[str] = set()  # handed over early: its source is autograd's tensor
         self._lock = threading.Lock()
         # early hand-over: each gradient's view in DDP's settled buckets (learned from the buckets),
         # and the post-accumulate-grad hooks (registered at the end of the first step)
@@ -209,15 +210,15 @@ class DDPHookState:
             if self._early_hooks and self.module._has_rebuilt_buckets:
                 self._views.update(grads)  # DDP's buckets are settled: next step's places
             with self._lock:
-                for name, grad in grads.items():  # those handed over early stay as they were
-                    self._sources.setdefault(name, grad)
-                    self._targets.setdefault(name, grad)
-            driver.submit_ready(names, self._sources.get, self._targets.get)
+                for name, grad in grads.items():
+                    if name not in self._early:  # those handed over early are on their way
+                        self._sources[name] = self._targets[name] = grad
+            self._release(driver.submit_ready(names, self._sources.get, self._targets.get))
             last = bucket.is_last()  # DDP hands buckets over in order: every other one came before
             early = 0
             if last:
                 driver.submit_rest(self._sources.get, self._targets.get)  # tensors no bucket held: zeros
-                early = sum(self._sources[n] is not self._targets[n] for n in self._sources)
+                early = len(self._early)
                 self._forget_step()
                 if self._early_hooks is None:
                     self._start_early_handover(driver)
@@ -243,7 +244,17 @@ class DDPHookState:
 
     def _forget_step(self) -> None:
         with self._lock:
-            self._sources, self._targets = {}, {}
+            self._sources, self._targets, self._early = {}, {}, set()
+
+    def _release(self, blocks: list[int]) -> None:
+        """Let go of autograd's tensors whose blocks are all submitted (each holds its gradient
+        until it is encoded): handed over early, they would otherwise live to the step's end."""
+        pipe = self._driver.pipe
+        with self._lock:
+            for block in blocks:
+                for name in pipe.buffers.tensors_in(block):
+                    if name in self._early and not pipe.waits_for(name):
+                        self._sources.pop(name, None)
 
     # ---- early hand-over (module doc) ----------------------------------------------------------
 
@@ -276,8 +287,9 @@ class DDPHookState:
             driver.gradient_arrived()
             with self._lock:
                 self._sources[name], self._targets[name] = grad, view
+                self._early.add(name)
             param.grad = view  # DDP finds the gradient in its bucket view: no copy
-            driver.submit_ready([name], self._sources.get, self._targets.get)
+            self._release(driver.submit_ready([name], self._sources.get, self._targets.get))
         except BaseException:
             driver.abort()
             self._forget_step()

@@ -107,9 +107,12 @@ class StepDriver:
     def last_gradient_at(self) -> float:
         return self._last
 
-    def submit_ready(self, names, grad_of: TensorOf, out_of: TensorOf | None = None) -> None:
-        for block in self.pipe.tensors_ready(names):
+    def submit_ready(self, names, grad_of: TensorOf, out_of: TensorOf | None = None) -> list[int]:
+        """Start the blocks these tensors complete; returns them."""
+        blocks = self.pipe.tensors_ready(names)
+        for block in blocks:
             self.pipe.submit(block, grad_of, self.in_place.allowed, out_of)
+        return blocks
 
     def submit_rest(self, grad_of: TensorOf, out_of: TensorOf | None = None) -> None:
         for block in self.pipe.take_unsubmitted():

@@ -180,6 +180,11 @@ class BlockPipeline:
                         ready.append(block.spec.block_id)
         return ready
 
+    def waits_for(self, name: str) -> bool:
+        """Whether a block holding this tensor is still to be submitted this step."""
+        with self._lock:
+            return any(not b.submitted for b in self._blocks_of.get(name, ()))
+
     def take_unsubmitted(self) -> list[int]:
         """The blocks not yet returned by ``tensors_ready`` this step (some of their tensors got
         no gradient); from now on they never will be: the caller submits them."""
