@@ -207,7 +207,7 @@ class DDPHookState:
         try:
             names = self._names(bucket.parameters())
             grads = dict(zip(names, bucket.gradients()))  # views into bucket.buffer()
-            if self._early_hooks and self.module._has_rebuilt_buckets:
+            if self._early_hooks and _buckets_settled(self.module):
                 self._views.update(grads)  # DDP's buckets are settled: next step's places
             with self._lock:
                 for name, grad in grads.items():
@@ -274,7 +274,7 @@ class DDPHookState:
         """Autograd accumulated ``param``'s gradient (DDP's reducer has not seen it yet): start
         its blocks and point ``.grad`` at its place in DDP's bucket, so DDP does not copy it."""
         ddp = self.module
-        if not (ddp.require_forward_param_sync and ddp._has_rebuilt_buckets):
+        if not (getattr(ddp, "require_forward_param_sync", False) and _buckets_settled(ddp)):
             return  # no_sync() accumulation, or buckets not settled yet: DDP copies, as without this
         name = self._name_of.get(id(param))
         view, grad = self._views.get(name), param.grad
@@ -367,6 +367,13 @@ class DDPHookState:
 
 def _is_ddp(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
+
+
+def _buckets_settled(ddp: torch.nn.Module) -> bool:
+    """DDP rebuilt its buckets in the order gradients arrived (once, at the second forward): from
+    then on each parameter's place in them stays put. A torch without the flag: never (no early
+    hand-over)."""
+    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
 
 
 def ddp_comm_hook(state: DDPHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
