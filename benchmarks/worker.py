@@ -1,6 +1,11 @@
 """Step time on loopback: cgx-ps 4-bit and fp32 (2 workers, 2 shards) vs DDP over gloo, one run.
 
-    .venv/bin/python benchmarks/worker.py [--model mlp17m] [--steps 20] [--json out.json]
+    .venv/bin/python benchmarks/worker.py [--model mlp17m] [--steps 20] [--rounds 1] [--json out.json]
+
+The cgx-ps rows: ``DistributedOptimizer`` (cgx_step.py) and the DDP communication hook
+(ddp_step.py --hook cgx), 4-bit, and the optimizer at fp32; with their CPU seconds per step of
+one worker process (all threads; the shards apart), the figure that decides the step time when
+the cores are shared. ``--rounds N`` repeats the two 4-bit front ends N times, interleaved.
 
 Same model, data, batch and threads for every configuration (benchmarks/ddp_step.py and
 benchmarks/cgx_step.py share them). Loopback is fast, so this measures the overhead and overlap
@@ -37,6 +42,7 @@ def main() -> None:
     parser.add_argument("--model", default="mlp17m")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repeats of the two 4-bit front ends")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     common = ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", "1"]
@@ -53,24 +59,29 @@ def main() -> None:
                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
     rows.append({"config": "DDP gloo fp32 (peer)", "step_s": max(d["median_step_s"] for d in ddp), "exposed_s": None})
 
+    runs = [("cgx-ps 4bit", [*cgx_step, "--compression", "4bit"]),
+            ("DDP + cgx-ps hook 4bit", [*ddp_step, "--hook", "cgx", "--compression", "4bit"])] * args.rounds
     with LocalCluster(2, extra_args=["--log-level", "WARNING"]) as cluster:
-        for compression in ("4bit", "fp32"):
-            job = uuid.uuid4().hex[:8]
-            res = run_ranks([*cgx_step, "--compression", compression], 2, lambda r, job=job: dict(
+        for label, argv in [*runs, ("cgx-ps fp32", [*cgx_step, "--compression", "fp32"])]:
+            job, port = uuid.uuid4().hex[:8], str(_free_port())
+            res = run_ranks(argv, 2, lambda r, job=job, port=port: dict(
                 base, RANK=str(r), WORLD_SIZE="2", CGX_PS_NODE_RANK=str(r), CGX_PS_NUM_NODES="2",
-                **cluster.worker_env(), CGX_PS_JOB_ID=job))
-            rows.append({"config": f"cgx-ps {compression}", "step_s": max(d["median_step_s"] for d in res),
+                **cluster.worker_env(), CGX_PS_JOB_ID=job, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            rows.append({"config": label, "step_s": max(d["median_step_s"] for d in res),
                          "exposed_s": max(d["exposed_comm_s"] for d in res),
-                         "mb_pushed": res[0]["bytes_pushed_per_step"] / 1e6})
+                         "mb_pushed": res[0]["bytes_pushed_per_step"] / 1e6,
+                         "cpu_s": sum(d["cpu_s_per_step"] for d in res) / len(res)})
 
     gloo = rows[1]["step_s"]
     print(f"model {args.model}, 2 workers, batch 64, 1 thread each, loopback, median of {args.steps} steps")
-    print("| configuration | step (s) | vs DDP gloo | comm exposed after overlap | MB pushed/step/worker |")
-    print("|---|---|---|---|---|")
+    print("| configuration | step (s) | vs DDP gloo | comm exposed after overlap | MB pushed/step/worker "
+          "| worker CPU s/step |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         exposed = "" if r["exposed_s"] is None else f"{r['exposed_s']:.3f} s ({r['exposed_s'] / r['step_s']:.0%})"
         mb = f"{r['mb_pushed']:.1f}" if "mb_pushed" in r else ""
-        print(f"| {r['config']} | {r['step_s']:.3f} | {gloo / r['step_s']:.2f}x | {exposed} | {mb} |")
+        cpu = f"{r['cpu_s']:.3f}" if "cpu_s" in r else ""
+        print(f"| {r['config']} | {r['step_s']:.3f} | {gloo / r['step_s']:.2f}x | {exposed} | {mb} | {cpu} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

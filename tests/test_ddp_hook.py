@@ -102,6 +102,14 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
     assert_same(r0["hook_4bit"]["final"], r0["optimizer_4bit"]["final"], "hook vs DistributedOptimizer")
     assert_same(r0["hook_static_graph"]["final"], r0["hook_4bit"]["final"], "static_graph")
     assert_same(r0["hook_bucket_view"]["final"], r0["hook_4bit"]["final"], "gradient_as_bucket_view")
+    # with bucket views, the last step's gradients went to the pipeline before DDP's reducer copied
+    # them into its bucket (early hand-over); without them DDP copies, as before
+    params = len(r0["hook_4bit"]["final"])
+    assert r0["hook_bucket_view"]["stats"]["early_gradients"] == params
+    assert r0["hook_4bit"]["stats"]["early_gradients"] == r0["hook_static_graph"]["stats"]["early_gradients"] == 0
+    assert_same(r0["hook_bucket_view_no_sync"]["final"], r0["optimizer_accumulate_3"]["final"],
+                "early hand-over with no_sync() accumulation")
+    assert r0["hook_bucket_view_no_sync"]["stats"]["early_gradients"] == params
     # blocks of one tensor, or of tensors end to end in one bucket, skip the copies (both front ends)
     for run in ("hook_4bit", "hook_bucket_view", "optimizer_4bit"):
         assert 0 < r0[run]["stats"]["in_place_blocks"] < len(layout.blocks), run
@@ -173,6 +181,18 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
         assert error and "not among the trainable parameters of the Sequential given to DDPHookState" in error
 
 
+
+
+def test_early_handover_only_where_ddp_calls_the_hook_for_every_gradient_in_its_bucket_views():
+    from cgx_ps.worker.ddp_hook import early_handover
+
+    assert early_handover(True, True, False, False, True)
+    for flags in [(False, True, False, False, True),  # the state holds the wrapped model, not DDP
+                  (True, False, False, False, True),  # .grad is not DDP's bucket: DDP copies back anyway
+                  (True, True, True, False, True),  # unused parameters: DDP fills them in itself
+                  (True, True, False, True, True),  # static_graph: the first step's hooks come late
+                  (True, True, False, False, False)]:  # intra-node or tuner: blocks in the block buffers
+        assert not early_handover(*flags), flags
 
 
 def test_bad_state_options_are_named_before_any_training():

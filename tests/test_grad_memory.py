@@ -72,7 +72,8 @@ def test_in_place_blocks_are_bit_identical_to_the_copy_path_and_reuse_their_buff
             for b in whole:  # the in-place blocks never touched the block buffers
                 assert not in_place.buffers[b].any() and copied.buffers[b].any()
             # nor do they keep this step's gradients alive after it (zero_grad(set_to_none=True))
-            held = {block.work.untyped_storage().data_ptr() for block in in_place._blocks if block.work is not None}
+            held = {t.untyped_storage().data_ptr() for block in in_place._blocks
+                    for t in (block.work, block.result) if t is not None}
             assert not held & {t.untyped_storage().data_ptr() for t in mine.values()}, step
             if step >= 1:  # compressed steps: each block's payload memory is reused, not allocated afresh
                 payloads[step] = [in_place._blocks[b].scratch._payload for b in range(in_place.num_blocks)]

@@ -5,7 +5,11 @@ bucket) and the way the optimizer does (one tensor at a time, the rest at the en
 
 from __future__ import annotations
 
+import gc
+import weakref
 import zlib
+
+import numpy as np
 
 import pytest
 import torch
@@ -94,6 +98,28 @@ def test_buckets_of_tensors_drive_it_like_a_ddp_hook(pipe, engine):
             assert torch.equal(results[name], want), (step, name)
             assert torch.equal(pipe.gradient(name), want.view(-1))  # the buffers, without a copy
     assert sorted(r for _, _, r in engine.pushed) == [0] * pipe.num_blocks + [1] * pipe.num_blocks
+
+
+def test_an_average_goes_where_out_of_says_and_the_source_is_let_go_once_encoded(pipe):
+    """The DDP hook's early hand-over: encoded from autograd's tensor, decoded into DDP's bucket;
+    autograd's tensor must not be written, nor kept alive past its encoding."""
+    arrays = {n: np.random.default_rng(i).standard_normal(s).astype(np.float32) for i, (n, s) in enumerate(SHAPES.items())}
+    alive = [weakref.ref(a) for a in arrays.values()]  # a tensor from numpy keeps its array alive
+    sources = {n: torch.from_numpy(a) for n, a in arrays.items()}
+    want = {n: t.clone() for n, t in sources.items()}
+    targets = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    del arrays
+    for b in pipe.tensors_ready(list(SHAPES)):
+        pipe.submit(b, sources.get, True, out_of=targets.get)
+    stats = pipe.finish_step()  # warm-up step: fp32, so the average of one node is its gradient
+    for b in range(pipe.num_blocks):
+        pipe.copy_out(b, targets.get)  # blocks not in place come from the block buffers
+    assert 0 < stats.in_place_blocks < pipe.num_blocks
+    for name in SHAPES:
+        assert torch.equal(targets[name], want[name]) and torch.equal(sources[name], want[name]), name
+    del sources
+    gc.collect()
+    assert [ref() for ref in alive] == [None] * len(alive)
 
 
 def test_it_is_what_the_tuner_reads(pipe):

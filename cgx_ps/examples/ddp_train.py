@@ -60,7 +60,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Linear(args.hidden, 10)).to(device)
-    ddp = DDP(model)
+    ddp = DDP(model, gradient_as_bucket_view=True)  # .grad is DDP's bucket: fewer copies (README)
     state = None
     if not args.plain_ddp:
         state = cgx.DDPHookState(ddp, compression=args.compression, warmup_steps=args.warmup_steps,  # cgx

@@ -45,10 +45,12 @@ class BlockState:
     tensors: int  # distinct tensors in the block: arrivals that complete it
     settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
     feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
-    # where this step's gradient is encoded from and the average decoded into: ``buffer``, or
-    # the front end's own memory when the block's gradients lie end to end there (``submit``);
-    # None once such a block is written back, so the step's .grad is not kept past the step
-    work: torch.Tensor | None
+    # where this step's gradient is encoded from (``buffer`` again once encoded), and where its
+    # average is decoded into (None once an in-place block is written back: the step's .grad is
+    # not kept past the step): ``buffer``, or the front end's own memory where the block's
+    # tensors lie end to end there (``BlockPipeline.submit``)
+    work: torch.Tensor
+    result: torch.Tensor | None
     round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
     base: int = 0  # the round this process's session began at: the intra-node flags count from it
     # this step: tensors arrived, whether it was handed to the communication thread, and its result
@@ -56,7 +58,7 @@ class BlockState:
     submitted: bool = False
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
     scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
-    in_place: bool = False  # this step's work is the front end's memory
+    in_place: bool = False  # this step's work and result are the front end's memory: no copy in or out
 
 
 def block_seed(node_rank: int, block_id: int, round_: int) -> int:
@@ -100,6 +102,9 @@ class BlockExchange:
                 await reducer.reduce(spec.block_id, seq, engine.in_thread)
         payload = await engine.in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
                                          block, compressed, seed)
+        # Encoded: let go of the gradient's memory where it is not where the average goes (the DDP
+        # hook's early hand-over encodes autograd's own tensor): it is freed now, not a step later.
+        block.work = block.buffer
         self._span.note(first=time.perf_counter())  # first byte out
         result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
         await engine.in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
@@ -124,7 +129,7 @@ class BlockExchange:
                             allow_non_finite=self.allow_non_finite, scratch=block.scratch).to_bytes()
 
     def _decode(self, block: BlockState, result: bytes) -> None:  # on a codec thread
-        dequantize(result, out=block.work)
-        block.work.mul_(1.0 / self._config.world_size)
-        if block.work.is_cuda:
-            torch.cuda.current_stream(block.work.device).synchronize()
+        dequantize(result, out=block.result)
+        block.result.mul_(1.0 / self._config.world_size)
+        if block.result.is_cuda:
+            torch.cuda.current_stream(block.result.device).synchronize()

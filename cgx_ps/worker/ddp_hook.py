@@ -30,6 +30,18 @@ buffers (``buffers.work_in_place`` says when in place is not allowed at all). DD
 the bucket into ``.grad``, unless it was built with ``gradient_as_bucket_view=True``: then the
 gradients are the bucket, and that copy goes too (recommended).
 
+Early hand-over (``early_handover``: the state holds the DDP model itself, built with
+``gradient_as_bucket_view=True``, no ``find_unused_parameters`` or ``static_graph``, blocks in
+place): after ``zero_grad(set_to_none=True)`` (torch's default) autograd hands every gradient
+over as a fresh tensor, and DDP's reducer copies it into its bucket before the bucket goes to the
+hook: one pass over every gradient per step, on the training thread, that
+``DistributedOptimizer`` never makes (issue 14: it was most of the hook's extra CPU per step). So
+from the step after DDP settles its buckets, a post-accumulate-grad hook on each parameter, which
+autograd runs before DDP's reducer sees the gradient, starts the gradient's blocks at once
+(encoded from autograd's tensor, as the optimizer does) and points ``.grad`` at the gradient's
+place in DDP's bucket: DDP finds it there and skips its copy, and the average is decoded into
+that place. ``no_sync()`` steps are left alone (DDP's reducer is not armed then).
+
 With DDP, DDP itself divides by nothing when a hook is registered: the pipeline averages (it
 divides the aggregate by the world size), as torch's ``allreduce_hook`` does. ``no_sync()``
 steps never call the hook: gradients accumulate in the parameters and travel at the next
@@ -63,7 +75,7 @@ from .frontend import StepDriver, SyncOptions
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import StepStats
 
-__all__ = ["DDPHookState", "ddp_comm_hook", "uncompressed_path"]
+__all__ = ["DDPHookState", "ddp_comm_hook", "early_handover", "uncompressed_path"]
 
 
 # States created but not yet registered with the shards, in creation order (the same on every
@@ -80,6 +92,16 @@ def uncompressed_path(compress: bool, via: str, group_available: bool) -> str:
     return "allreduce" if not compress and via == "allreduce" and group_available else "shards"
 
 
+def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_graph: bool,
+                   in_place: bool) -> bool:
+    """Whether gradients go to the pipeline as autograd finishes them, straight into DDP's bucket
+    (module doc): only where DDP's bucket views are ``.grad`` (``gradient_as_bucket_view``) and
+    DDP calls the hook for every parameter as its gradient arrives (not ``find_unused_parameters``,
+    whose unused ones DDP fills in itself, nor ``static_graph``, which delays the first step's
+    hooks), and where blocks may work in place (no intra-node reduction, no tuner)."""
+    return is_ddp and bucket_view and not find_unused and not static_graph and in_place
+
+
 class DDPHookState:
     """The state ``ddp_comm_hook`` takes: one DDP model's side of the block pipeline.
 
@@ -91,6 +113,11 @@ class DDPHookState:
     uncompressed_via: where auto mode's uncompressed steps go: "allreduce" (default: DDP's own
         allreduce on the DDP model's process group, or the default group when ``module`` is not
         the DDP wrapper) or "shards" (fp32 through the shards).
+
+    Fastest: give it the DDP wrapper built with ``gradient_as_bucket_view=True`` and keep torch's
+    ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket (the
+    module doc). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a tensor
+    across buckets, and a block starts as soon as its tensors' gradients have arrived.
     """
 
     def __init__(self, module: torch.nn.Module, compression: str | Compression | None = "4bit", *,
@@ -106,9 +133,16 @@ class DDPHookState:
         self._driver: StepDriver | None = None
         self._params: dict[str, torch.Tensor] = {}
         self._name_of: dict[int, str] = {}
-        # this step: gradients of buckets handed over whose blocks may still wait for other buckets
-        self._grads: dict[str, torch.Tensor] = {}
+        # this step: each gradient handed over, where its blocks read it (autograd's tensor, or DDP's
+        # bucket) and where its average goes (its place in DDP's bucket); blocks may wait for others
+        self._sources: dict[str, torch.Tensor] = {}
+        self._targets: dict[str, torch.Tensor] = {}
+        self._early: set[str] = set()  # handed over early: its source is autograd's tensor
         self._lock = threading.Lock()
+        # early hand-over: each gradient's view in DDP's settled buckets (learned from the buckets),
+        # and the post-accumulate-grad hooks (registered at the end of the first step)
+        self._views: dict[str, torch.Tensor] = {}
+        self._early_hooks: list | None = None
         with _waiting_lock:
             _waiting.append(weakref.ref(self))
 
@@ -171,18 +205,24 @@ class DDPHookState:
         try:
             names = self._names(bucket.parameters())
             grads = dict(zip(names, bucket.gradients()))  # views into bucket.buffer()
+            if self._early_hooks and _buckets_settled(self.module):
+                self._views.update(grads)  # DDP's buckets are settled: next step's places
             with self._lock:
-                self._grads.update(grads)
-            driver.submit_ready(names, self._grads.get)
+                for name, grad in grads.items():
+                    if name not in self._early:  # those handed over early are on their way
+                        self._sources[name] = self._targets[name] = grad
+            self._release(driver.submit_ready(names, self._sources.get, self._targets.get))
             last = bucket.is_last()  # DDP hands buckets over in order: every other one came before
+            early = 0
             if last:
-                driver.submit_rest(self._grads.get)  # tensors no bucket held: zeros
-                with self._lock:
-                    self._grads = {}
+                driver.submit_rest(self._sources.get, self._targets.get)  # tensors no bucket held: zeros
+                early = len(self._early)
+                self._forget_step()
+                if self._early_hooks is None:
+                    self._start_early_handover(driver)
         except BaseException:
             driver.abort()
-            with self._lock:
-                self._grads = {}
+            self._forget_step()
             raise
         blocks = pipe.blocks_of(names)
         waiting = list(range(pipe.num_blocks)) if last else blocks
@@ -191,14 +231,67 @@ class DDPHookState:
 
         def averaged(done: torch.futures.Future) -> torch.Tensor:
             if last:
-                driver.finish(waiting_since)  # every block is done: raises the first error, named
+                driver.finish(waiting_since).early_gradients = early  # all done: raises the first error
             for future in done.value():
                 future.wait()
-            for block in blocks:
-                pipe.copy_out(block, grads.get)  # this bucket's tensors only
+            for block in blocks:  # this bucket's tensors only; a no-op where decoded there
+                pipe.copy_out(block, grads.get)
             return buffer
 
         return torch.futures.collect_all([pipe.future(b) for b in waiting]).then(averaged)
+
+    def _forget_step(self) -> None:
+        with self._lock:
+            self._sources, self._targets, self._early = {}, {}, set()
+
+    def _release(self, blocks: list[int]) -> None:
+        """Let go of autograd's tensors whose blocks are all submitted (each holds its gradient
+        until it is encoded): handed over early, they would otherwise live to the step's end."""
+        pipe = self._driver.pipe
+        with self._lock:
+            for block in blocks:
+                for name in pipe.buffers.tensors_in(block):
+                    if name in self._early and not pipe.waits_for(name):
+                        self._sources.pop(name, None)
+
+    # ---- early hand-over (module doc) ----------------------------------------------------------
+
+    def _start_early_handover(self, driver: StepDriver) -> None:
+        """Once, at the end of the first step (every parameter's gradient has been accumulated:
+        no hook is added while autograd may run one)."""
+        ddp = self.module
+        self._early_hooks = []
+        if not early_handover(_is_ddp(ddp), getattr(ddp, "gradient_as_bucket_view", False),
+                              getattr(ddp, "find_unused_parameters", True), getattr(ddp, "static_graph", True),
+                              driver.in_place.allowed):
+            return
+        self._early_hooks = [p.register_post_accumulate_grad_hook(self._gradient_done)
+                             for p in self._params.values()]
+
+    def _gradient_done(self, param: torch.Tensor) -> None:
+        """Autograd accumulated ``param``'s gradient (DDP's reducer has not seen it yet): start
+        its blocks and point ``.grad`` at its place in DDP's bucket, so DDP does not copy it."""
+        ddp = self.module
+        if not (getattr(ddp, "require_forward_param_sync", False) and _buckets_settled(ddp)):
+            return  # no_sync() accumulation, or buckets not settled yet: DDP copies, as without this
+        name = self._name_of.get(id(param))
+        view, grad = self._views.get(name), param.grad
+        if view is None or grad is None or grad.data_ptr() == view.data_ptr():
+            return  # unknown place, or already there (zero_grad(set_to_none=False)): nothing to skip
+        if grad.dtype != view.dtype or grad.shape != view.shape or grad.device != view.device:
+            return
+        driver = self._driver
+        try:
+            driver.gradient_arrived()
+            with self._lock:
+                self._sources[name], self._targets[name] = grad, view
+                self._early.add(name)
+            param.grad = view  # DDP finds the gradient in its bucket view: no copy
+            self._release(driver.submit_ready([name], self._sources.get, self._targets.get))
+        except BaseException:
+            driver.abort()
+            self._forget_step()
+            raise
 
     def _group(self):
         """The process group for DDP's own allreduce: the DDP model's, else the default one."""
@@ -272,6 +365,13 @@ class DDPHookState:
 
 def _is_ddp(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
+
+
+def _buckets_settled(ddp: torch.nn.Module) -> bool:
+    """DDP rebuilt its buckets in the order gradients arrived (once, at the second forward): from
+    then on each parameter's place in them stays put. A torch without the flag: never (no early
+    hand-over)."""
+    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
 
 
 def ddp_comm_hook(state: DDPHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -7,10 +7,11 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
 
     driver.gradient_arrived()                # each hook call: the step's timing; the last
                                              # step's after-work if nobody ran it yet
-    driver.submit_ready(names, grad_of)      # these tensors are final: start their full blocks
-                                             # (in place on grad_of's memory where it allows:
-                                             # leave those tensors alone until the block is done)
-    driver.submit_rest(grad_of)              # end of backward: the blocks still waiting (zeros)
+    driver.submit_ready(names, grad_of[, out_of])  # these tensors are final: start their full
+                                             # blocks (in place on grad_of's memory where it allows:
+                                             # leave those tensors alone until the block is done;
+                                             # out_of: where the averages go, if not there)
+    driver.submit_rest(grad_of[, out_of])    # end of backward: the blocks still waiting (zeros)
     driver.finish(waiting_since)             # every block done: the step's stats
     driver.finish_elsewhere(waiting_since)   # or: the step was averaged without the shards
     driver.after_step()                      # the tuner (its broadcast blocks) and metrics
@@ -113,13 +114,16 @@ class StepDriver:
     def last_gradient_at(self) -> float:
         return self._last
 
-    def submit_ready(self, names, grad_of: TensorOf) -> None:
-        for block in self.pipe.tensors_ready(names):
-            self.pipe.submit(block, grad_of, self.in_place.allowed)
+    def submit_ready(self, names, grad_of: TensorOf, out_of: TensorOf | None = None) -> list[int]:
+        """Start the blocks these tensors complete; returns them."""
+        blocks = self.pipe.tensors_ready(names)
+        for block in blocks:
+            self.pipe.submit(block, grad_of, self.in_place.allowed, out_of)
+        return blocks
 
-    def submit_rest(self, grad_of: TensorOf) -> None:
+    def submit_rest(self, grad_of: TensorOf, out_of: TensorOf | None = None) -> None:
         for block in self.pipe.take_unsubmitted():
-            self.pipe.submit(block, grad_of, self.in_place.allowed)
+            self.pipe.submit(block, grad_of, self.in_place.allowed, out_of)
 
     def finish(self, waiting_since: float | None = None) -> StepStats:
         """Wait for every block (raises the first error, the step aborted), end the step."""

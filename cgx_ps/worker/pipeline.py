@@ -100,7 +100,8 @@ class BlockPipeline:
         for spec in layout.blocks:
             names = self.buffers.tensors_in(spec.block_id)
             block = BlockState(spec, self.buffers[spec.block_id], len(names), spec.codec,
-                           ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id])
+                               ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id],
+                               self.buffers[spec.block_id])
             for name in names:
                 self._blocks_of.setdefault(name, []).append(block)
             self._blocks.append(block)
@@ -152,6 +153,11 @@ class BlockPipeline:
                         ready.append(block.spec.block_id)
         return ready
 
+    def waits_for(self, name: str) -> bool:
+        """Whether a block holding this tensor is still to be submitted this step."""
+        with self._lock:
+            return any(not b.submitted for b in self._blocks_of.get(name, ()))
+
     def take_unsubmitted(self) -> list[int]:
         """The blocks not yet returned by ``tensors_ready`` this step (some of their tensors got
         no gradient); from now on they never will be: the caller submits them."""
@@ -166,12 +172,17 @@ class BlockPipeline:
         (``buffers.work_in_place``); ``tuned``: a tuner reads the block buffers after each step."""
         return work_in_place(self._reducer is not None, tuned)
 
-    def submit(self, block_id: int, grad_of: TensorOf, in_place: bool = False) -> torch.futures.Future:
+    def submit(self, block_id: int, grad_of: TensorOf, in_place: bool = False,
+               out_of: TensorOf | None = None) -> torch.futures.Future:
         """Copy block ``block_id``'s gradients in (``grad_of(name)``: the tensor's gradient, or
         None for zeros) and start its exchange; returns ``future(block_id)``. ``in_place`` (only
         where ``in_place()`` allows it): where the block's gradients lie end to end in one float32
         tensor, encode from and decode into that memory instead, without copying; the front
-        end must then leave them alone until the future completes, as DDP does its buckets."""
+        end must then leave them alone until the future completes, as DDP does its buckets.
+        ``out_of`` (default ``grad_of``): where the average goes when it is not the gradient's own
+        memory (the DDP hook decodes a fresh autograd gradient's average into DDP's bucket); with
+        ``in_place``, decoded straight into it where its tensors lie end to end, else into the
+        block buffer, and ``copy_out`` then copies it there."""
         block, reducer = self._blocks[block_id], self._reducer
         self._exchanged = True
         round_, seq = block.round, block.round - block.base + 1  # the job's round; the session's count
@@ -179,11 +190,14 @@ class BlockPipeline:
         hand_over = timeline.mark()
         if reducer is not None:
             reducer.before_write(block_id, seq)  # the owner: peers took the last result from our buffer
-        span = self.buffers.span(block_id, grad_of) if in_place and reducer is None else None
+        direct = in_place and reducer is None
+        span = self.buffers.span(block_id, grad_of) if direct else None
         if span is None:
             self.buffers.fill(block_id, grad_of)
+        out = span if out_of is None else self.buffers.span(block_id, out_of) if direct else None
         block.work = block.buffer if span is None else span
-        block.in_place = span is not None
+        block.result = block.buffer if out is None else out
+        block.in_place = span is not None and out is not None
         ready = None
         if block.work.is_cuda:  # the communication thread must not read the gradient before the copies ran
             ready = torch.cuda.Event()
@@ -200,7 +214,7 @@ class BlockPipeline:
 
     def future(self, block_id: int) -> torch.futures.Future:
         """Completes with the bytes this process pushed for the block (0: another local rank
-        pushed it) once its averaged gradient is in its work memory (the block buffer, or the front
+        pushed it) once its averaged gradient is in its result memory (the block buffer, or the front
         end's own for an in-place block), or with the error."""
         return self._blocks[block_id].future
 
@@ -267,14 +281,14 @@ class BlockPipeline:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
         (skipping those for which it returns None)."""
         block = self._blocks[block_id]
-        if block.work is None:  # in place and already written back this step: nothing is left to copy
+        if block.result is None:  # in place and already written back this step: nothing is left to copy
             return
         with timeline.span("write-back", block.round - 1, block=block_id):
-            self.buffers.copy_out(block_id, out_of, block.work)
+            self.buffers.copy_out(block_id, out_of, block.result)
         if block.in_place:
             # the front end's memory (a .grad that zero_grad() sets to None) must not stay
             # allocated through the next forward and backward because a block still points at it
-            block.work = None
+            block.result = None
 
     @property
     def compressing(self) -> bool:

@@ -265,6 +265,9 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "hook_allreduce_fallback": allreduce_fallback_run,
     "hook_no_sync": lambda r: hook_run(r, "4bit", steps=2, accumulate=2),
     "optimizer_accumulate": lambda r: optimizer_run(r, "4bit", steps=2, accumulate=2),
+    # early hand-over (gradient_as_bucket_view, torch's zero_grad(set_to_none=True)) from the third step
+    "hook_bucket_view_no_sync": lambda r: hook_run(r, "4bit", steps=3, accumulate=2, gradient_as_bucket_view=True),
+    "optimizer_accumulate_3": lambda r: optimizer_run(r, "4bit", steps=3, accumulate=2),
     "unused": unused_run,
     "gan": gan_run,
     "amp_ddp": lambda r: amp_run(r, "ddp"),
