@@ -174,6 +174,39 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
 
 
 
+def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(cluster, tmp_path):
+    """DistributedOptimizer, auto mode's uncompressed steps: all_reduce on the gloo group, block by
+    block; as two nodes and as two local ranks of one node (shared-memory reduction on the
+    compressed steps)."""
+    results = run_ddp_workers(cluster, tmp_path, "--scenarios",
+                              "optimizer_allreduce,amp_optimizer_allreduce,local:optimizer_allreduce")
+    for name in ("optimizer_allreduce", "local:optimizer_allreduce"):
+        runs = [r[name] for r in results]
+        assert_same(runs[0]["final"], runs[1]["final"], f"{name}: rank 0 vs rank 1")
+        assert runs[0]["intranode"] == (None if name == "optimizer_allreduce" else "shm")
+        for run in runs:
+            assert run["paths"] == ["shards", "allreduce", "allreduce", "shards", "error", "allreduce"], run["paths"]
+            # the shards' rounds move only on the steps that went to them (step 4 failed on every rank)
+            assert [r - run["rounds"][0] for r in run["rounds"]] == [0, 0, 0, 1, 1, 1]
+            # in place where a block is a slice of one .grad, copied where it packs several tensors
+            assert all(0 < run["in_place"][s] < run["blocks"] for s in (1, 2, 5)), run["in_place"]
+            assert len(run["errors"]) == 1 and "NaN/Inf (on some rank) in the gradient of 0.weight" in run["errors"][0]
+            assert "allow_non_finite=True" in run["errors"][0]
+        run = runs[0]
+        after = [*run["before"][1:], run["final"]]
+        for step in (1, 2, 5):  # exactly the average of the known gradients: divide by 2 (exact), sum
+            for pname, p in run["before"][step].items():
+                average = sum(rank_gradient(pname, p, r, step, 0) for r in range(WORLD)) / WORLD
+                assert torch.equal(after[step][pname], p - average), (name, step, pname)
+        assert_same(run["before"][4], run["before"][5], f"{name}: the refused step changed nothing")
+    # a GradScaler on all_reduce steps: rank 1's overflow at step 1 reaches both ranks, both skip it
+    for r in results:
+        amp = r["amp_optimizer_allreduce"]
+        assert amp["paths"] == ["allreduce"] * 3
+        assert amp["changed"] == [True, False, True] and amp["scales"] == [1024.0, 512.0, 512.0]
+    assert_same(results[0]["amp_optimizer_allreduce"]["final"], results[1]["amp_optimizer_allreduce"]["final"],
+                "AMP on all_reduce steps: rank 0 vs rank 1")
+
 
 def test_bad_state_options_are_named_before_any_training():
     import cgx_ps.worker as cgx

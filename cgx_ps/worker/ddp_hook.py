@@ -59,13 +59,11 @@ import torch.distributed as dist
 from ..v1 import ps_pb2
 from .autotune import Decision
 from .errors import CgxPsError, ConfigError
-from .frontend import StepDriver, SyncOptions
+from .frontend import UNCOMPRESSED_VIA, StepDriver, SyncOptions, uncompressed_path
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import StepStats
 
 __all__ = ["DDPHookState", "ddp_comm_hook", "uncompressed_path"]
-
-UNCOMPRESSED_VIA = ("allreduce", "shards")
 
 # States created but not yet registered with the shards, in creation order (the same on every
 # rank: it names their tensors in the session). The first backward of any of them registers them
@@ -73,12 +71,6 @@ UNCOMPRESSED_VIA = ("allreduce", "shards")
 # training starts. Weak: a state dropped before training (no DDP model holds it) takes no part.
 _waiting: list[weakref.ref] = []
 _waiting_lock = threading.Lock()
-
-
-def uncompressed_path(compress: bool, via: str, group_available: bool) -> str:
-    """How this step's buckets are averaged: "shards" (the block pipeline, compressed or not) or
-    "allreduce" (DDP's own, for auto mode's uncompressed steps when a process group is there)."""
-    return "allreduce" if not compress and via == "allreduce" and group_available else "shards"
 
 
 class DDPHookState:
