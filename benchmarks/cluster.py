@@ -12,12 +12,15 @@ threads per worker:
     cgx-fp32      cgx-ps, uncompressed push/pull                    (benchmarks/cgx_step.py)
     cgx-4bit      cgx-ps, 4-bit max-min quantization
     cgx-2bit      cgx-ps, 2-bit
+    cgx-auto      cgx-ps in auto mode, deciding every 5 steps, with a gloo process group
+                  (uncompressed: all_reduce per block on it; cgx_step.py --process-group)
     ddp-cgx-4bit  DDP (gloo group) + the cgx-ps DDP comm hook, 4-bit   (ddp_step.py --hook cgx)
     ddp-cgx-auto  the same hook in auto mode, deciding every 5 steps (uncompressed: DDP's allreduce)
 
 The last two are the second front end of the same block pipeline: DDP's buckets and overlap,
 cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
-within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%).
+within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%),
+as cgx-auto's with the faster of ddp-fp32 and cgx-4bit.
 
 cgx-ps shards run as ``cgx-ps server`` processes inside the host namespaces: ``--topology
 colocated`` (default) puts one shard on every worker host (BytePS's advice when there are no
@@ -161,9 +164,10 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
                     res = nc.run_ddp(cluster, hook=variant, hosts=worker_hosts, timeout=timeout, **kw)
                 else:
                     extra = ["--block-mb", str(args.block_mb)] if args.block_mb else []
+                    front_end = {"ddp-hook": "ddp-hook", "cgx-group": "optimizer-group"}.get(system, "optimizer")
                     res = nc.run_cgx(cluster, compression=variant, worker_hosts=worker_hosts,
                                      shard_hosts=shard_hosts, timeout=timeout, extra_args=extra,
-                                     front_end="ddp-hook" if system == "ddp-hook" else "optimizer", **kw)
+                                     front_end=front_end, **kw)
             except nc.ClusterError as e:  # e.g. a shard failed to start
                 res = nc.JobResult(f"{system}/{model}/{variant}", [], [], False, 0.0, [str(e)])
                 res_status = f"failed ({str(e).splitlines()[0][:80]})"
