@@ -60,10 +60,11 @@ def main(argv=None) -> int:
                for s in range(total)]
     eval_x, eval_y = make_batch(args.model, teacher, args.eval_size, 7_777_777 + args.seed)
 
-    exposed, moved = [], {"pushed": 0, "fp32": 0}
+    exposed, moved, paths = [], {"pushed": 0, "fp32": 0}, {}
 
     def optimizer_stats() -> None:
         exposed.append(opt.stats.exposed_comm_s)
+        paths[opt.stats.path] = paths.get(opt.stats.path, 0) + 1
         moved["pushed"] += opt.stats.bytes_pushed
         moved["fp32"] += opt.stats.fp32_bytes
 
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
         **timed, "exposed_comm_s": statistics.median(exposed) if exposed else None,
         "bytes_pushed_per_step": moved["pushed"] / max(args.steps, 1),
         "fp32_bytes_per_step": moved["fp32"] / max(args.steps, 1),
+        "steps_by_path": paths,  # timed steps through the shards / all_reduce on the process group
         "eval_loss": eval_loss(model, eval_x, eval_y), "iface": args.iface, "torch": torch.__version__,
         # adaptive/auto decisions: bits per tensor, compress on/off and the figures behind them
         "tuning": [d.as_dict() for d in opt.tuning_history],

@@ -133,6 +133,8 @@ def _summarize(res: nc.JobResult, steps: int, warmup: int) -> dict:
         row["fp32_bytes"] = ok[0]["fp32_bytes_per_step"]
     if ok[0].get("tuning"):  # auto mode: what it chose, step by step
         row["tuning"] = ok[0]["tuning"]
+    if ok[0].get("steps_by_path"):  # the optimizer: timed steps through the shards / all_reduce
+        row["steps_by_path"] = ok[0]["steps_by_path"]
     return row
 
 
@@ -184,7 +186,9 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
                  + (f", {row['step_s']:.3f} s/step" if row.get("step_s") else "")
                  + (f", exposed comm {row['exposed_comm_s']:.3f} s" if row.get("exposed_comm_s") is not None else "")
                  + (", auto mode's decisions (compress?): " + " ".join(
-                     "yes" if d.get("compress") else "no" for d in row["tuning"]) if row.get("tuning") else ""))
+                     "yes" if d.get("compress") else "no" for d in row["tuning"]) if row.get("tuning") else "")
+                 + (f", timed steps by path {row['steps_by_path']}" if row.get("tuning") and row.get("steps_by_path")
+                    else ""))
             if not row["status"].startswith(("ok", "timed out")) and row.get("error"):
                 _log(f"    stderr: ...{row['error'][-600:]}")
         singles.append(_single(cluster, base, kw, args, "end"))
