@@ -26,8 +26,9 @@ class StepStats:
     backward_s: float = 0.0  # the front end's first to last gradient: what communication can hide behind
     comm_window_s: float = 0.0  # this process's first push to its last result
     in_place_blocks: int = 0  # blocks encoded from and decoded into the front end's memory: no copies
-    path: str = "shards"  # how the step was averaged: "shards", or "allreduce" (the DDP hook's
-    # uncompressed steps in auto mode go through DDP's own allreduce, not the shards)
+    path: str = "shards"  # how the step was averaged: "shards", or "allreduce" (auto mode's
+    # uncompressed steps with a process group: DDP's own allreduce for the hook, all_reduce per
+    # block for the optimizer; not the shards)
 
     @property
     def ratio(self) -> float:
