@@ -4,10 +4,13 @@ with two processes, gloo and real shards: tests/test_ddp_hook.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import cgx_ps.worker as cgx
+from cgx_ps.worker.automode import AutoFigures
 from cgx_ps.worker.collective import collective_group, group_problem, launch_order
 from cgx_ps.worker.frontend import uncompressed_path
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
@@ -20,6 +23,16 @@ def test_only_auto_modes_uncompressed_steps_with_a_group_leave_the_shards():
     assert uncompressed_path(False, "shards", True) == "shards"
     assert collective_group(None, "shards") is None
     assert collective_group(None, "allreduce") is None  # torch.distributed not initialized here
+
+
+def test_auto_modes_model_takes_the_all_reduce_rate_for_uncompressed_steps_when_measured():
+    # 64 MB of fp32, 8 MB compressed; the shards move 100 MB/s, the group all-reduces 1 GB/s
+    shards = AutoFigures(1e8, 1e8, 0.0, 64 << 20, 8 << 20, 0.05, 0.1)
+    group = dataclasses.replace(shards, uncompressed_bps=1e9)
+    assert shards.exposed(False) == pytest.approx(2 * (64 << 20) / 1e8 - 0.1)  # push + pull through the shards
+    assert group.exposed(False) == 0.0  # 67 ms of all_reduce hide behind 100 ms of backward
+    assert group.exposed(True) == shards.exposed(True)  # compressed steps use the shards either way
+    assert shards.exposed(True) < shards.exposed(False) and group.exposed(False) < group.exposed(True)
 
 
 def test_blocks_launch_in_reverse_registration_order_of_their_earliest_tensor():

@@ -179,7 +179,8 @@ def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(clust
     block; as two nodes and as two local ranks of one node (shared-memory reduction on the
     compressed steps)."""
     results = run_ddp_workers(cluster, tmp_path, "--scenarios",
-                              "optimizer_allreduce,amp_optimizer_allreduce,local:optimizer_allreduce")
+                              "optimizer_allreduce,amp_optimizer_allreduce,optimizer_auto_group,"
+                              "local:optimizer_allreduce")
     for name in ("optimizer_allreduce", "local:optimizer_allreduce"):
         runs = [r[name] for r in results]
         assert_same(runs[0]["final"], runs[1]["final"], f"{name}: rank 0 vs rank 1")
@@ -206,6 +207,15 @@ def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(clust
         assert amp["changed"] == [True, False, True] and amp["scales"] == [1024.0, 512.0, 512.0]
     assert_same(results[0]["amp_optimizer_allreduce"]["final"], results[1]["amp_optimizer_allreduce"]["final"],
                 "AMP on all_reduce steps: rank 0 vs rank 1")
+    # real auto mode: the model saw the group's all_reduce rate; every step went where the
+    # decision before it said, the same on both ranks
+    auto = [r["optimizer_auto_group"] for r in results]
+    assert auto[0]["tuning"] == auto[1]["tuning"] and auto[0]["paths"] == auto[1]["paths"]
+    assert_same(auto[0]["final"], auto[1]["final"], "auto mode with a group: rank 0 vs rank 1")
+    decisions = auto[0]["tuning"]
+    assert len(decisions) == 3 and all(d["figures"]["uncompressed_bps"] > 0 for d in decisions if d["figures"])
+    compress = [True, decisions[0]["compress"], decisions[1]["compress"], decisions[1]["compress"]]
+    assert auto[0]["paths"] == ["shards" if c else "allreduce" for c in compress], (auto[0]["paths"], decisions)
 
 
 def test_bad_state_options_are_named_before_any_training():

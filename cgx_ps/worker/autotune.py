@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["Decision", "Tunable", "Tuner"]
 
 log = logging.getLogger(__name__)
+
+_COLLECTIVE_PROBE_BYTES = 4 << 20  # one default block: what an uncompressed step all-reduces at a time
 
 
 @runtime_checkable
@@ -99,9 +101,14 @@ class Decision:
 
 
 class Tuner:
-    def __init__(self, target: Tunable, compression: Compression) -> None:
+    def __init__(self, target: Tunable, compression: Compression,
+                 uncompressed_probe: Callable[[int], float | None] | None = None) -> None:
+        """``uncompressed_probe(nbytes)``: the front end's all_reduce rate (bytes/s) on the path its
+        uncompressed steps take, or None when they go through the shards; a collective, called
+        on every rank at each auto-mode decision."""
         self.target = target
         self.compression = compression
+        self.uncompressed_probe = uncompressed_probe
         self.interval = max(1, compression.interval)
         self.rank0 = target.rank == 0
         self.average = RunningAverage() if compression.adaptive and self.rank0 else None
@@ -135,7 +142,10 @@ class Tuner:
         due_adaptive = self.compression.adaptive and (step + 1) % self.interval == 0
         if not (due_auto or due_adaptive):
             return
-        mine = self._decide(due_auto, due_adaptive).as_dict() if self.rank0 else None
+        # every rank takes part in the front end's probe (a collective); rank 0 decides with it
+        uncompressed_bps = (self.uncompressed_probe(_COLLECTIVE_PROBE_BYTES) or 0.0) \
+            if due_auto and self.uncompressed_probe is not None else 0.0
+        mine = self._decide(due_auto, due_adaptive, uncompressed_bps).as_dict() if self.rank0 else None
         self._apply(Decision.from_dict(broadcast_object(mine, root_rank=0)))
 
     # ---- checkpoints ----------------------------------------------------------------------------------
@@ -166,18 +176,20 @@ class Tuner:
 
     # ---- rank 0 -------------------------------------------------------------------------------------
 
-    def _decide(self, auto: bool, adaptive: bool) -> Decision:
+    def _decide(self, auto: bool, adaptive: bool, uncompressed_bps: float = 0.0) -> Decision:
         decision = Decision(self.target.next_round)
         if auto:
-            figures = measure(self.target, list(self.names))
+            figures = measure(self.target, list(self.names), uncompressed_bps)
             compress, reason = self.modes.choose(self.target.compress, figures)
             decision = dataclasses.replace(decision, compress=compress, reason=reason, figures=figures,
                                            measured=self.modes.medians())
             log.info("auto mode: %s (%s; measured step %s; model: rate %.0f MB/s: probe %.0f, pipeline %.0f; "
-                     "%.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; exposed %.1f ms compressed vs %.1f ms not)",
+                     "all_reduce %.0f; %.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; exposed %.1f ms "
+                     "compressed vs %.1f ms not)",
                      "compress" if compress else "no compression", reason,
                      {k: f"{v * 1e3:.1f} ms" for k, v in decision.measured.items()},
                      figures.throughput_bps / 1e6, figures.probe_bps / 1e6, figures.pipeline_bps / 1e6,
+                     figures.uncompressed_bps / 1e6,
                      figures.fp32_bytes / 1e6, figures.compressed_bytes / 1e6,
                      figures.codec_s * 1e3, figures.overlap_s * 1e3, figures.exposed(True) * 1e3,
                      figures.exposed(False) * 1e3)

@@ -38,6 +38,7 @@ GradScaler; without ``allow_non_finite``, ``wait`` raises on every rank, naming 
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from typing import Iterable, Sequence
 
@@ -49,7 +50,7 @@ from .buffers import TensorOf
 from .errors import CgxPsError, ConfigError
 from .pipeline import BlockPipeline
 
-__all__ = ["BlockAllreduce", "collective_group", "group_problem", "launch_order"]
+__all__ = ["BlockAllreduce", "allreduce_rate", "collective_group", "group_problem", "launch_order"]
 
 
 def collective_group(process_group: "dist.ProcessGroup | None", via: str) -> "dist.ProcessGroup | None":
@@ -60,6 +61,27 @@ def collective_group(process_group: "dist.ProcessGroup | None", via: str) -> "di
     if process_group is not None:
         return process_group
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def allreduce_rate(group: "dist.ProcessGroup", nbytes: int) -> float:
+    """Bytes all-reduced per second on the group, for auto mode's model: a collective, so every
+    rank calls it at the same step. A one-element all_reduce first lines the ranks up, so the
+    timed one does not count another rank's lateness."""
+    device = _device_for(group)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    local = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    start = time.perf_counter()
+    dist.all_reduce(local, group=group)
+    if local.is_cuda:
+        torch.cuda.synchronize(local.device)
+    return local.numel() * 4 / max(time.perf_counter() - start, 1e-9)
+
+
+def _device_for(group: "dist.ProcessGroup") -> torch.device:
+    """NCCL reduces GPU tensors only; gloo, CPU tensors (and GPU ones, through copies)."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def launch_order(layout: ps_pb2.Layout, registration_order: Sequence[str]) -> list[int]:
@@ -108,9 +130,7 @@ class BlockAllreduce:
         order = launch_order(pipe.layout, registration_order)
         mine = [pipe.config.rank, zlib.crc32(",".join(map(str, order)).encode()),
                 zlib.crc32(pipe.session_id.encode())]
-        nccl = "nccl" in str(dist.get_backend(group)).lower()
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        local = torch.tensor(mine, dtype=torch.int64, device=device)
+        local = torch.tensor(mine, dtype=torch.int64, device=_device_for(group))
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
         problem = group_problem(mine, [g.tolist() for g in gathered], pipe.config.world_size)

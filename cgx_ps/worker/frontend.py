@@ -31,7 +31,7 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..v1 import ps_pb2
 from .autotune import Decision, Tuner
@@ -90,10 +90,14 @@ class SyncOptions:
 class StepDriver:
     """One front end's pipeline and the bookkeeping of its steps (see the module doc)."""
 
-    def __init__(self, pipe: BlockPipeline, options: SyncOptions) -> None:
+    def __init__(self, pipe: BlockPipeline, options: SyncOptions,
+                 uncompressed_probe: Callable[[int], float | None] | None = None) -> None:
+        """``uncompressed_probe``: for auto mode, the all_reduce rate of the path the front end's
+        uncompressed steps take, or None when they go through the shards (``autotune.Tuner``)."""
         self.pipe, self.options = pipe, options
         compression = options.compression
-        self.tuner = Tuner(pipe, compression) if compression.adaptive or compression.auto else None
+        self.tuner = Tuner(pipe, compression, uncompressed_probe) if compression.adaptive or compression.auto \
+            else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block
         # buffers, unless the node reduces through its buffers or a tuner reads them
@@ -104,9 +108,12 @@ class StepDriver:
         self._after_pending = False  # a step finished and its after-work has not run
 
     @classmethod
-    def open_together(cls, named_tensors_per_model: list, options: list[SyncOptions]) -> list["StepDriver"]:
+    def open_together(cls, named_tensors_per_model: list, options: list[SyncOptions],
+                      uncompressed_probes: Sequence[Callable[[int], float | None] | None] | None = None
+                      ) -> list["StepDriver"]:
         pipes = BlockPipeline.open_together([o.spec(t) for t, o in zip(named_tensors_per_model, options)])
-        return [cls(p, o) for p, o in zip(pipes, options)]
+        probes = uncompressed_probes or [None] * len(pipes)
+        return [cls(p, o, probe) for p, o, probe in zip(pipes, options, probes)]
 
     # ---- a step ------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .. import timeline
 from ..v1 import ps_pb2
 from .autotune import Decision
-from .collective import BlockAllreduce, collective_group
+from .collective import BlockAllreduce, allreduce_rate, collective_group
 from .errors import CgxPsError, ConfigError
 from .frontend import UNCOMPRESSED_VIA, StepDriver, SyncOptions, uncompressed_path
 from .layout import DEFAULT_BLOCK_BYTES, Compression
@@ -84,16 +84,17 @@ class _DistributedMixin:
         self._cgx_frozen = [p for p in all_params if id(p) not in named_ids]
         self._cgx_params = dict(named_parameters)
         self._cgx_name_of = {id(p): n for n, p in named_parameters}
-        self._cgx_driver = StepDriver.open_together([named_parameters], [options])[0]
+        # auto mode's uncompressed steps: all_reduce on this group when there is one (the given
+        # one, else the default group), per block in the order of registration (collective.py);
+        # auto mode's model measures that all_reduce
+        self._cgx_uncompressed_via, self._cgx_process_group = uncompressed_via, process_group
+        self._cgx_driver = StepDriver.open_together([named_parameters], [options], [self._cgx_probe_allreduce])[0]
         self._cgx_pipe = self._cgx_driver.pipe
         self._cgx_backward_passes = backward_passes_per_step
         self._cgx_lock = threading.Lock()
         self._cgx_synchronized = False
         self._cgx_skip = False
         self._cgx_passes: dict[int, int] = {}  # backward passes seen this step, per parameter
-        # auto mode's uncompressed steps: all_reduce on this group when there is one (the given
-        # one, else the default group), per block in the order of registration (collective.py)
-        self._cgx_uncompressed_via, self._cgx_process_group = uncompressed_via, process_group
         self._cgx_allreduce: BlockAllreduce | None = None  # opened at the first step that uses it
         self._cgx_routed = False  # this step's route is chosen (at its first gradient)
         self._cgx_route: BlockAllreduce | None = None  # and it is: this collective, or None (the shards)
@@ -142,6 +143,11 @@ class _DistributedMixin:
                 self._cgx_route = self._cgx_open_route()
                 self._cgx_routed = True
             return self._cgx_route
+
+    def _cgx_probe_allreduce(self, nbytes: int) -> float | None:
+        """The all_reduce rate of auto mode's uncompressed steps, or None: they use the shards."""
+        group = collective_group(self._cgx_process_group, self._cgx_uncompressed_via)
+        return allreduce_rate(group, nbytes) if group is not None else None
 
     def _cgx_open_route(self) -> BlockAllreduce | None:
         pipe, via = self._cgx_pipe, self._cgx_uncompressed_via

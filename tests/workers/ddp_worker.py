@@ -139,6 +139,22 @@ def optimizer_allreduce_run(rank: int) -> dict:
             "in_place": in_place, "blocks": len(opt.layout.blocks), "errors": errors, "intranode": opt.intranode}
 
 
+def optimizer_auto_group_run(rank: int, steps: int = 4) -> dict:
+    """Real auto mode (deciding after steps 0, 1 and 3) with the default group: its model
+    measures the group's all_reduce, and each step goes where the decision before it said."""
+    model = _model()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression="auto:2", block_bytes=BLOCK_BYTES)
+    named = list(model.named_parameters())
+    paths = []
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, named, rank, step).backward()
+        opt.step()
+        paths.append(opt.stats.path)
+    return {"final": _snapshot(model), "paths": paths, "tuning": [d.as_dict() for d in opt.tuning_history]}
+
+
 def plain_ddp_run(rank: int, steps: int = 3) -> dict:
     model = _model()
     initial = _snapshot(model)
@@ -313,6 +329,7 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
 # uncompressed steps on the process group
 ON_REQUEST = {
     "optimizer_allreduce": optimizer_allreduce_run,
+    "optimizer_auto_group": optimizer_auto_group_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
 }
 
