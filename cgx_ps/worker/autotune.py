@@ -43,6 +43,7 @@ __all__ = ["Decision", "Tunable", "Tuner"]
 log = logging.getLogger(__name__)
 
 _COLLECTIVE_PROBE_BYTES = 4 << 20  # one default block: what an uncompressed step all-reduces at a time
+_SETTLE_STEPS = 5  # a process's first steps are not samples of auto mode's step times (Tuner)
 
 
 @runtime_checkable
@@ -120,15 +121,20 @@ class Tuner:
         self.modes = ModeChooser()  # auto mode, rank 0
         self._last_step_end: float | None = None
         self._skip_sample = True  # the first step after a switch pays one-off costs: not a sample
+        # so do a process's first steps (allocation, first touch, connections): in a 10 Gbit/s
+        # cluster-benchmark run (auto:5) steps 1-7 took ~1.5x the later ones in either mode, and
+        # the mode measured first, in them, lost to the other for the rest of the run
+        self._settling = _SETTLE_STEPS
 
     def after_step(self) -> None:
         """Called by the front end after each step (``target.stats`` is that step's)."""
         step = self.target.stats.step
         now = time.perf_counter()
         sampling = self.compression.auto and self.rank0 and step >= self.target.warmup_steps
-        if sampling and self._last_step_end is not None and not self._skip_sample:
+        if sampling and self._last_step_end is not None and not self._skip_sample and not self._settling:
             self.modes.record(now - self._last_step_end)
         self._skip_sample = False
+        self._settling = max(0, self._settling - 1)
         try:
             self._after_step(step)
         finally:
@@ -173,6 +179,7 @@ class Tuner:
             raise CheckpointError(f"the tuner's state in the checkpoint does not fit: {exc!r}") from None
         self.history = history
         self._last_step_end, self._skip_sample = None, True  # a resumed step pays one-off costs
+        self._settling = _SETTLE_STEPS
 
     # ---- rank 0 -------------------------------------------------------------------------------------
 
