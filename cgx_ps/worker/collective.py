@@ -127,6 +127,10 @@ class BlockAllreduce:
              ) -> "BlockAllreduce":
         """Check the group and build the launch order; a collective on the group, so every rank
         calls it at the same step (the first one auto mode sends uncompressed)."""
+        if dist.get_world_size(group) != pipe.config.world_size:  # checked here first: no collective to hang in
+            raise ConfigError(f"rank {pipe.config.rank}: the process group has {dist.get_world_size(group)} ranks, "
+                              f"this cgx-ps job {pipe.config.world_size}: pass a process_group of every worker "
+                              f"(or uncompressed_via='shards')")
         order = launch_order(pipe.layout, registration_order)
         mine = [pipe.config.rank, zlib.crc32(",".join(map(str, order)).encode()),
                 zlib.crc32(pipe.session_id.encode())]
@@ -171,7 +175,9 @@ class BlockAllreduce:
                              f"(take_unsubmitted() gives the blocks still waiting)")
         if not allow_non_finite:
             for block_id, work, _ in in_flight:
-                if not bool(torch.isfinite(work).all()):
+                # a finite sum has only finite terms: one pass, no mask (a sum that overflowed is
+                # told apart by the exact check)
+                if not bool(torch.isfinite(work.sum())) and not bool(torch.isfinite(work).all()):
                     raise self.pipe.gradient_error(block_id, "NaN/Inf (on some rank) in the gradient of")
 
     def abort(self) -> None:

@@ -147,15 +147,19 @@ class _DistributedMixin:
     def _cgx_probe_allreduce(self, nbytes: int) -> float | None:
         """The all_reduce rate of auto mode's uncompressed steps, or None: they use the shards."""
         group = collective_group(self._cgx_process_group, self._cgx_uncompressed_via)
-        return allreduce_rate(group, nbytes) if group is not None else None
+        return allreduce_rate(self._cgx_allreduce_on(group).group, nbytes) if group is not None else None
 
     def _cgx_open_route(self) -> BlockAllreduce | None:
         pipe, via = self._cgx_pipe, self._cgx_uncompressed_via
         group = None if pipe.compress else collective_group(self._cgx_process_group, via)
         if uncompressed_path(pipe.compress, via, group is not None) != "allreduce":
             return None
+        return self._cgx_allreduce_on(group)
+
+    def _cgx_allreduce_on(self, group: "dist.ProcessGroup") -> BlockAllreduce:
+        """The collective on ``group``, opened (the group checked) at its first use."""
         if self._cgx_allreduce is None or self._cgx_allreduce.group is not group:
-            self._cgx_allreduce = BlockAllreduce.open(pipe, group, list(self._cgx_params))
+            self._cgx_allreduce = BlockAllreduce.open(self._cgx_pipe, group, list(self._cgx_params))
         return self._cgx_allreduce
 
     # ---- synchronize / step ---------------------------------------------------------------------
