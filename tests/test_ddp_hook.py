@@ -3,7 +3,8 @@
 One launch runs every scenario in sequence (tests/workers/ddp_worker.py), a second one the
 same hook with the two ranks as local ranks of one node. Each scenario is checked for
 bit-identical replicas, and against the DistributedOptimizer (exactly: the same blocks, seeds
-and shards), plain DDP, or exact expectations."""
+and shards), plain DDP, or exact expectations. Another launch runs the DistributedOptimizer's
+auto-mode uncompressed steps, which all_reduce on the same gloo group (collective.py)."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ class BlockAllreduce:
     def open(cls, pipe: BlockPipeline, group: "dist.ProcessGroup", registration_order: Sequence[str]
              ) -> "BlockAllreduce":
         """Check the group and build the launch order; a collective on the group, so every rank
-        calls it at the same step (the first one auto mode sends uncompressed)."""
+        calls it at the same step (auto mode's first decision, or its first uncompressed step)."""
         if dist.get_world_size(group) != pipe.config.world_size:  # checked here first: no collective to hang in
             raise ConfigError(f"rank {pipe.config.rank}: the process group has {dist.get_world_size(group)} ranks, "
                               f"this cgx-ps job {pipe.config.world_size}: pass a process_group of every worker "
