@@ -12,12 +12,15 @@ threads per worker:
     cgx-fp32      cgx-ps, uncompressed push/pull                    (benchmarks/cgx_step.py)
     cgx-4bit      cgx-ps, 4-bit max-min quantization
     cgx-2bit      cgx-ps, 2-bit
+    cgx-auto      cgx-ps in auto mode, deciding every 5 steps, with a gloo process group
+                  (uncompressed: all_reduce per block on it; cgx_step.py --process-group)
     ddp-cgx-4bit  DDP (gloo group) + the cgx-ps DDP comm hook, 4-bit   (ddp_step.py --hook cgx)
     ddp-cgx-auto  the same hook in auto mode, deciding every 5 steps (uncompressed: DDP's allreduce)
 
 The last two are the second front end of the same block pipeline: DDP's buckets and overlap,
 cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
-within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%).
+within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%),
+as cgx-auto's with the faster of ddp-fp32 and cgx-4bit.
 
 cgx-ps shards run as ``cgx-ps server`` processes inside the host namespaces: ``--topology
 colocated`` (default) puts one shard on every worker host (BytePS's advice when there are no
@@ -130,6 +133,8 @@ def _summarize(res: nc.JobResult, steps: int, warmup: int) -> dict:
         row["fp32_bytes"] = ok[0]["fp32_bytes_per_step"]
     if ok[0].get("tuning"):  # auto mode: what it chose, step by step
         row["tuning"] = ok[0]["tuning"]
+    if ok[0].get("steps_by_path"):  # the optimizer: timed steps through the shards / all_reduce
+        row["steps_by_path"] = ok[0]["steps_by_path"]
     return row
 
 
@@ -161,9 +166,10 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
                     res = nc.run_ddp(cluster, hook=variant, hosts=worker_hosts, timeout=timeout, **kw)
                 else:
                     extra = ["--block-mb", str(args.block_mb)] if args.block_mb else []
+                    front_end = {"ddp-hook": "ddp-hook", "cgx-group": "optimizer-group"}.get(system, "optimizer")
                     res = nc.run_cgx(cluster, compression=variant, worker_hosts=worker_hosts,
                                      shard_hosts=shard_hosts, timeout=timeout, extra_args=extra,
-                                     front_end="ddp-hook" if system == "ddp-hook" else "optimizer", **kw)
+                                     front_end=front_end, **kw)
             except nc.ClusterError as e:  # e.g. a shard failed to start
                 res = nc.JobResult(f"{system}/{model}/{variant}", [], [], False, 0.0, [str(e)])
                 res_status = f"failed ({str(e).splitlines()[0][:80]})"
@@ -180,7 +186,9 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
                  + (f", {row['step_s']:.3f} s/step" if row.get("step_s") else "")
                  + (f", exposed comm {row['exposed_comm_s']:.3f} s" if row.get("exposed_comm_s") is not None else "")
                  + (", auto mode's decisions (compress?): " + " ".join(
-                     "yes" if d.get("compress") else "no" for d in row["tuning"]) if row.get("tuning") else ""))
+                     "yes" if d.get("compress") else "no" for d in row["tuning"]) if row.get("tuning") else "")
+                 + (f", timed steps by path {row['steps_by_path']}" if row.get("tuning") and row.get("steps_by_path")
+                    else ""))
             if not row["status"].startswith(("ok", "timed out")) and row.get("error"):
                 _log(f"    stderr: ...{row['error'][-600:]}")
         singles.append(_single(cluster, base, kw, args, "end"))

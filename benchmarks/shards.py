@@ -168,7 +168,7 @@ def _cgx_argv(model: str, compression: str, steps: int, warmup: int, batch_size:
             "--seed", str(seed), "--iface", HOST_IFACE, *extra]
 
 
-FRONT_ENDS = ("optimizer", "ddp-hook")
+FRONT_ENDS = ("optimizer", "optimizer-group", "ddp-hook")
 
 
 def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", steps: int = 20, warmup: int = 3,
@@ -185,12 +185,15 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
 
     ``front_end="ddp-hook"`` runs ``ddp_step.py --hook cgx`` instead: torch DDP over a gloo
     process group on the same links, its buckets averaged by the cgx-ps DDP comm hook through
-    the same shards (``extra_args`` go to ddp_step.py, e.g. ``["--block-mb", "4"]``)."""
+    the same shards (``extra_args`` go to ddp_step.py, e.g. ``["--block-mb", "4"]``).
+    ``front_end="optimizer-group"``: ``cgx_step.py --process-group``, the optimizer with a gloo
+    group on the same links for auto mode's uncompressed steps."""
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end {front_end!r}: choose from {FRONT_ENDS}")
     worker_hosts = list(range(cluster.hosts)) if worker_hosts is None else list(worker_hosts)
     shard_hosts = list(worker_hosts) if shard_hosts is None else list(shard_hosts)
     hook = front_end == "ddp-hook"
+    group = front_end in ("ddp-hook", "optimizer-group")  # the workers also form a gloo group
     name = f"{'ddp-cgx' if hook else 'cgx'}/{model}/{compression}"
     port = next(PORTS)
     with start_shards(cluster, shard_hosts, extra_args=shard_args) as shards:
@@ -204,15 +207,17 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
                               "CGX_PS_NUM_NODES": len(worker_hosts), "CGX_PS_SERVERS": shards.servers,
                               "CGX_PS_TOKEN_FILE": shards.token_file, HOST_PIDS_ENV: colocated,
                               "CGX_PS_JOB_ID": job_id, **thread_env(threads),
-                              # DDP's own gloo group (for the broadcast at wrap time and barriers)
+                              # DDP's own gloo group (for the broadcast at wrap time and barriers),
+                              # or the optimizer's for auto mode's uncompressed steps
                               **({"MASTER_ADDR": cluster.address(worker_hosts[0]), "MASTER_PORT": port,
-                                  "GLOO_SOCKET_IFNAME": HOST_IFACE} if hook else {})})
+                                  "GLOO_SOCKET_IFNAME": HOST_IFACE} if group else {})})
 
         if hook:
             argv = ddp_argv(model, "cgx", steps, warmup, batch_size, threads, seed, timeout,
                              ["--compression", compression, *extra_args])
         else:
-            argv = _cgx_argv(model, compression, steps, warmup, batch_size, threads, seed, extra_args)
+            argv = _cgx_argv(model, compression, steps, warmup, batch_size, threads, seed,
+                             [*extra_args, *(["--process-group"] if group else [])])
         cpu0 = shards.cpu_seconds()
         res = run_job(cluster, argv, env, hosts=worker_hosts, timeout=timeout, name=name)
         cpu1 = shards.cpu_seconds()

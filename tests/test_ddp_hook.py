@@ -3,7 +3,8 @@
 One launch runs every scenario in sequence (tests/workers/ddp_worker.py), a second one the
 same hook with the two ranks as local ranks of one node. Each scenario is checked for
 bit-identical replicas, and against the DistributedOptimizer (exactly: the same blocks, seeds
-and shards), plain DDP, or exact expectations."""
+and shards), plain DDP, or exact expectations. Another launch runs the DistributedOptimizer's
+auto-mode uncompressed steps, which all_reduce on the same gloo group (collective.py)."""
 
 from __future__ import annotations
 
@@ -181,6 +182,49 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
         assert error and "not among the trainable parameters of the Sequential given to DDPHookState" in error
 
 
+
+def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(cluster, tmp_path):
+    """DistributedOptimizer, auto mode's uncompressed steps: all_reduce on the gloo group, block by
+    block; as two nodes and as two local ranks of one node (shared-memory reduction on the
+    compressed steps)."""
+    results = run_ddp_workers(cluster, tmp_path, "--scenarios",
+                              "optimizer_allreduce,amp_optimizer_allreduce,optimizer_auto_group,"
+                              "local:optimizer_allreduce")
+    for name in ("optimizer_allreduce", "local:optimizer_allreduce"):
+        runs = [r[name] for r in results]
+        assert_same(runs[0]["final"], runs[1]["final"], f"{name}: rank 0 vs rank 1")
+        assert runs[0]["intranode"] == (None if name == "optimizer_allreduce" else "shm")
+        for run in runs:
+            assert run["paths"] == ["shards", "allreduce", "allreduce", "shards", "error", "allreduce"], run["paths"]
+            # the shards' rounds move only on the steps that went to them (step 4 failed on every rank)
+            assert [r - run["rounds"][0] for r in run["rounds"]] == [0, 0, 0, 1, 1, 1]
+            # in place where a block is a slice of one .grad, copied where it packs several tensors
+            assert all(0 < run["in_place"][s] < run["blocks"] for s in (1, 2, 5)), run["in_place"]
+            assert len(run["errors"]) == 1 and "NaN/Inf (on some rank) in the gradient of 0.weight" in run["errors"][0]
+            assert "allow_non_finite=True" in run["errors"][0]
+        run = runs[0]
+        after = [*run["before"][1:], run["final"]]
+        for step in (1, 2, 5):  # exactly the average of the known gradients: divide by 2 (exact), sum
+            for pname, p in run["before"][step].items():
+                average = sum(rank_gradient(pname, p, r, step, 0) for r in range(WORLD)) / WORLD
+                assert torch.equal(after[step][pname], p - average), (name, step, pname)
+        assert_same(run["before"][4], run["before"][5], f"{name}: the refused step changed nothing")
+    # a GradScaler on all_reduce steps: rank 1's overflow at step 1 reaches both ranks, both skip it
+    for r in results:
+        amp = r["amp_optimizer_allreduce"]
+        assert amp["paths"] == ["allreduce"] * 3
+        assert amp["changed"] == [True, False, True] and amp["scales"] == [1024.0, 512.0, 512.0]
+    assert_same(results[0]["amp_optimizer_allreduce"]["final"], results[1]["amp_optimizer_allreduce"]["final"],
+                "AMP on all_reduce steps: rank 0 vs rank 1")
+    # real auto mode: the model saw the group's all_reduce rate; every step went where the
+    # decision before it said, the same on both ranks
+    auto = [r["optimizer_auto_group"] for r in results]
+    assert auto[0]["tuning"] == auto[1]["tuning"] and auto[0]["paths"] == auto[1]["paths"]
+    assert_same(auto[0]["final"], auto[1]["final"], "auto mode with a group: rank 0 vs rank 1")
+    decisions = auto[0]["tuning"]
+    assert len(decisions) == 3 and all(d["figures"]["uncompressed_bps"] > 0 for d in decisions if d["figures"])
+    compress = [True, decisions[0]["compress"], decisions[1]["compress"], decisions[1]["compress"]]
+    assert auto[0]["paths"] == ["shards" if c else "allreduce" for c in compress], (auto[0]["paths"], decisions)
 
 
 def test_early_handover_only_where_ddp_calls_the_hook_for_every_gradient_in_its_bucket_views():

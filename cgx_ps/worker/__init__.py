@@ -17,6 +17,7 @@ or, under DDP (and every trainer built on it: Lightning, Accelerate, the HF Trai
     config.py     the job from the environment         layout.py     blocks from sorted names
     optimizer.py  front end: hooks, .grad, step()       pipeline.py   a step's per-block work
     ddp_hook.py   front end: DDP buckets, futures       frontend.py   what both front ends share
+    collective.py the optimizer's auto-mode uncompressed steps: all_reduce per block on a process group
     buffers.py    the blocks' flat buffers              engine.py     the communication thread
     client.py     one shard connection, kept alive     broadcast.py  root -> all via shard 0
     recovery.py   what to do when a shard connection breaks (reopen, rejoin, give up, hung)

@@ -9,11 +9,14 @@ current mode, tries the other mode for one interval when the model says it could
 faster (and again every ``REEXPLORE`` decisions, as conditions change), and compresses only if
 compressed steps measured at least 5% faster than uncompressed ones.
 
-The model sees only the shards' path: its rates come from a probe of the shards and from the
-pipeline's own pushes. When uncompressed steps take another path (the DDP hook's allreduce, a
-native collective written in C++ that moves bytes at a rate no gRPC probe shows), the model's
-guess for them can be off several times over (2.3 s predicted, 0.38 s measured at 10 Gbit/s):
-then the uncompressed mode is measured once whatever the model says, and afterwards its own last
+Where the uncompressed steps skip the shards (an all_reduce on a process group: the optimizer's
+``collective.py``), the probe of the shards says nothing about them: the front end then measures
+the all_reduce itself (``AutoFigures.uncompressed_bps``, every rank at the same step), so the
+model does not rule out, on a fast link, the path that is as fast as DDP.
+
+Where no such measurement is given (the DDP hook's allreduce, a native collective moving bytes at
+a rate no gRPC probe shows), the model's guess for that path can be off several times over
+(2.3 s predicted, 0.38 s measured at 10 Gbit/s): then the uncompressed mode is measured once whatever the model says, and afterwards its own last
 measurement, not the model, says whether it is worth trying again.
 """
 
@@ -52,20 +55,28 @@ class AutoFigures:
     compressed_bytes: int  # the gradient at the configured bits
     codec_s: float  # encode + decode of the compressed blocks on this device
     overlap_s: float  # backward time that communication can hide behind
+    # uncompressed steps through an all_reduce: bytes all-reduced per second (measured on the
+    # group); 0: they go through the shards at ``throughput_bps``
+    uncompressed_bps: float = 0.0
 
     def exposed(self, compress: bool) -> float:
         return predict_exposed(self, compress)
 
 
 def predict_exposed(f: AutoFigures, compress: bool) -> float:
-    """Predicted communication time left exposed: push + pull of the bytes at the measured rate,
-    minus what backward hides; the codec's CPU time is counted in full (it competes with compute)."""
-    wire = 2 * (f.compressed_bytes if compress else f.fp32_bytes) / f.throughput_bps
+    """Predicted communication time left exposed: push + pull of the bytes at the measured rate
+    (or the all_reduce of the fp32 bytes at its measured rate), minus what backward hides; the
+    codec's CPU time is counted in full (it competes with compute)."""
+    if not compress and f.uncompressed_bps > 0:
+        wire = f.fp32_bytes / f.uncompressed_bps
+    else:
+        wire = 2 * (f.compressed_bytes if compress else f.fp32_bytes) / f.throughput_bps
     return max(0.0, wire - f.overlap_s) + (f.codec_s if compress else 0.0)
 
 
-def measure(target: Tunable, quantized: list[int]) -> AutoFigures:
-    """The model's figures now, after a step; ``quantized``: the blocks max-min quantization compresses."""
+def measure(target: Tunable, quantized: list[int], uncompressed_bps: float = 0.0) -> AutoFigures:
+    """The model's figures now, after a step; ``quantized``: the blocks max-min quantization
+    compresses; ``uncompressed_bps``: the all_reduce rate of the uncompressed path, if it has one."""
     probe = target.probe(_PROBE_BYTES)
     # The probe sees the link; the last step saw the whole pipeline (CPU per byte in gRPC, the
     # shard's work, the pull). Trust the pipeline's rate when it moved enough bytes to be
@@ -86,7 +97,7 @@ def measure(target: Tunable, quantized: list[int]) -> AutoFigures:
         t0 = time.perf_counter()
         dequantize(quantize(sample, 4, stochastic=True), out=sample)
         codec_s = min(codec_s, (time.perf_counter() - t0) * q_numel / sample.numel())
-    return AutoFigures(throughput, probe, pipeline, fp32, compressed, codec_s, stats.backward_s)
+    return AutoFigures(throughput, probe, pipeline, fp32, compressed, codec_s, stats.backward_s, uncompressed_bps)
 
 
 class ModeChooser:

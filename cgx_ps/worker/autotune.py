@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["Decision", "Tunable", "Tuner"]
 
 log = logging.getLogger(__name__)
+
+_COLLECTIVE_PROBE_BYTES = 4 << 20  # one default block: what an uncompressed step all-reduces at a time
+_SETTLE_STEPS = 5  # a process's first steps are not samples of auto mode's step times (Tuner)
 
 
 @runtime_checkable
@@ -99,11 +102,16 @@ class Decision:
 
 
 class Tuner:
-    def __init__(self, target: Tunable, compression: Compression, model_sees_uncompressed: bool = True) -> None:
-        """``model_sees_uncompressed``: False when auto mode's uncompressed steps bypass the shards
-        (``automode``'s module doc)."""
+    def __init__(self, target: Tunable, compression: Compression,
+                 uncompressed_probe: Callable[[int], float | None] | None = None,
+                 model_sees_uncompressed: bool = True) -> None:
+        """``uncompressed_probe(nbytes)``: the front end's all_reduce rate (bytes/s) on the path its
+        uncompressed steps take, or None when they go through the shards; a collective, called
+        on every rank at each auto-mode decision. ``model_sees_uncompressed``: False when those
+        steps bypass the shards and no probe measures their path (``automode``'s module doc)."""
         self.target = target
         self.compression = compression
+        self.uncompressed_probe = uncompressed_probe
         self.interval = max(1, compression.interval)
         self.rank0 = target.rank == 0
         self.average = RunningAverage() if compression.adaptive and self.rank0 else None
@@ -115,15 +123,20 @@ class Tuner:
         self.modes = ModeChooser(model_sees_uncompressed)  # auto mode, rank 0
         self._last_step_end: float | None = None
         self._skip_sample = True  # the first step after a switch pays one-off costs: not a sample
+        # so do a process's first steps (allocation, first touch, connections): in a 10 Gbit/s
+        # cluster-benchmark run (auto:5) steps 1-7 took ~1.5x the later ones in either mode, and
+        # the mode measured first, in them, lost to the other for the rest of the run
+        self._settling = _SETTLE_STEPS
 
     def after_step(self) -> None:
         """Called by the front end after each step (``target.stats`` is that step's)."""
         step = self.target.stats.step
         now = time.perf_counter()
         sampling = self.compression.auto and self.rank0 and step >= self.target.warmup_steps
-        if sampling and self._last_step_end is not None and not self._skip_sample:
+        if sampling and self._last_step_end is not None and not self._skip_sample and not self._settling:
             self.modes.record(now - self._last_step_end)
         self._skip_sample = False
+        self._settling = max(0, self._settling - 1)
         try:
             self._after_step(step)
         finally:
@@ -137,7 +150,10 @@ class Tuner:
         due_adaptive = self.compression.adaptive and (step + 1) % self.interval == 0
         if not (due_auto or due_adaptive):
             return
-        mine = self._decide(due_auto, due_adaptive).as_dict() if self.rank0 else None
+        # every rank takes part in the front end's probe (a collective); rank 0 decides with it
+        uncompressed_bps = (self.uncompressed_probe(_COLLECTIVE_PROBE_BYTES) or 0.0) \
+            if due_auto and self.uncompressed_probe is not None else 0.0
+        mine = self._decide(due_auto, due_adaptive, uncompressed_bps).as_dict() if self.rank0 else None
         self._apply(Decision.from_dict(broadcast_object(mine, root_rank=0)))
 
     # ---- checkpoints ----------------------------------------------------------------------------------
@@ -165,21 +181,24 @@ class Tuner:
             raise CheckpointError(f"the tuner's state in the checkpoint does not fit: {exc!r}") from None
         self.history = history
         self._last_step_end, self._skip_sample = None, True  # a resumed step pays one-off costs
+        self._settling = _SETTLE_STEPS
 
     # ---- rank 0 -------------------------------------------------------------------------------------
 
-    def _decide(self, auto: bool, adaptive: bool) -> Decision:
+    def _decide(self, auto: bool, adaptive: bool, uncompressed_bps: float = 0.0) -> Decision:
         decision = Decision(self.target.next_round)
         if auto:
-            figures = measure(self.target, list(self.names))
+            figures = measure(self.target, list(self.names), uncompressed_bps)
             compress, reason = self.modes.choose(self.target.compress, figures)
             decision = dataclasses.replace(decision, compress=compress, reason=reason, figures=figures,
                                            measured=self.modes.medians())
             log.info("auto mode: %s (%s; measured step %s; model: rate %.0f MB/s: probe %.0f, pipeline %.0f; "
-                     "%.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; exposed %.1f ms compressed vs %.1f ms not)",
+                     "all_reduce %.0f; %.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; exposed %.1f ms "
+                     "compressed vs %.1f ms not)",
                      "compress" if compress else "no compression", reason,
                      {k: f"{v * 1e3:.1f} ms" for k, v in decision.measured.items()},
                      figures.throughput_bps / 1e6, figures.probe_bps / 1e6, figures.pipeline_bps / 1e6,
+                     figures.uncompressed_bps / 1e6,
                      figures.fp32_bytes / 1e6, figures.compressed_bytes / 1e6,
                      figures.codec_s * 1e3, figures.overlap_s * 1e3, figures.exposed(True) * 1e3,
                      figures.exposed(False) * 1e3)

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from ..v1 import ps_pb2
 from .autotune import Decision
 from .errors import CgxPsError, ConfigError
-from .frontend import StepDriver, SyncOptions
+from .frontend import StepDriver, SyncOptions, uncompressed_path
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import StepStats
 
@@ -84,12 +84,6 @@ __all__ = ["DDPHookState", "ddp_comm_hook", "early_handover", "uncompressed_path
 # training starts. Weak: a state dropped before training (no DDP model holds it) takes no part.
 _waiting: list[weakref.ref] = []
 _waiting_lock = threading.Lock()
-
-
-def uncompressed_path(compress: bool, via: str, group_available: bool) -> str:
-    """How this step's buckets are averaged: "shards" (the block pipeline, compressed or not) or
-    "allreduce" (DDP's own, for auto mode's uncompressed steps when a process group is there)."""
-    return "allreduce" if not compress and via == "allreduce" and group_available else "shards"
 
 
 def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_graph: bool,

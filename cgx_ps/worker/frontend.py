@@ -16,6 +16,11 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
     driver.finish_elsewhere(waiting_since)   # or: the step was averaged without the shards
     driver.after_step()                      # the tuner (its broadcast blocks) and metrics
 
+On auto mode's uncompressed steps, ``uncompressed_path`` sends a step past the shards when a
+process group is there: the DDP hook averages its buckets with DDP's allreduce (then
+``finish_elsewhere``); the optimizer passes a ``collective.BlockAllreduce`` as ``collective`` to
+``submit_ready``, ``submit_rest``, ``finish`` and ``abort``, and its blocks go there instead.
+
 ``after_step`` runs once per finished step: from ``DistributedOptimizer.step()``, or, when no one
 called it (DDP has no step; a GradScaler that skipped ``step()``), at the next step's first
 gradient, on the training thread, never on the communication thread.
@@ -27,6 +32,7 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..v1 import ps_pb2
 from .autotune import Decision, Tuner
@@ -36,9 +42,22 @@ from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .metrics import after_step as export_step_metrics
 from .pipeline import BlockPipeline, PipelineSpec, StepStats
 
-__all__ = ["StepDriver", "SyncOptions", "UNCOMPRESSED_VIA"]
+if TYPE_CHECKING:
+    from .collective import BlockAllreduce
 
-UNCOMPRESSED_VIA = ("allreduce", "shards")  # where auto mode's uncompressed steps can go
+__all__ = ["StepDriver", "SyncOptions", "UNCOMPRESSED_VIA", "uncompressed_path"]
+
+# where auto mode's uncompressed steps go: a native allreduce on a process group (when there is
+# one), or the shards' fp32 path
+UNCOMPRESSED_VIA = ("allreduce", "shards")
+
+
+def uncompressed_path(compress: bool, via: str, group_available: bool) -> str:
+    """How this step's gradients are averaged: "shards" (the block pipeline, compressed or not) or
+    "allreduce" (auto mode's uncompressed steps, when a process group is there: DDP's own for the
+    hook, ``collective.BlockAllreduce`` for the optimizer). Every rank applies auto mode's decision
+    (``compress``) at the same step boundary, so every rank takes the same path."""
+    return "allreduce" if not compress and via == "allreduce" and group_available else "shards"
 
 
 @dataclass(frozen=True)
@@ -76,10 +95,14 @@ class SyncOptions:
 class StepDriver:
     """One front end's pipeline and the bookkeeping of its steps (see the module doc)."""
 
-    def __init__(self, pipe: BlockPipeline, options: SyncOptions) -> None:
+    def __init__(self, pipe: BlockPipeline, options: SyncOptions,
+                 uncompressed_probe: Callable[[int], float | None] | None = None) -> None:
+        """``uncompressed_probe``: for auto mode, the all_reduce rate of the path the front end's
+        uncompressed steps take, or None when they go through the shards (``autotune.Tuner``)."""
         self.pipe, self.options = pipe, options
         compression = options.compression
-        self.tuner = Tuner(pipe, compression, model_sees_uncompressed=options.uncompressed_via == "shards") \
+        self.tuner = Tuner(pipe, compression, uncompressed_probe,
+                           model_sees_uncompressed=options.uncompressed_via == "shards" or uncompressed_probe is not None) \
             if compression.adaptive or compression.auto else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block
@@ -91,9 +114,12 @@ class StepDriver:
         self._after_pending = False  # a step finished and its after-work has not run
 
     @classmethod
-    def open_together(cls, named_tensors_per_model: list, options: list[SyncOptions]) -> list["StepDriver"]:
+    def open_together(cls, named_tensors_per_model: list, options: list[SyncOptions],
+                      uncompressed_probes: Sequence[Callable[[int], float | None] | None] | None = None
+                      ) -> list["StepDriver"]:
         pipes = BlockPipeline.open_together([o.spec(t) for t, o in zip(named_tensors_per_model, options)])
-        return [cls(p, o) for p, o in zip(pipes, options)]
+        probes = uncompressed_probes or [None] * len(pipes)
+        return [cls(p, o, probe) for p, o, probe in zip(pipes, options, probes)]
 
     # ---- a step ------------------------------------------------------------------------------
 
@@ -114,20 +140,32 @@ class StepDriver:
     def last_gradient_at(self) -> float:
         return self._last
 
-    def submit_ready(self, names, grad_of: TensorOf, out_of: TensorOf | None = None) -> list[int]:
+    def submit_ready(self, names, grad_of: TensorOf, out_of: TensorOf | None = None,
+                     collective: BlockAllreduce | None = None) -> list[int]:
         """Start the blocks these tensors complete; returns them."""
         blocks = self.pipe.tensors_ready(names)
-        for block in blocks:
-            self.pipe.submit(block, grad_of, self.in_place.allowed, out_of)
+        self._start(blocks, grad_of, out_of, collective)
         return blocks
 
-    def submit_rest(self, grad_of: TensorOf, out_of: TensorOf | None = None) -> None:
-        for block in self.pipe.take_unsubmitted():
+    def submit_rest(self, grad_of: TensorOf, out_of: TensorOf | None = None,
+                    collective: BlockAllreduce | None = None) -> None:
+        self._start(self.pipe.take_unsubmitted(), grad_of, out_of, collective)
+
+    def _start(self, blocks: list[int], grad_of: TensorOf, out_of: TensorOf | None,
+               collective: BlockAllreduce | None) -> None:
+        if collective is not None:  # this step is averaged on a process group, not the shards
+            collective.ready(blocks, grad_of)
+            return
+        for block in blocks:
             self.pipe.submit(block, grad_of, self.in_place.allowed, out_of)
 
-    def finish(self, waiting_since: float | None = None) -> StepStats:
+    def finish(self, waiting_since: float | None = None, collective: BlockAllreduce | None = None) -> StepStats:
         """Wait for every block (raises the first error, the step aborted), end the step."""
-        return self._end_step(lambda backward_s: self.pipe.finish_step(backward_s, waiting_since))
+        if collective is None:
+            return self._end_step(lambda backward_s: self.pipe.finish_step(backward_s, waiting_since))
+        since = time.perf_counter() if waiting_since is None else waiting_since
+        collective.wait(self.options.allow_non_finite)
+        return self.finish_elsewhere(since)
 
     def finish_elsewhere(self, waiting_since: float) -> StepStats:
         """End a step the front end averaged without the shards (``pipe.step_done_elsewhere``)."""
@@ -142,8 +180,10 @@ class StepDriver:
             self._after_pending = True
         return stats
 
-    def abort(self) -> None:
+    def abort(self, collective: BlockAllreduce | None = None) -> None:
         """Forget this step (after an error): the next gradient starts a new one."""
+        if collective is not None:
+            collective.abort()
         self.pipe.abort_step()
         with self._lock:
             self._first = None

@@ -19,6 +19,12 @@ the pipeline's flat float32 buffers instead (``buffers.work_in_place``). Between
 ``step()`` the gradients belong to the pipeline: change them only after ``synchronize()``; a
 step that raised may leave them partly averaged, so compute them again before retrying.
 
+Auto mode (``compression="auto"``) with a ``torch.distributed`` process group: the steps it sends
+uncompressed skip the shards and average each block with all_reduce on the group as backward
+completes it (``collective.py``), so where compression does not pay the optimizer costs what
+DDP costs; every rank applies auto mode's decisions at the same step, so every rank takes the
+same path (``frontend.uncompressed_path``, shared with the DDP hook).
+
 For gradient clipping after synchronization (Horovod style)::
 
     opt.synchronize()
@@ -35,12 +41,14 @@ import threading
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from .. import timeline
 from ..v1 import ps_pb2
 from .autotune import Decision
+from .collective import BlockAllreduce, allreduce_rate, collective_group
 from .errors import CgxPsError, ConfigError
-from .frontend import StepDriver, SyncOptions
+from .frontend import StepDriver, SyncOptions, uncompressed_path
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import StepStats
 
@@ -53,7 +61,8 @@ class _DistributedMixin:
     it knows the parameters, their hooks and ``.grad``; the pipeline knows blocks."""
 
     def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], options: SyncOptions,
-                   backward_passes_per_step: int) -> None:
+                   backward_passes_per_step: int, uncompressed_via: str,
+                   process_group: "dist.ProcessGroup | None") -> None:
         if not isinstance(backward_passes_per_step, numbers.Integral) or backward_passes_per_step < 1:
             raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         names = [n for n, _ in named_parameters]
@@ -75,13 +84,20 @@ class _DistributedMixin:
         self._cgx_frozen = [p for p in all_params if id(p) not in named_ids]
         self._cgx_params = dict(named_parameters)
         self._cgx_name_of = {id(p): n for n, p in named_parameters}
-        self._cgx_driver = StepDriver.open_together([named_parameters], [options])[0]
+        # auto mode's uncompressed steps: all_reduce on this group when there is one (the given
+        # one, else the default group), per block in the order of registration (collective.py);
+        # auto mode's model measures that all_reduce
+        self._cgx_uncompressed_via, self._cgx_process_group = uncompressed_via, process_group
+        self._cgx_driver = StepDriver.open_together([named_parameters], [options], [self._cgx_probe_allreduce])[0]
         self._cgx_pipe = self._cgx_driver.pipe
         self._cgx_backward_passes = backward_passes_per_step
         self._cgx_lock = threading.Lock()
         self._cgx_synchronized = False
         self._cgx_skip = False
         self._cgx_passes: dict[int, int] = {}  # backward passes seen this step, per parameter
+        self._cgx_allreduce: BlockAllreduce | None = None  # opened at the first step that uses it
+        self._cgx_routed = False  # this step's route is chosen (at its first gradient)
+        self._cgx_route: BlockAllreduce | None = None  # and it is: this collective, or None (the shards)
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad)
                            for p in self._cgx_params.values() if p.requires_grad]
 
@@ -100,7 +116,7 @@ class _DistributedMixin:
             raise CgxPsError(f"{name}: gradient computed {passes} times before step(), but backward_passes_per_step="
                              f"{self._cgx_backward_passes}; raise it to the number of backward passes per step")
         if passes == self._cgx_backward_passes:  # else accumulating: communicate after the last pass
-            self._cgx_driver.submit_ready([name], self._cgx_grad_of)
+            self._cgx_driver.submit_ready([name], self._cgx_grad_of, collective=self._cgx_collective())
 
     def _cgx_grad_of(self, name: str) -> torch.Tensor | None:
         return self._cgx_params[name].grad
@@ -116,6 +132,35 @@ class _DistributedMixin:
     def _cgx_next_step(self) -> None:
         with self._cgx_lock:
             self._cgx_passes = {}
+            self._cgx_routed, self._cgx_route = False, None
+
+    def _cgx_collective(self) -> BlockAllreduce | None:
+        """Where this step's blocks go: a process group's all_reduce (auto mode sends this step
+        uncompressed and a group is there) or None, the shards. Chosen once per step, at its
+        first gradient, after auto mode's decision was applied (at the same step on every rank)."""
+        with self._cgx_lock:
+            if not self._cgx_routed:
+                self._cgx_route = self._cgx_open_route()
+                self._cgx_routed = True
+            return self._cgx_route
+
+    def _cgx_probe_allreduce(self, nbytes: int) -> float | None:
+        """The all_reduce rate of auto mode's uncompressed steps, or None: they use the shards."""
+        group = collective_group(self._cgx_process_group, self._cgx_uncompressed_via)
+        return allreduce_rate(self._cgx_allreduce_on(group).group, nbytes) if group is not None else None
+
+    def _cgx_open_route(self) -> BlockAllreduce | None:
+        pipe, via = self._cgx_pipe, self._cgx_uncompressed_via
+        group = None if pipe.compress else collective_group(self._cgx_process_group, via)
+        if uncompressed_path(pipe.compress, via, group is not None) != "allreduce":
+            return None
+        return self._cgx_allreduce_on(group)
+
+    def _cgx_allreduce_on(self, group: "dist.ProcessGroup") -> BlockAllreduce:
+        """The collective on ``group``, opened (the group checked) at its first use."""
+        if self._cgx_allreduce is None or self._cgx_allreduce.group is not group:
+            self._cgx_allreduce = BlockAllreduce.open(self._cgx_pipe, group, list(self._cgx_params))
+        return self._cgx_allreduce
 
     # ---- synchronize / step ---------------------------------------------------------------------
 
@@ -132,11 +177,13 @@ class _DistributedMixin:
             raise CgxPsError(f"{len(thawed)} tensor(s) were frozen (requires_grad=False) when the "
                              f"DistributedOptimizer was created but have gradients now; ranks would update them "
                              f"apart: create the DistributedOptimizer after unfreezing")
+        collective = None
         try:
-            driver.submit_rest(self._cgx_grad_of)
-            driver.finish()
+            collective = self._cgx_collective()
+            driver.submit_rest(self._cgx_grad_of, collective=collective)
+            driver.finish(collective=collective)
         except BaseException:
-            driver.abort()
+            driver.abort(collective)
             self._cgx_next_step()
             raise
         for block in range(pipe.num_blocks):
@@ -220,6 +267,8 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     warmup_steps: int = 0,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     allow_non_finite: bool = False,
+    uncompressed_via: str = "allreduce",
+    process_group: "dist.ProcessGroup | None" = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` averages gradients across all workers through the
     shards, compressed.
@@ -245,6 +294,15 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
                 scaler.step(opt)
             scaler.update()
 
+    uncompressed_via: where the steps auto mode sends uncompressed go: "allreduce" (default:
+        ``torch.distributed`` all_reduce on ``process_group``, or on the default group once
+        ``torch.distributed`` is initialized, block by block as backward completes them, so a link
+        fast enough that compression does not pay costs what DDP costs; without a group, the
+        shards) or "shards" (fp32 through the shards). The group must hold every worker of the
+        job (local ranks too: such a step skips the node's shared-memory reduction); the
+        first such step checks it. Other compression modes never use it.
+    process_group: the group for those steps (default: the default group).
+
     ``state_dict()`` adds a ``"cgx_ps"`` entry to the wrapped optimizer's state (counters, codec
     settings, auto/adaptive state, this rank's error-feedback residuals); ``load_state_dict()``
     before the first step resumes bit for bit (``cgx.Checkpoints``, docs/deploy.md).
@@ -258,10 +316,17 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                and isinstance(item[1], torch.Tensor) for item in named_parameters):
         raise ConfigError("named_parameters must give (name, tensor) pairs, e.g. model.named_parameters()")
+    options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite,
+                             uncompressed_via)  # checks them all, uncompressed_via included
+    if process_group is not None:
+        if uncompressed_via != "allreduce":
+            raise ConfigError("process_group is only used with uncompressed_via='allreduce'")
+        if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise ConfigError(f"process_group must be a torch.distributed ProcessGroup, got "
+                              f"{type(process_group).__name__}")
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedMixin, type(optimizer)), {})
-    dist = cls.__new__(cls)
-    dist.__dict__.update(optimizer.__dict__)  # share param_groups, state and hooks
-    options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite)
-    dist._cgx_setup(named, options, backward_passes_per_step)
-    return dist
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # share param_groups, state and hooks
+    wrapped._cgx_setup(named, options, backward_passes_per_step, uncompressed_via, process_group)
+    return wrapped

@@ -88,6 +88,7 @@ class BlockPipeline:
         self.stats = StepStats()
         self._engine = engine
         self._exchanged = False  # a block went to the shards in this session (a resume must come first)
+        self._to_shards = False  # a block went to the shards in this step
         self._reducer = node_reducer(layout, config, set(devices.values()), engine.round_timeout_s,
                                      run_tag=engine.session_id)
         self._lock = threading.Lock()  # tensors_ready may run on several autograd threads
@@ -135,6 +136,11 @@ class BlockPipeline:
     def intranode(self) -> str | None:
         """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
         return self._reducer.transport if self._reducer is not None else None
+
+    @property
+    def session_id(self) -> str:
+        """The shards' id of this job's session (the same on every rank of the job)."""
+        return self._engine.session_id
 
     def blocks_of(self, names: Iterable[str]) -> list[int]:
         """The blocks holding any of these tensors, in order."""
@@ -188,16 +194,8 @@ class BlockPipeline:
         round_, seq = block.round, block.round - block.base + 1  # the job's round; the session's count
         timeline.step_begins(round_)
         hand_over = timeline.mark()
-        if reducer is not None:
-            reducer.before_write(block_id, seq)  # the owner: peers took the last result from our buffer
-        direct = in_place and reducer is None
-        span = self.buffers.span(block_id, grad_of) if direct else None
-        if span is None:
-            self.buffers.fill(block_id, grad_of)
-        out = span if out_of is None else self.buffers.span(block_id, out_of) if direct else None
-        block.work = block.buffer if span is None else span
-        block.result = block.buffer if out is None else out
-        block.in_place = span is not None and out is not None
+        self._to_shards = True
+        self.take_in(block_id, grad_of, in_place and reducer is None, out_of)
         ready = None
         if block.work.is_cuda:  # the communication thread must not read the gradient before the copies ran
             ready = torch.cuda.Event()
@@ -211,6 +209,26 @@ class BlockPipeline:
         block.round += 1
         running.add_done_callback(lambda done, future=block.future: _settle(future, done))
         return block.future
+
+    def take_in(self, block_id: int, grad_of: TensorOf, in_place: bool = False,
+                out_of: TensorOf | None = None) -> torch.Tensor:
+        """This step's gradient of the block as one flat float32 tensor: with ``in_place``, the
+        front end's own memory where the block's gradients lie end to end in one float32 tensor
+        (``buffers.span``), else the block buffer, copied in (``grad_of(name)``: the tensor's
+        gradient, None for zeros). Its average is written there too, unless ``out_of`` says
+        otherwise (``submit``). ``submit`` starts with it; a step averaged elsewhere
+        (``collective.BlockAllreduce``, no ``out_of``) averages what it returns."""
+        block = self._blocks[block_id]
+        span = self.buffers.span(block_id, grad_of) if in_place else None
+        if span is None:
+            if self._reducer is not None:  # the owner: peers took the last result from our buffer
+                self._reducer.before_write(block_id, block.round - block.base + 1)
+            self.buffers.fill(block_id, grad_of)
+        out = span if out_of is None else self.buffers.span(block_id, out_of) if in_place else None
+        block.work = block.buffer if span is None else span
+        block.result = block.buffer if out is None else out
+        block.in_place = span is not None and out is not None
+        return block.work
 
     def future(self, block_id: int) -> torch.futures.Future:
         """Completes with the bytes this process pushed for the block (0: another local rank
@@ -236,11 +254,7 @@ class BlockPipeline:
                 try:
                     pushed = block.future.wait()
                 except CodecError as exc:  # e.g. NaN/Inf in a gradient: say whose
-                    names = sorted(set(self.buffers.tensors_in(block.spec.block_id)))
-                    raise CgxPsError(f"rank {self.config.rank}: cannot encode the gradient of "
-                                     f"{', '.join(names)}: {exc}. With mixed precision (a GradScaler), pass "
-                                     f"allow_non_finite=True: every rank then sees the overflow and the "
-                                     f"scaler skips the step everywhere") from exc
+                    raise self.gradient_error(block.spec.block_id, "cannot encode the gradient of", str(exc)) from exc
                 stats.bytes_pushed += pushed
                 stats.fp32_bytes += 4 * block.spec.numel if pushed else 0
         except BaseException:
@@ -255,15 +269,26 @@ class BlockPipeline:
         self._next_step()
         return stats
 
+    def gradient_error(self, block_id: int, problem: str, detail: str = "") -> CgxPsError:
+        """The error for a block whose gradient cannot be averaged (NaN/Inf without
+        ``allow_non_finite``): "rank R: <problem> <the block's tensors>: <detail>. <what to do>"."""
+        names = ", ".join(sorted(set(self.buffers.tensors_in(block_id))))
+        return CgxPsError(f"rank {self.config.rank}: {problem} {names}{': ' + detail if detail else ''}. "
+                          f"With mixed precision (a GradScaler), "
+                          f"pass allow_non_finite=True: every rank then sees the overflow and the scaler skips the "
+                          f"step everywhere")
+
     def step_done_elsewhere(self, backward_s: float, waiting_since: float) -> StepStats:
-        """Count a step whose gradients were averaged without the shards (the DDP hook's
-        uncompressed steps go through DDP's allreduce): nothing was submitted, no round is used
-        (the shards' round counters continue where they stopped), the tuner sees a step."""
-        if any(b.submitted for b in self._blocks):
+        """Count a step whose gradients were averaged without the shards (auto mode's uncompressed
+        steps through a native allreduce: the DDP hook's buckets, ``collective.BlockAllreduce``'s
+        blocks taken in with ``take_in``): no block went to the shards, no round is used (the
+        shards' round counters continue where they stopped), the tuner sees a step."""
+        if self._to_shards:
             self.abort_step()
             raise CgxPsError("a step is averaged either through the shards or elsewhere, not both")
         stats = StepStats(step=self.steps, compressed=False, backward_s=backward_s, path="allreduce",
-                          exposed_comm_s=max(0.0, time.perf_counter() - waiting_since))
+                          exposed_comm_s=max(0.0, time.perf_counter() - waiting_since),
+                          in_place_blocks=sum(b.in_place for b in self._blocks))
         self.stats, self.steps = stats, self.steps + 1
         self._next_step()
         return stats
@@ -274,18 +299,20 @@ class BlockPipeline:
 
     def _next_step(self) -> None:
         with self._lock:
+            self._to_shards = False
             for block in self._blocks:
                 block.arrived, block.submitted, block.future = set(), False, torch.futures.Future()
+                block.in_place = False
 
     def copy_out(self, block_id: int, out_of: TensorOf) -> None:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
         (skipping those for which it returns None)."""
         block = self._blocks[block_id]
-        if block.result is None:  # in place and already written back this step: nothing is left to copy
+        if block.result is None:  # decoded into the front end's memory and written back: nothing to copy
             return
         with timeline.span("write-back", block.round - 1, block=block_id):
             self.buffers.copy_out(block_id, out_of, block.result)
-        if block.in_place:
+        if block.result is not block.buffer:
             # the front end's memory (a .grad that zero_grad() sets to None) must not stay
             # allocated through the next forward and backward because a block still points at it
             block.result = None

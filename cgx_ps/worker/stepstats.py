@@ -27,8 +27,9 @@ class StepStats:
     comm_window_s: float = 0.0  # this process's first push to its last result
     in_place_blocks: int = 0  # blocks encoded from and decoded into the front end's memory: no copies
     early_gradients: int = 0  # DDP hook: gradients it took from autograd before DDP copied them (ddp_hook.py)
-    path: str = "shards"  # how the step was averaged: "shards", or "allreduce" (the DDP hook's
-    # uncompressed steps in auto mode go through DDP's own allreduce, not the shards)
+    path: str = "shards"  # how the step was averaged: "shards", or "allreduce" (auto mode's
+    # uncompressed steps with a process group: DDP's own allreduce for the hook, all_reduce per
+    # block for the optimizer; not the shards)
 
     @property
     def ratio(self) -> float:

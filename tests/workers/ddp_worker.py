@@ -106,6 +106,55 @@ def allreduce_fallback_run(rank: int, steps: int = 4) -> dict:
     return {"before": before, "final": _snapshot(model), "paths": paths, "rounds": rounds}
 
 
+def optimizer_allreduce_run(rank: int) -> dict:
+    """The DistributedOptimizer's auto-mode uncompressed steps go through all_reduce on the
+    default (gloo) group: steps 1, 2, 4 and 5 are switched to uncompressed on every rank at the
+    same step boundary, as auto mode's decision is (set here on the pipeline, as the tuner does).
+    At step 4 rank 1's gradient overflows: without allow_non_finite every rank must refuse it."""
+    model = _model()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression="4bit", block_bytes=BLOCK_BYTES)
+    pipe = opt._cgx_pipe  # what auto mode's tuner sets: no public switch, on purpose
+    named = list(model.named_parameters())
+    before, paths, rounds, in_place, errors = [], [], [], [], []
+    for step in range(6):
+        if step in (1, 3, 4):
+            pipe.apply(step == 3, {})
+        before.append(_snapshot(model))
+        opt.zero_grad()
+        handle = _inject_inf(model, "0.weight") if step == 4 and rank == 1 else None
+        _loss(model, named, rank, step).backward()
+        if handle is not None:
+            handle.remove()
+        try:
+            opt.step()
+        except cgx.CgxPsError as exc:
+            errors.append(str(exc))
+            paths.append("error")
+        else:
+            paths.append(opt.stats.path)
+        rounds.append(pipe.next_round)
+        in_place.append(opt.stats.in_place_blocks)
+    return {"before": before, "final": _snapshot(model), "paths": paths, "rounds": rounds,
+            "in_place": in_place, "blocks": len(opt.layout.blocks), "errors": errors, "intranode": opt.intranode}
+
+
+def optimizer_auto_group_run(rank: int, steps: int = 4) -> dict:
+    """Real auto mode (deciding after steps 0, 1 and 3) with the default group: its model
+    measures the group's all_reduce, and each step goes where the decision before it said."""
+    model = _model()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression="auto:2", block_bytes=BLOCK_BYTES)
+    named = list(model.named_parameters())
+    paths = []
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, named, rank, step).backward()
+        opt.step()
+        paths.append(opt.stats.path)
+    return {"final": _snapshot(model), "paths": paths, "tuning": [d.as_dict() for d in opt.tuning_history]}
+
+
 def plain_ddp_run(rank: int, steps: int = 3) -> dict:
     model = _model()
     initial = _snapshot(model)
@@ -179,8 +228,9 @@ def _inject_inf(model: torch.nn.Module, name: str) -> torch.utils.hooks.Removabl
     return dict(model.named_parameters())[name].register_hook(poison)
 
 
-def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1) -> dict:
-    """fp16 autocast + GradScaler; at ``overflow_step`` rank 1's gradient overflows."""
+def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1, uncompressed: bool = False) -> dict:
+    """fp16 autocast + GradScaler; at ``overflow_step`` rank 1's gradient overflows.
+    ``uncompressed``: every step as auto mode's uncompressed ones (the optimizer: all_reduce)."""
     model = _model()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     if front_end == "ddp":
@@ -191,8 +241,10 @@ def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1) -
         net = model
         opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                        compression="4bit", block_bytes=BLOCK_BYTES, allow_non_finite=True)
+        if uncompressed:
+            opt._cgx_pipe.apply(False, {})  # as auto mode's decision
     named = list(model.named_parameters())
-    scales, changed = [], []
+    scales, changed, paths = [], [], []
     for step in range(steps):
         before = _snapshot(model)
         opt.zero_grad()
@@ -210,9 +262,10 @@ def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1) -
                 scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
+        paths.append(opt.stats.path if front_end != "ddp" else None)
         after = _snapshot(model)
         changed.append(any(not torch.equal(before[n], after[n]) for n in after))
-    return {"final": _snapshot(model), "scales": scales, "changed": changed}
+    return {"final": _snapshot(model), "scales": scales, "changed": changed, "paths": paths}
 
 
 def bf16_run(rank: int, steps: int = 3, overflow_step: int = 1) -> dict:
@@ -275,6 +328,13 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "bf16": bf16_run,
     "foreign_module": foreign_module_run,
 }
+# run only when named (tests/test_ddp_hook.py's second launch): the optimizer's auto-mode
+# uncompressed steps on the process group
+ON_REQUEST = {
+    "optimizer_allreduce": optimizer_allreduce_run,
+    "optimizer_auto_group": optimizer_auto_group_run,
+    "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
+}
 
 
 def main() -> None:
@@ -298,7 +358,7 @@ def main() -> None:
             cgx.init(local_rank=0, local_world_size=1, node_rank=rank, num_nodes=world, job_id=job)
         t0 = time.perf_counter()
         try:
-            results[name] = SCENARIOS[scenario](rank)
+            results[name] = {**SCENARIOS, **ON_REQUEST}[scenario](rank)
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
         t1 = time.perf_counter()

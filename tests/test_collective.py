@@ -1,0 +1,67 @@
+"""The pure decisions behind auto mode's uncompressed steps on a process group (collective.py,
+frontend.uncompressed_path) and the optimizer's options for them. The real all_reduce steps,
+with two processes, gloo and real shards: tests/test_ddp_hook.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import cgx_ps.worker as cgx
+from cgx_ps.worker.automode import AutoFigures
+from cgx_ps.worker.collective import collective_group, group_problem, launch_order
+from cgx_ps.worker.frontend import uncompressed_path
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+
+def test_only_auto_modes_uncompressed_steps_with_a_group_leave_the_shards():
+    assert uncompressed_path(False, "allreduce", True) == "allreduce"
+    assert uncompressed_path(True, "allreduce", True) == "shards"  # compressed steps always use the shards
+    assert uncompressed_path(False, "allreduce", False) == "shards"  # no group: the shards' fp32 path
+    assert uncompressed_path(False, "shards", True) == "shards"
+    assert collective_group(None, "shards") is None
+    assert collective_group(None, "allreduce") is None  # torch.distributed not initialized here
+
+
+def test_auto_modes_model_takes_the_all_reduce_rate_for_uncompressed_steps_when_measured():
+    # 64 MB of fp32, 8 MB compressed; the shards move 100 MB/s, the group all-reduces 1 GB/s
+    shards = AutoFigures(1e8, 1e8, 0.0, 64 << 20, 8 << 20, 0.05, 0.1)
+    group = dataclasses.replace(shards, uncompressed_bps=1e9)
+    assert shards.exposed(False) == pytest.approx(2 * (64 << 20) / 1e8 - 0.1)  # push + pull through the shards
+    assert group.exposed(False) == 0.0  # 67 ms of all_reduce hide behind 100 ms of backward
+    assert group.exposed(True) == shards.exposed(True)  # compressed steps use the shards either way
+    assert shards.exposed(True) < shards.exposed(False) and group.exposed(False) < group.exposed(True)
+
+
+def test_blocks_launch_in_reverse_registration_order_of_their_earliest_tensor():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+    named = list(model.named_parameters())
+    layout = build_layout([TensorInfo.of(n, p) for n, p in named], 2, Compression(), block_bytes=16384)
+    # sorted by name, by codec: [0.bias + 2.bias], 0.weight in 4096-element blocks 1..4, its tail
+    # with the head of 2.weight (block 5), the rest of 2.weight (block 6)
+    order = launch_order(layout, [n for n, _ in named])
+    assert order == [6, 0, 1, 2, 3, 4, 5]
+    assert sorted(order) == list(range(len(layout.blocks)))
+    # the same layout from another registration order launches in another order: ranks must agree
+    assert launch_order(layout, [n for n, _ in reversed(named)]) != order
+
+
+def test_a_group_that_is_not_exactly_this_jobs_ranks_is_refused_with_the_reason():
+    ok = [[0, 11, 7], [1, 11, 7]]
+    assert group_problem([0, 11, 7], ok, 2) is None
+    assert "holds cgx-ps ranks [0], not this job's 2 ranks" in group_problem([0, 11, 7], ok[:1], 2)
+    assert "holds cgx-ps ranks [0, 0]" in group_problem([0, 11, 7], [[0, 11, 7], [0, 11, 7]], 2)
+    assert "different cgx-ps sessions" in group_problem([0, 11, 7], [[0, 11, 7], [1, 11, 8]], 2)
+    assert "different orders" in group_problem([0, 11, 7], [[0, 11, 7], [1, 12, 7]], 2)
+
+
+def test_bad_uncompressed_options_are_named_before_registering():
+    opt = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)
+    with pytest.raises(cgx.ConfigError, match="uncompressed_via must be one of"):
+        cgx.DistributedOptimizer(opt, compression="auto", uncompressed_via="nccl")
+    with pytest.raises(cgx.ConfigError, match="only used with uncompressed_via='allreduce'"):
+        cgx.DistributedOptimizer(opt, compression="auto", uncompressed_via="shards", process_group=object())
+    with pytest.raises(cgx.ConfigError, match="must be a torch.distributed ProcessGroup, got str"):
+        cgx.DistributedOptimizer(opt, compression="auto", process_group="gloo")
