@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["HOST_PIDS_ENV", "HostCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds"]
+__all__ = ["HOST_PIDS_ENV", "HostCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds", "resident_mb",
+           "thread_cpu_seconds"]
 
 # pids of the cgx-ps shards on a worker's host (shards.run_cgx sets it): HostCpu adds their CPU
 # to the host's per step
@@ -20,13 +21,42 @@ HOST_PIDS_ENV = "CGX_PS_BENCH_HOST_PIDS"
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def proc_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads), None if gone."""
+def _stat_cpu_seconds(stat: Path) -> float | None:
+    """User + system CPU seconds from a /proc stat file (a process's or a thread's), None if gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads), None if gone."""
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of a Python process's threads by group: the event loop (the main thread),
+    gRPC's own threads (they name themselves) and Python's worker threads (kernels: a shard's
+    executor and codec pool; Python does not name OS threads, so they are all "python")."""
+    groups = {"event loop": 0.0, "kernel threads": 0.0, "gRPC threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        seconds = _stat_cpu_seconds(task / "stat")
+        if seconds is None:
+            continue
+        group = "event loop" if task.name == str(pid) else "kernel threads" if comm == "python" else "gRPC threads"
+        groups[group] += seconds
+    return groups
+
+
+def resident_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` (VmRSS), MB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def machine_cpu_seconds(softirq: bool = False) -> tuple[float, ...]:

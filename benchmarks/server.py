@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.procstat import proc_cpu_seconds, resident_mb, thread_cpu_seconds
 from cgx_ps.kernels import quantize
 from cgx_ps.security import ChannelSecurity, new_token_file
 from cgx_ps.server import LocalCluster
@@ -156,35 +157,11 @@ def copy_seconds(payload: bytes, copies: int, creds: Credentials | None = None) 
 
 # ---- the shard rounds -------------------------------------------------------------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of stat)
-
-
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds of a process's threads by group: the event loop (the main thread), gRPC's own
-    threads (they name themselves) and Python's worker threads (kernels: the shard's executor and
-    the codec pool; Python does not name OS threads)."""
-    groups = {"event loop": 0.0, "kernel threads": 0.0, "gRPC threads": 0.0}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            comm = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        group = "event loop" if task.name == str(pid) else "kernel threads" if comm == "python" else "gRPC threads"
-        groups[group] += (int(fields[11]) + int(fields[12])) / _TICK
-    return groups
-
-
-def resident_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+def shard_cpu_seconds(pid: int) -> float:
+    seconds = proc_cpu_seconds(pid)
+    if seconds is None:
+        raise SystemExit(f"the shard (pid {pid}) is gone: see its log above")
+    return seconds
 
 
 @dataclass
@@ -224,7 +201,7 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
         for r, name in schedule:
             pid = targets[name][1]
             if r == 1:  # the shard's CPU from its first timed round to the end: work it finishes
-                started[name] = cpu_seconds(pid)  # after a round ends is counted too
+                started[name] = shard_cpu_seconds(pid)  # after a round ends is counted too
                 threads[name] = thread_cpu_seconds(pid)
             client0 = time.process_time()
             t = await one_round(clients[name], layout, payloads, r)
@@ -233,7 +210,7 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
                 out[name].client_cpu += time.process_time() - client0
         await asyncio.sleep(0.5)
         for name, cpu0 in started.items():
-            out[name].shard_cpu = cpu_seconds(targets[name][1]) - cpu0
+            out[name].shard_cpu = shard_cpu_seconds(targets[name][1]) - cpu0
             end = thread_cpu_seconds(targets[name][1])
             out[name].threads = {group: end[group] - threads[name][group] for group in end}
             out[name].rss_mb = resident_mb(targets[name][1])

@@ -228,7 +228,7 @@ def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(clust
 
 
 def test_early_handover_only_where_ddp_calls_the_hook_for_every_gradient_in_its_bucket_views():
-    from cgx_ps.worker.ddp_hook import early_handover
+    from cgx_ps.worker.handover import early_handover
 
     assert early_handover(True, True, False, False, True)
     for flags in [(False, True, False, False, True),  # the state holds the wrapped model, not DDP

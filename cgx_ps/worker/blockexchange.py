@@ -42,7 +42,6 @@ class BlockState:
 
     spec: ps_pb2.BlockSpec
     buffer: torch.Tensor  # in BlockBuffers: the gradient in, the average out
-    tensors: int  # distinct tensors in the block: arrivals that complete it
     settings: ps_pb2.CodecSettings  # current codec settings (adaptive bits change them)
     feedback: ErrorFeedback | None  # worker-side error feedback, when asked for
     # where this step's gradient is encoded from (``buffer`` again once encoded), and where its
@@ -53,9 +52,7 @@ class BlockState:
     result: torch.Tensor | None
     round: int = 0  # rounds submitted so far in the job: the next one's id (continues after a resume)
     base: int = 0  # the round this process's session began at: the intra-node flags count from it
-    # this step: tensors arrived, whether it was handed to the communication thread, and its result
-    arrived: set[str] = field(default_factory=set)
-    submitted: bool = False
+    # this step's result (which blocks can start: ``arrivals.py``)
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
     scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
     in_place: bool = False  # this step's work and result are the front end's memory: no copy in or out

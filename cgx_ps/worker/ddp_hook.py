@@ -30,17 +30,9 @@ buffers (``buffers.work_in_place`` says when in place is not allowed at all). DD
 the bucket into ``.grad``, unless it was built with ``gradient_as_bucket_view=True``: then the
 gradients are the bucket, and that copy goes too (recommended).
 
-Early hand-over (``early_handover``: the state holds the DDP model itself, built with
-``gradient_as_bucket_view=True``, no ``find_unused_parameters`` or ``static_graph``, blocks in
-place): after ``zero_grad(set_to_none=True)`` (torch's default) autograd hands every gradient
-over as a fresh tensor, and DDP's reducer copies it into its bucket before the bucket goes to the
-hook: one pass over every gradient per step, on the training thread, that
-``DistributedOptimizer`` never makes (issue 14: it was most of the hook's extra CPU per step). So
-from the step after DDP settles its buckets, a post-accumulate-grad hook on each parameter, which
-autograd runs before DDP's reducer sees the gradient, starts the gradient's blocks at once
-(encoded from autograd's tensor, as the optimizer does) and points ``.grad`` at the gradient's
-place in DDP's bucket: DDP finds it there and skips its copy, and the average is decoded into
-that place. ``no_sync()`` steps are left alone (DDP's reducer is not armed then).
+Early hand-over (``handover.py``): with the DDP model itself, built with
+``gradient_as_bucket_view=True``, gradients are taken from autograd as it finishes them, before
+DDP copies them into its bucket, and their averages decoded straight into the bucket.
 
 With DDP, DDP itself divides by nothing when a hook is registered: the pipeline averages (it
 divides the aggregate by the world size), as torch's ``allreduce_hook`` does. ``no_sync()``
@@ -72,10 +64,11 @@ from ..v1 import ps_pb2
 from .autotune import Decision
 from .errors import CgxPsError, ConfigError
 from .frontend import StepDriver, SyncOptions, uncompressed_path
+from .handover import EarlyHandover, StepGradients, is_ddp
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import StepStats
 
-__all__ = ["DDPHookState", "ddp_comm_hook", "early_handover", "uncompressed_path"]
+__all__ = ["DDPHookState", "ddp_comm_hook", "uncompressed_path"]
 
 
 # States created but not yet registered with the shards, in creation order (the same on every
@@ -84,16 +77,6 @@ __all__ = ["DDPHookState", "ddp_comm_hook", "early_handover", "uncompressed_path
 # training starts. Weak: a state dropped before training (no DDP model holds it) takes no part.
 _waiting: list[weakref.ref] = []
 _waiting_lock = threading.Lock()
-
-
-def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_graph: bool,
-                   in_place: bool) -> bool:
-    """Whether gradients go to the pipeline as autograd finishes them, straight into DDP's bucket
-    (module doc): only where DDP's bucket views are ``.grad`` (``gradient_as_bucket_view``) and
-    DDP calls the hook for every parameter as its gradient arrives (not ``find_unused_parameters``,
-    whose unused ones DDP fills in itself, nor ``static_graph``, which delays the first step's
-    hooks), and where blocks may work in place (no intra-node reduction, no tuner)."""
-    return is_ddp and bucket_view and not find_unused and not static_graph and in_place
 
 
 class DDPHookState:
@@ -109,8 +92,8 @@ class DDPHookState:
         the DDP wrapper) or "shards" (fp32 through the shards).
 
     Fastest: give it the DDP wrapper built with ``gradient_as_bucket_view=True`` and keep torch's
-    ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket (the
-    module doc). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a tensor
+    ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket
+    (``handover.py``). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a tensor
     across buckets, and a block starts as soon as its tensors' gradients have arrived.
     """
 
@@ -127,16 +110,8 @@ class DDPHookState:
         self._driver: StepDriver | None = None
         self._params: dict[str, torch.Tensor] = {}
         self._name_of: dict[int, str] = {}
-        # this step: each gradient handed over, where its blocks read it (autograd's tensor, or DDP's
-        # bucket) and where its average goes (its place in DDP's bucket); blocks may wait for others
-        self._sources: dict[str, torch.Tensor] = {}
-        self._targets: dict[str, torch.Tensor] = {}
-        self._early: set[str] = set()  # handed over early: its source is autograd's tensor
-        self._lock = threading.Lock()
-        # early hand-over: each gradient's view in DDP's settled buckets (learned from the buckets),
-        # and the post-accumulate-grad hooks (registered at the end of the first step)
-        self._views: dict[str, torch.Tensor] = {}
-        self._early_hooks: list | None = None
+        self._gradients = StepGradients()  # this step's hand-overs
+        self._early = EarlyHandover(module, self._gradients)
         with _waiting_lock:
             _waiting.append(weakref.ref(self))
 
@@ -162,7 +137,7 @@ class DDPHookState:
     def _named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         module = self.module
         inner = getattr(module, "module", None)
-        if _is_ddp(module) and isinstance(inner, torch.nn.Module):
+        if is_ddp(module) and isinstance(inner, torch.nn.Module):
             module = inner  # its names without DDP's "module." prefix: the same as the model's
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -196,27 +171,22 @@ class DDPHookState:
         group = self._group()
         if uncompressed_path(pipe.compress, self.uncompressed_via, group is not None) == "allreduce":
             return self._allreduce(bucket, driver, group)
+        gradients = self._gradients
         try:
             names = self._names(bucket.parameters())
             grads = dict(zip(names, bucket.gradients()))  # views into bucket.buffer()
-            if self._early_hooks and _buckets_settled(self.module):
-                self._views.update(grads)  # DDP's buckets are settled: next step's places
-            with self._lock:
-                for name, grad in grads.items():
-                    if name not in self._early:  # those handed over early are on their way
-                        self._sources[name] = self._targets[name] = grad
-            self._release(driver.submit_ready(names, self._sources.get, self._targets.get))
+            self._early.learn(grads)
+            gradients.from_bucket(grads)
+            gradients.release(driver, driver.submit_ready(names, gradients.source, gradients.target))
             last = bucket.is_last()  # DDP hands buckets over in order: every other one came before
             early = 0
             if last:
-                driver.submit_rest(self._sources.get, self._targets.get)  # tensors no bucket held: zeros
-                early = len(self._early)
-                self._forget_step()
-                if self._early_hooks is None:
-                    self._start_early_handover(driver)
+                driver.submit_rest(gradients.source, gradients.target)  # tensors no bucket held: zeros
+                early = gradients.forget()
+                self._early.arm_once(driver, self._params)
         except BaseException:
             driver.abort()
-            self._forget_step()
+            gradients.forget()
             raise
         blocks = pipe.blocks_of(names)
         waiting = list(range(pipe.num_blocks)) if last else blocks
@@ -234,64 +204,11 @@ class DDPHookState:
 
         return torch.futures.collect_all([pipe.future(b) for b in waiting]).then(averaged)
 
-    def _forget_step(self) -> None:
-        with self._lock:
-            self._sources, self._targets, self._early = {}, {}, set()
-
-    def _release(self, blocks: list[int]) -> None:
-        """Let go of autograd's tensors whose blocks are all submitted (each holds its gradient
-        until it is encoded): handed over early, they would otherwise live to the step's end."""
-        pipe = self._driver.pipe
-        with self._lock:
-            for block in blocks:
-                for name in pipe.buffers.tensors_in(block):
-                    if name in self._early and not pipe.waits_for(name):
-                        self._sources.pop(name, None)
-
-    # ---- early hand-over (module doc) ----------------------------------------------------------
-
-    def _start_early_handover(self, driver: StepDriver) -> None:
-        """Once, at the end of the first step (every parameter's gradient has been accumulated:
-        no hook is added while autograd may run one)."""
-        ddp = self.module
-        self._early_hooks = []
-        if not early_handover(_is_ddp(ddp), getattr(ddp, "gradient_as_bucket_view", False),
-                              getattr(ddp, "find_unused_parameters", True), getattr(ddp, "static_graph", True),
-                              driver.in_place.allowed):
-            return
-        self._early_hooks = [p.register_post_accumulate_grad_hook(self._gradient_done)
-                             for p in self._params.values()]
-
-    def _gradient_done(self, param: torch.Tensor) -> None:
-        """Autograd accumulated ``param``'s gradient (DDP's reducer has not seen it yet): start
-        its blocks and point ``.grad`` at its place in DDP's bucket, so DDP does not copy it."""
-        ddp = self.module
-        if not (getattr(ddp, "require_forward_param_sync", False) and _buckets_settled(ddp)):
-            return  # no_sync() accumulation, or buckets not settled yet: DDP copies, as without this
-        name = self._name_of.get(id(param))
-        view, grad = self._views.get(name), param.grad
-        if view is None or grad is None or grad.data_ptr() == view.data_ptr():
-            return  # unknown place, or already there (zero_grad(set_to_none=False)): nothing to skip
-        if grad.dtype != view.dtype or grad.shape != view.shape or grad.device != view.device:
-            return
-        driver = self._driver
-        try:
-            driver.gradient_arrived()
-            with self._lock:
-                self._sources[name], self._targets[name] = grad, view
-                self._early.add(name)
-            param.grad = view  # DDP finds the gradient in its bucket view: no copy
-            self._release(driver.submit_ready([name], self._sources.get, self._targets.get))
-        except BaseException:
-            driver.abort()
-            self._forget_step()
-            raise
-
     def _group(self):
         """The process group for DDP's own allreduce: the DDP model's, else the default one."""
         if self.uncompressed_via != "allreduce":
             return None
-        if _is_ddp(self.module):
+        if is_ddp(self.module):
             return self.module.process_group
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
@@ -355,17 +272,6 @@ class DDPHookState:
     @property
     def tuning_history(self) -> list[Decision]:
         return self._opened().tuning_history
-
-
-def _is_ddp(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.parallel.DistributedDataParallel)
-
-
-def _buckets_settled(ddp: torch.nn.Module) -> bool:
-    """DDP rebuilt its buckets in the order gradients arrived (once, at the second forward): from
-    then on each parameter's place in them stays put. A torch without the flag: never (no early
-    hand-over)."""
-    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
 
 
 def ddp_comm_hook(state: DDPHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:

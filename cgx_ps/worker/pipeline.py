@@ -21,12 +21,8 @@ memory and decoded into it (``buffers.py``).
 Between ``submit`` and its future, the block's exchange runs on the communication thread
 (``blockexchange.py``): local sum, encode, push, pull, decode, share with the node's other ranks.
 
-The DDP communication hook (``ddp_hook.py``) drives it per DDP bucket: it names the bucket's
-gradients, submits the blocks ``tensors_ready`` returns (a block may wait for a later bucket's
-tensors), and returns ``torch.futures.collect_all`` of the bucket's ``blocks_of`` futures, then
-``copy_out`` into the bucket. The last bucket also submits ``take_unsubmitted()``, waits for every
-block and ends the step with ``finish_step`` (nothing is left to wait for by then); the tuner
-(``autotune.py``), whose broadcast blocks, runs from the next step's first hook, never on the
+The DDP communication hook (``ddp_hook.py``) drives it per DDP bucket, returning futures of the
+bucket's ``blocks_of``; the tuner (``autotune.py``) runs from the training thread, never the
 communication thread. Both front ends share their step bookkeeping through ``frontend.py``.
 
 ``allow_non_finite`` (mixed precision): a block holding NaN/Inf travels as a non-finite block
@@ -51,6 +47,7 @@ import torch
 from .. import timeline
 from ..kernels import CodecError, ErrorFeedback
 from ..v1 import ps_pb2
+from .arrivals import StepArrivals
 from .blockexchange import BlockExchange, BlockState
 from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from .config import WorkerConfig
@@ -91,21 +88,15 @@ class BlockPipeline:
         self._to_shards = False  # a block went to the shards in this step
         self._reducer = node_reducer(layout, config, set(devices.values()), engine.round_timeout_s,
                                      run_tag=engine.session_id)
-        self._lock = threading.Lock()  # tensors_ready may run on several autograd threads
+        self._lock = threading.Lock()  # the step's futures and flags, reset between steps
         self._span = CommSpan()
         self._exchange = BlockExchange(engine, self._reducer, config, self._span, allow_non_finite)
         first = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
         self.buffers = BlockBuffers(layout, first, self._reducer)
-        self._blocks: list[BlockState] = []
-        self._blocks_of: dict[str, list[BlockState]] = {}  # tensor -> the blocks holding a piece of it
-        for spec in layout.blocks:
-            names = self.buffers.tensors_in(spec.block_id)
-            block = BlockState(spec, self.buffers[spec.block_id], len(names), spec.codec,
-                               ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id],
-                               self.buffers[spec.block_id])
-            for name in names:
-                self._blocks_of.setdefault(name, []).append(block)
-            self._blocks.append(block)
+        self._blocks = [BlockState(spec, self.buffers[spec.block_id], spec.codec,
+                                   ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id],
+                                   self.buffers[spec.block_id]) for spec in layout.blocks]
+        self.arrivals = StepArrivals([self.buffers.tensors_in(spec.block_id) for spec in layout.blocks])
 
     @classmethod
     def open(cls, named_tensors: Sequence[tuple[str, torch.Tensor]], compression: Compression, block_bytes: int,
@@ -144,34 +135,21 @@ class BlockPipeline:
 
     def blocks_of(self, names: Iterable[str]) -> list[int]:
         """The blocks holding any of these tensors, in order."""
-        return sorted({b.spec.block_id for n in names for b in self._blocks_of.get(n, ())})
+        return self.arrivals.blocks_of(names)
 
     def tensors_ready(self, names: Iterable[str]) -> list[int]:
-        """These tensors' gradients are final for this step: the blocks that now have all their
-        tensors, each returned once per step (the caller submits them). Saying so twice is harmless."""
-        ready = []
-        with self._lock:
-            for name in names:
-                for block in self._blocks_of.get(name, ()):
-                    block.arrived.add(name)
-                    if len(block.arrived) == block.tensors and not block.submitted:
-                        block.submitted = True
-                        ready.append(block.spec.block_id)
-        return ready
+        """These tensors' gradients are final for this step: the blocks to submit now
+        (``arrivals.StepArrivals.ready``)."""
+        return self.arrivals.ready(names)
 
     def waits_for(self, name: str) -> bool:
         """Whether a block holding this tensor is still to be submitted this step."""
-        with self._lock:
-            return any(not b.submitted for b in self._blocks_of.get(name, ()))
+        return self.arrivals.waits_for(name)
 
     def take_unsubmitted(self) -> list[int]:
         """The blocks not yet returned by ``tensors_ready`` this step (some of their tensors got
         no gradient); from now on they never will be: the caller submits them."""
-        with self._lock:
-            rest = [b for b in self._blocks if not b.submitted]
-            for block in rest:
-                block.submitted = True
-        return [b.spec.block_id for b in rest]
+        return self.arrivals.take_rest()
 
     def in_place(self, tuned: bool) -> InPlace:
         """Whether ``submit(..., in_place=True)`` may work on the front end's memory
@@ -242,7 +220,7 @@ class BlockPipeline:
         first to last gradient of the step (auto mode's overlap). ``waiting_since``: when the
         front end began to wait for communication (``time.perf_counter()``; default: now), the
         start of the step's exposed communication."""
-        if any(not b.submitted for b in self._blocks):
+        if not self.arrivals.all_submitted():
             self.abort_step()
             raise CgxPsError("finish_step() before every block was submitted (take_unsubmitted() gives the rest)")
         t0 = time.perf_counter() if waiting_since is None else waiting_since
@@ -298,11 +276,11 @@ class BlockPipeline:
         self._next_step()
 
     def _next_step(self) -> None:
+        self.arrivals.reset()
         with self._lock:
             self._to_shards = False
             for block in self._blocks:
-                block.arrived, block.submitted, block.future = set(), False, torch.futures.Future()
-                block.in_place = False
+                block.future, block.in_place = torch.futures.Future(), False
 
     def copy_out(self, block_id: int, out_of: TensorOf) -> None:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors

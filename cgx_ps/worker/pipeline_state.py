@@ -92,9 +92,7 @@ def restore(pipe: BlockPipeline, state: Mapping) -> None:
 def check_between_steps(pipe: BlockPipeline, what: str) -> None:
     """Raise ``CheckpointError`` when a block of the step has arrived or been submitted: a state
     taken or restored then would split a step."""
-    with pipe._lock:
-        busy = any(b.submitted or b.arrived for b in pipe._blocks)
-    if busy:
+    if pipe.arrivals.started():
         raise CheckpointError(f"{what} in the middle of a step: call it between steps (after step())")
 
 
