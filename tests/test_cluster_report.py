@@ -88,11 +88,28 @@ def test_one_run_reads_as_before():
     assert "[" not in text.split("Targets")[0] and "run 1 |" not in text
 
 
-def test_repeated_sweep_interleaves_runs():
-    args = cluster.parse_args(["--repeat", "3", "--rates", "1gbit", "10gbit", "--configs", "ddp-fp32", "cgx-4bit"])
-    plan = cluster.sweep_plan(args)
-    assert [(run, rate) for run, _, _, rate in plan] == [(1, "1gbit"), (1, "10gbit"), (2, "1gbit"), (2, "10gbit"),
-                                                         (3, "1gbit"), (3, "10gbit")]
+def test_repeated_sweep_interleaves_runs(tmp_path, monkeypatch):
+    """cluster.py --repeat 3 at two rates: run 1 of both rates, then run 2, ...; the JSON keeps every
+    run's rows and the report takes the medians.  The emulated cluster (root, namespaces) is
+    replaced by synthetic groups: what is under test is the sweep around it."""
+    ran = []
+
+    def fake_group(model, rate, topology, args, run):
+        ran.append((run, rate))
+        return make_run(run, {"ddp-fp32": 0.6 * run, "cgx-4bit": 0.1 * run}, {"ddp-fp32": 0.2, "cgx-4bit": 0.3},
+                        rate=rate)
+
+    monkeypatch.setattr(cluster, "run_group", fake_group)
+    monkeypatch.setattr(cluster.nc, "require_root", lambda: None)
+    out, links = tmp_path / "r.json", tmp_path / "links.png"
+    assert cluster.main(["--repeat", "3", "--rates", "1gbit", "10gbit", "--configs", "ddp-fp32", "cgx-4bit",
+                         "--json", str(out), "--links-png", str(links)]) == 0
+    assert ran == [(1, "1gbit"), (1, "10gbit"), (2, "1gbit"), (2, "10gbit"), (3, "1gbit"), (3, "10gbit")]
+    saved = json.loads(out.read_text())
+    assert saved["args"]["repeat"] == 3 and len(saved["rows"]) == 6 * 4
+    assert [r["run"] for r in saved["rows"] if r["config"] == "cgx-4bit"] == [1, 1, 2, 2, 3, 3]
+    assert "| cgx-ps 4-bit | 0.350 [0.250-0.450] |" in markdown(saved["rows"])
+    assert links.read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(SystemExit):
         cluster.parse_args(["--repeat", "0"])
 
