@@ -224,10 +224,12 @@ def _group_intro(summary: list[dict], runs: int) -> str:
     text = (f"batch {r0['batch_size']}/worker, {r0['threads']} thread/worker, median of {r0['steps']} steps "
             f"after {r0['warmup']} warm-up; ")
     if runs <= 1:
+        twice = ("; a configuration measured more than once: median [min-max]"
+                 if any(r["n"] > 1 for r in summary if r["config"] != "single") else "")
         return text + (f"single-process compute {fmt(r0['compute_s'])} s/step (the smaller of "
                        f"{', '.join(fmt(r.get('step_s')) for r in singles)} measured at the start and the end), "
                        f"its CPU {fmt(r0.get('compute_cpu_s'))} s/step; load average "
-                       f"{fmt(r0.get('load_before'), '.2f')} at start\n")
+                       f"{fmt(r0.get('load_before'), '.2f')} at start{twice}\n")
     return text + (f"**medians over {runs} runs [min-max]**; single-process compute {_spread(r0, 'compute_s')} "
                    f"s/step (each run: the smaller of its measurements at the start and the end), its CPU "
                    f"{fmt(r0.get('compute_cpu_s'))} s/step; load average {fmt(r0.get('load_before'), '.2f')} "
