@@ -51,8 +51,19 @@ Run as root (namespaces, qdiscs)::
         --markdown out.md --png out.png --json out.json
     .venv/bin/python benchmarks/cluster.py --topology dedicated --shard-hosts 2
 
+``--repeat N`` runs the whole sweep N times, interleaved (run 1 of every group and configuration,
+then run 2, ...), so slow drift on a shared machine hits every configuration alike; the JSON keeps
+every run's rows (``run``: 1..N), and the tables show per configuration the median over the runs
+with the min-max range.  Runs from separate invocations are merged into one report by
+``python -m benchmarks.cluster_report --json a.json b.json ...``.
+
+    .venv/bin/python benchmarks/cluster.py --rates 100mbit 1gbit 10gbit --repeat 3 \\
+        --json out.json --links-png links.png                     # medians of 3, step time vs link rate
+
 Prints a Markdown table (also written to ``--markdown``), checks the issue's targets for cgx-ps
-4-bit, and draws a bar chart (``--png``).  Namespaces, workers and shards are removed on every
+4-bit on the medians and in each run (the communication cuts must hold in every run), and draws
+a bar chart of step times (``--png``) and a chart of step time against link rate
+(``--links-png``).  Namespaces, workers and shards are removed on every
 exit path (normal, exception, Ctrl-C, SIGTERM); leftovers of a killed run are refused with the
 command that removes them (``benchmarks/netcluster.py --cleanup``).
 """
@@ -73,7 +84,8 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import netcluster as nc  # noqa: E402
-from benchmarks.cluster_report import CONFIGS, fmt, markdown, plot  # noqa: E402
+from benchmarks.cluster_report import CONFIGS, fmt, markdown, plot, plot_links  # noqa: E402
+from benchmarks.cluster_stats import relative_figures  # noqa: E402
 
 
 def _log(msg: str) -> None:
@@ -138,19 +150,19 @@ def _summarize(res: nc.JobResult, steps: int, warmup: int) -> dict:
     return row
 
 
-def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) -> list[dict]:
+def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, run: int = 1) -> list[dict]:
     workers = args.workers
     shard_hosts = list(range(workers, workers + args.shard_hosts)) if topology == "dedicated" else None
     hosts = workers + (args.shard_hosts if topology == "dedicated" else 0)
     worker_hosts = list(range(workers))
     rate_bps = nc.parse_rate(rate)
-    base = {"model": model, "rate": rate, "topology": topology, "workers": workers,
+    base = {"run": run, "model": model, "rate": rate, "topology": topology, "workers": workers,
             "shards": len(shard_hosts) if shard_hosts else workers, "batch_size": args.batch_size,
             "threads": args.threads, "steps": args.steps, "warmup": args.warmup}
     kw = dict(model=model, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
               threads=args.threads, seed=args.seed)
     rows: list[dict] = []
-    _log(f"== {model}, {rate}, {topology}: {workers} worker hosts"
+    _log(f"== run {run}/{args.repeat}: {model}, {rate}, {topology}: {workers} worker hosts"
          + (f" + {args.shard_hosts} shard hosts" if shard_hosts else "") + f" (load {_loadavg():.2f})")
     with nc.Cluster(config=nc.ClusterConfig(hosts=hosts, rate=rate)) as cluster:
         if args.wait_idle > 0:
@@ -200,7 +212,7 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace) ->
         row["compute_s"] = compute
         row["compute_cpu_s"] = min(cpus) if cpus else None  # CPU of the compute alone, per step
         _finish_row(row, rate_bps, topology)
-    _relative(rows)
+    relative_figures(rows)
     return singles + rows
 
 
@@ -257,29 +269,17 @@ def _finish_row(row: dict, rate_bps: int, topology: str) -> None:
                               if row["comm_s"] is not None and row.get("ideal_s") else None)
 
 
-def _relative(rows: list[dict]) -> None:
-    by = {r["config"]: r for r in rows}
-    ref = by.get("ddp-fp32")
-    for r in rows:
-        if r["config"] == "single":
-            continue
-        for key, other in (("speedup_vs_ddp_fp32", "step_s"),):
-            r[key] = ref[other] / r[other] if ref and ref.get(other) and r.get(other) else None
-        for cfg in ("ddp-fp32", "ddp-fp16"):
-            o = by.get(cfg)
-            ok = o and o.get("comm_s") and r.get("comm_s") and r["comm_s"] > 0
-            r[f"comm_cut_vs_{cfg.replace('-', '_')}"] = o["comm_s"] / r["comm_s"] if ok else None
-        opt = by.get("cgx-4bit")  # the hook's yardstick: the same pipeline behind DistributedOptimizer
-        ok = r["config"] == "ddp-cgx-4bit" and opt and opt.get("step_s") and r.get("step_s")
-        r["step_vs_cgx_4bit"] = r["step_s"] / opt["step_s"] if ok else None
-        ok = ref and ref.get("eval_loss") and r.get("eval_loss") is not None
-        r["loss_rel_vs_ddp_fp32"] = (r["eval_loss"] - ref["eval_loss"]) / ref["eval_loss"] if ok else None
-
-
-
 # --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
+
+
+def sweep_plan(args: argparse.Namespace) -> list[tuple[int, str, str, str]]:
+    """(run, model, topology, rate) of every group, in the order they run: all of run 1, then all
+    of run 2, ... so that a slow hour on a shared machine hits every configuration alike rather
+    than all the repetitions of one."""
+    return [(run, model, topology, rate) for run in range(1, args.repeat + 1) for model in args.models
+            for topology in args.topology for rate in args.rates]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -287,7 +287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", nargs="+", default=["mlp17m"], choices=["tiny", "mlp17m", "mlp25m", "convnet"],
                    help="mlp17m (17M params, modest compute: the main case); convnet (compute-heavy)")
-    p.add_argument("--rates", nargs="+", default=["1gbit"], help="per-link rate, both ways (tc units): 1gbit, 10gbit")
+    p.add_argument("--rates", nargs="+", default=["1gbit"], help="per-link rate, both ways (tc units): 100mbit, 1gbit, 10gbit")
     p.add_argument("--topology", nargs="+", default=["colocated"], choices=["colocated", "dedicated"],
                    help="cgx-ps shards on the worker hosts (default) or on --shard-hosts extra hosts")
     p.add_argument("--workers", type=int, default=2, help="worker hosts (one worker each)")
@@ -297,6 +297,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the whole sweep N times, interleaved; tables show medians [min-max] (>= 3 for targets)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-mb", type=float, default=None, help="cgx-ps block size (default: cgx_step.py's)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
@@ -306,16 +308,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "to be idle (< 0.3 cores busy over 2 s)")
     p.add_argument("--markdown", metavar="PATH", help="also write the Markdown tables here")
     p.add_argument("--png", metavar="PATH", help="bar chart of step times (matplotlib, Agg)")
-    p.add_argument("--json", metavar="PATH", help="all measurements as JSON")
+    p.add_argument("--links-png", metavar="PATH",
+                   help="chart of step time against link rate, a line per configuration (matplotlib, Agg)")
+    p.add_argument("--json", metavar="PATH",
+                   help="all measurements as JSON, every run's rows (merge files: python -m benchmarks.cluster_report)")
     args = p.parse_args(argv)
     if args.workers < 1 or args.shard_hosts < 1:
         p.error("--workers and --shard-hosts must be >= 1")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     for rate in args.rates:
         try:
             nc.parse_rate(rate)
         except ValueError as e:
             p.error(str(e))
     return args
+
+
+def _write_json(args: argparse.Namespace, started: str, rows: list[dict]) -> None:
+    Path(args.json).write_text(json.dumps({"args": vars(args), "started": started, "rows": rows}, indent=1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -328,26 +339,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = datetime.datetime.now().isoformat(timespec="seconds")
     rows: list[dict] = []
     try:
-        for model in args.models:
-            for topology in args.topology:
-                for rate in args.rates:
-                    rows += run_group(model, rate, topology, args)
+        for run, model, topology, rate in sweep_plan(args):
+            rows += run_group(model, rate, topology, args, run)
+            if args.json:  # after every group: a repeated sweep runs for hours, and may be stopped
+                _write_json(args, started, rows)
     except nc.LeftoversError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("interrupted; cluster, workers and shards removed", file=sys.stderr)
         return 130
-    header = (f"cgx-ps vs DDP on a throttled cluster ({started}, {os.cpu_count()} CPU cores, "
+    runs = f", {args.repeat} interleaved runs" if args.repeat > 1 else ""
+    header = (f"cgx-ps vs DDP on a throttled cluster ({started}{runs}, {os.cpu_count()} CPU cores, "
               f"load average {fmt(_loadavg(), '.2f')} at the end)\n")
     text = header + "\n" + markdown(rows, args)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "started": started, "rows": rows}, indent=1))
     if args.png:
         plot(rows, args.png)
+    if args.links_png:
+        plot_links(rows, args.links_png)
     return 0
 
 
