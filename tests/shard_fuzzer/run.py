@@ -166,7 +166,7 @@ def run_fuzz(cases: int, seed: int = 0, subprocess: bool = True, keep_log: str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.shard_fuzzer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=10_000, help="calls to send (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     where = parser.add_mutually_exclusive_group()
