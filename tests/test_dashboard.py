@@ -2,7 +2,7 @@
 
 The names come from the prometheus_client registries of a real ShardServer and of the worker
 exporter, not from a list kept by hand, so renaming a metric without the dashboard fails here.
-Rendering the component is tested with the other manifests in tests/test_deploy.py.
+Rendering the component is tested with the other manifests in tests/deploy/test_network.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The shard under fuzzing: a short run of tests/fuzz_shard.py, one test per property it must
+"""The shard under fuzzing: a short run of tests/shard_fuzzer, one test per property it must
 leave true, and direct reproductions of what the fuzzer found.
 
-The full run is ``.venv/bin/python tests/fuzz_shard.py --cases 10000``; this one sends
+The full run is ``.venv/bin/python -m tests.shard_fuzzer --cases 10000``; this one sends
 FUZZ_CASES calls (every protocol scenario among them) to a shard in its own process.
 """
 
@@ -20,8 +20,8 @@ from cgx_ps.security import read_token
 from cgx_ps.server import ServerConfig, ShardServer
 from cgx_ps.server.rpc import _Gate
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from fuzz_shard import (DETAILS_LIMIT, KINDS, METHODS, SCENARIOS, STYLES, FuzzReport, fuzz_layout,
-                        run_fuzz)
+from shard_fuzzer import (DETAILS_LIMIT, KINDS, METHODS, SCENARIOS, STYLES, FuzzReport, fuzz_layout,
+                          run_fuzz)
 from support import METADATA, TOKEN_FILE
 
 FUZZ_CASES = 400
