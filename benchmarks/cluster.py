@@ -84,7 +84,10 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import netcluster as nc  # noqa: E402
-from benchmarks.cluster_report import CONFIGS, fmt, markdown, plot, plot_links  # noqa: E402
+from benchmarks.cluster_charts import plot, plot_links  # noqa: E402
+from benchmarks.cluster_configs import CONFIGS  # noqa: E402
+from benchmarks.cluster_report import markdown  # noqa: E402
+from benchmarks.cluster_stats import fmt  # noqa: E402
 from benchmarks.cluster_stats import relative_figures  # noqa: E402
 
 

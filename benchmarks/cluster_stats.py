@@ -21,11 +21,12 @@ Pure functions of the rows: no files and no clock, so they are tested with synth
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from typing import Iterable
 
-__all__ = ["MEDIAN_FIELDS", "RANGE_FIELDS", "group_key", "panel_key", "relative_figures", "run_key", "run_label",
+__all__ = ["MEDIAN_FIELDS", "RANGE_FIELDS", "fmt", "group_key", "groups", "panel_key", "relative_figures", "run_key", "run_label",
            "runs_of", "summarize"]
 
 # measured figures whose median a summary row carries (the ratios are recomputed instead)
@@ -43,9 +44,22 @@ RANGE_FIELDS = ("step_s", "comm_s", "host_cpu_s_per_step", "compute_s")
 _GROUP_FIELDS = ("model", "rate", "topology", "workers", "shards", "batch_size", "threads", "steps", "warmup")
 
 
+def fmt(x, spec: str = ".3f", suffix: str = "") -> str:
+    """A figure for a table: "-" when missing or not finite."""
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec) + suffix
+
+
 def group_key(row: dict) -> tuple:
     """The table a row belongs to."""
     return tuple(row.get(f) for f in _GROUP_FIELDS)
+
+
+def groups(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """The rows by group (one table each), in order of first appearance."""
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(group_key(r), []).append(r)
+    return out
 
 
 def panel_key(row: dict) -> tuple:

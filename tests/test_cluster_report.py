@@ -13,7 +13,9 @@ import json
 import pytest
 
 from benchmarks import cluster, cluster_report
-from benchmarks.cluster_report import judge, link_series, markdown, rate_label
+from benchmarks.cluster_charts import link_series, rate_label
+from benchmarks.cluster_report import markdown
+from benchmarks.cluster_targets import judge
 from benchmarks.cluster_stats import summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,18 @@
+"""The cluster benchmark's configurations: what each name in ``cluster.py --configs`` runs
+(system, hook or compression) and how the report labels it; ``cluster.py``'s epilog describes them."""
+
+from __future__ import annotations
+
+__all__ = ["CONFIGS"]
+
+CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compression, label)
+    "ddp-fp32": ("ddp", "none", "DDP gloo fp32"),
+    "ddp-fp16": ("ddp", "fp16", "DDP fp16 hook"),
+    "ddp-powersgd": ("ddp", "powersgd", "DDP PowerSGD r4"),
+    "cgx-fp32": ("cgx", "fp32", "cgx-ps fp32"),
+    "cgx-4bit": ("cgx", "4bit", "cgx-ps 4-bit"),
+    "cgx-2bit": ("cgx", "2bit", "cgx-ps 2-bit"),
+    "cgx-auto": ("cgx-group", "auto:5", "cgx-ps auto"),
+    "ddp-cgx-4bit": ("ddp-hook", "4bit", "DDP + cgx-ps hook 4-bit"),
+    "ddp-cgx-auto": ("ddp-hook", "auto:5", "DDP + cgx-ps hook auto"),
+}
