@@ -16,9 +16,9 @@ CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compres
     "cgx-fp32": ("cgx", "fp32", "cgx-ps fp32"),
     "cgx-4bit": ("cgx", "4bit", "cgx-ps 4-bit"),
     "cgx-2bit": ("cgx", "2bit", "cgx-ps 2-bit"),
-    "cgx-auto": ("cgx-group", "auto:5", "cgx-ps auto"),
+    "cgx-auto": ("cgx-group", "auto", "cgx-ps auto"),  # "auto": every --auto-interval steps (cluster.py)
     "ddp-cgx-4bit": ("ddp-hook", "4bit", "DDP + cgx-ps hook 4-bit"),
-    "ddp-cgx-auto": ("ddp-hook", "auto:5", "DDP + cgx-ps hook auto"),
+    "ddp-cgx-auto": ("ddp-hook", "auto", "DDP + cgx-ps hook auto"),
 }
 TARGETS = {"comm_cut_vs_ddp_fp32": 4.0, "comm_cut_vs_ddp_fp16": 2.0, "comm_over_ideal": 1.5, "loss_rel": 0.02,
            "cpu_over_compute": 1.5, "hook_over_optimizer": 1.10, "auto_over_best": 1.05}
@@ -52,7 +52,9 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
                    f"after {r0['warmup']} warm-up; single-process compute {fmt(r0['compute_s'])} s/step "
                    f"(the smaller of {', '.join(fmt(r.get('step_s')) for r in singles)} measured at the start and "
                    f"the end), its CPU {fmt(r0.get('compute_cpu_s'))} s/step; load average "
-                   f"{fmt(r0.get('load_before'), '.2f')} at start\n")
+                   f"{fmt(r0.get('load_before'), '.2f')} at start"
+                   + (f"; auto mode decides every {r0.get('auto_interval') or '100 (its default)'} steps"
+                      if any(CONFIGS.get(r["config"], ("", ""))[1] == "auto" for r in rs) else "") + "\n")
         out.append("| configuration | step (s) | CPU s/step/host: worker + its shard | vs DDP fp32 "
                    "| comm (s) = step - compute | exposed comm (s) "
                    "| MB/step/host tx / rx | link-bound ideal (s) | comm / ideal | eval loss | loss vs DDP fp32 "
