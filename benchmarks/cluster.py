@@ -12,10 +12,12 @@ threads per worker:
     cgx-fp32      cgx-ps, uncompressed push/pull                    (benchmarks/cgx_step.py)
     cgx-4bit      cgx-ps, 4-bit max-min quantization
     cgx-2bit      cgx-ps, 2-bit
-    cgx-auto      cgx-ps in auto mode, deciding every 5 steps, with a gloo process group
-                  (uncompressed: all_reduce per block on it; cgx_step.py --process-group)
+    cgx-auto      cgx-ps in auto mode, deciding every --auto-interval steps (default 5), with a
+                  gloo process group (uncompressed: all_reduce per block on it; cgx_step.py
+                  --process-group)
     ddp-cgx-4bit  DDP (gloo group) + the cgx-ps DDP comm hook, 4-bit   (ddp_step.py --hook cgx)
-    ddp-cgx-auto  the same hook in auto mode, deciding every 5 steps (uncompressed: DDP's allreduce)
+    ddp-cgx-auto  the same hook in auto mode, deciding every --auto-interval steps (uncompressed:
+                  DDP's allreduce)
 
 The last two are the second front end of the same block pipeline: DDP's buckets and overlap,
 cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
@@ -102,6 +104,14 @@ def _loadavg() -> float | None:
         return None
 
 
+def compression_arg(variant: str, auto_interval: int) -> str:
+    """The compression a configuration runs with: auto mode deciding every ``auto_interval``
+    steps (0: auto's own default interval), any other variant as it is."""
+    if variant != "auto":
+        return variant
+    return f"auto:{auto_interval}" if auto_interval else "auto"
+
+
 def wait_idle(max_wait_s: float, busy_cores: float = 0.3, window_s: float = 2.0) -> float:
     """Wait (at most ``max_wait_s``) until the machine's CPUs were busy less than ``busy_cores``
     over a ``window_s`` window (others' jobs on a shared machine); returns the last busy value."""
@@ -161,7 +171,7 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
     rate_bps = nc.parse_rate(rate)
     base = {"run": run, "model": model, "rate": rate, "topology": topology, "workers": workers,
             "shards": len(shard_hosts) if shard_hosts else workers, "batch_size": args.batch_size,
-            "threads": args.threads, "steps": args.steps, "warmup": args.warmup}
+            "threads": args.threads, "steps": args.steps, "warmup": args.warmup, "auto_interval": args.auto_interval}
     kw = dict(model=model, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
               threads=args.threads, seed=args.seed)
     rows: list[dict] = []
@@ -182,7 +192,8 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
                 else:
                     extra = ["--block-mb", str(args.block_mb)] if args.block_mb else []
                     front_end = {"ddp-hook": "ddp-hook", "cgx-group": "optimizer-group"}.get(system, "optimizer")
-                    res = nc.run_cgx(cluster, compression=variant, worker_hosts=worker_hosts,
+                    res = nc.run_cgx(cluster, compression=compression_arg(variant, args.auto_interval),
+                                     worker_hosts=worker_hosts,
                                      shard_hosts=shard_hosts, timeout=timeout, extra_args=extra,
                                      front_end=front_end, **kw)
             except nc.ClusterError as e:  # e.g. a shard failed to start
@@ -303,6 +314,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the whole sweep N times, interleaved; tables show medians [min-max] (>= 3 for targets)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--auto-interval", type=int, default=5, metavar="N",
+                   help="steps between auto mode's decisions in cgx-auto and ddp-cgx-auto (default 5: several "
+                        "decisions within a short run); 0: auto's own default (100 steps), for runs long enough "
+                        "to hold a few")
     p.add_argument("--block-mb", type=float, default=None, help="cgx-ps block size (default: cgx_step.py's)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     p.add_argument("--powersgd-timeout", type=float, default=120.0, help="seconds for ddp-powersgd")
@@ -320,6 +335,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--workers and --shard-hosts must be >= 1")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
+    if args.auto_interval < 0:
+        p.error(f"--auto-interval must be >= 0 (0: auto's default), got {args.auto_interval}")
     for rate in args.rates:
         try:
             nc.parse_rate(rate)

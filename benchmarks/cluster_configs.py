@@ -12,7 +12,7 @@ CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compres
     "cgx-fp32": ("cgx", "fp32", "cgx-ps fp32"),
     "cgx-4bit": ("cgx", "4bit", "cgx-ps 4-bit"),
     "cgx-2bit": ("cgx", "2bit", "cgx-ps 2-bit"),
-    "cgx-auto": ("cgx-group", "auto:5", "cgx-ps auto"),
+    "cgx-auto": ("cgx-group", "auto", "cgx-ps auto"),  # "auto": every --auto-interval steps (cluster.py)
     "ddp-cgx-4bit": ("ddp-hook", "4bit", "DDP + cgx-ps hook 4-bit"),
-    "ddp-cgx-auto": ("ddp-hook", "auto:5", "DDP + cgx-ps hook auto"),
+    "ddp-cgx-auto": ("ddp-hook", "auto", "DDP + cgx-ps hook auto"),
 }

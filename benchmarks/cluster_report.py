@@ -24,6 +24,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster_rep
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.cluster_charts import plot, plot_links  # noqa: E402
+from benchmarks.cluster_configs import CONFIGS  # noqa: E402
 from benchmarks.cluster_stats import fmt, groups, run_label, runs_of, summarize  # noqa: E402
 from benchmarks.cluster_targets import Verdict, judge  # noqa: E402
 
@@ -68,6 +69,8 @@ def _group_intro(summary: list[dict], runs: int) -> str:
     singles = [r for r in summary if r["config"] == "single"]
     text = (f"batch {r0['batch_size']}/worker, {r0['threads']} thread/worker, median of {r0['steps']} steps "
             f"after {r0['warmup']} warm-up; ")
+    if any(CONFIGS.get(r["config"], ("", ""))[1] == "auto" for r in summary):
+        text += f"auto mode decides every {r0.get('auto_interval') or '100 (its default)'} steps; "
     if runs <= 1:
         twice = ("; a configuration measured more than once: median [min-max]"
                  if any(r["n"] > 1 for r in summary if r["config"] != "single") else "")

@@ -124,3 +124,14 @@ def test_sigterm_while_shards_serve_leaves_nothing(clean_slate):
     finally:
         terminate(p, timeout=30)
     assert p.returncode == 128 + signal.SIGTERM, p.stderr.read()[-2000:]
+
+
+def test_auto_interval_option_keeps_old_commands_meaning_the_same():
+    from benchmarks.cluster import compression_arg, parse_args
+
+    assert compression_arg("auto", parse_args([]).auto_interval) == "auto:5"  # as before the option
+    assert compression_arg("auto", parse_args(["--auto-interval", "20"]).auto_interval) == "auto:20"
+    assert compression_arg("auto", parse_args(["--auto-interval", "0"]).auto_interval) == "auto"  # auto's default
+    assert compression_arg("4bit", 20) == "4bit"
+    with pytest.raises(SystemExit):
+        parse_args(["--auto-interval", "-1"])

@@ -4,7 +4,8 @@ One launch runs every scenario in sequence (tests/workers/ddp_worker.py), a seco
 same hook with the two ranks as local ranks of one node. Each scenario is checked for
 bit-identical replicas, and against the DistributedOptimizer (exactly: the same blocks, seeds
 and shards), plain DDP, or exact expectations. Another launch runs the DistributedOptimizer's
-auto-mode uncompressed steps, which all_reduce on the same gloo group (collective.py)."""
+auto-mode uncompressed steps, which all_reduce on the same gloo group (collective.py), and one
+more the hook's real auto mode, whose model probes DDP's allreduce on every rank."""
 
 from __future__ import annotations
 
@@ -225,6 +226,28 @@ def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(clust
     assert len(decisions) == 3 and all(d["figures"]["uncompressed_bps"] > 0 for d in decisions if d["figures"])
     compress = [True, decisions[0]["compress"], decisions[1]["compress"], decisions[1]["compress"]]
     assert auto[0]["paths"] == ["shards" if c else "allreduce" for c in compress], (auto[0]["paths"], decisions)
+
+
+def test_hook_auto_mode_probes_ddps_allreduce_on_every_rank_at_the_same_step(cluster, tmp_path):
+    """The DDP hook's auto mode gives its model a probe of DDP's allreduce, as the optimizer does:
+    every rank times an all_reduce on DDP's group at every decision, at the same step, rank 0's
+    model decides with that rate, and every rank applies each decision from the same step."""
+    results = run_ddp_workers(cluster, tmp_path, "--scenarios", "hook_auto_probe")
+    runs = [r["hook_auto_probe"] for r in results]
+    decisions = runs[0]["tuning"]
+    assert len(decisions) == 4 and all(r["tuning"] == decisions for r in runs), [r["tuning"] for r in runs]
+    for run in runs:  # a collective on every rank after the same steps: those auto mode decides after
+        assert [p["after_step"] for p in run["probed"]] == [0, 1, 3, 5], run["probed"]
+        assert all(p["bps"] > 0 for p in run["probed"]), run["probed"]
+    # rank 0's model judged the uncompressed path by what its probe measured, at every decision
+    assert [d["figures"]["uncompressed_bps"] for d in decisions] == [p["bps"] for p in runs[0]["probed"]]
+    # each step went where the decision before it said, on every rank: DDP's allreduce or the shards
+    compress = [True] + [d["compress"] for d in (decisions[0], decisions[1], decisions[1], decisions[2],
+                                                 decisions[2], decisions[3])]
+    for run in runs:
+        assert run["paths"] == ["shards" if c else "allreduce" for c in compress], (run["paths"], decisions)
+    assert runs[0]["rounds"] == runs[1]["rounds"]
+    assert_same(runs[0]["final"], runs[1]["final"], "hook auto: rank 0 vs rank 1")
 
 
 def test_early_handover_only_where_ddp_calls_the_hook_for_every_gradient_in_its_bucket_views():

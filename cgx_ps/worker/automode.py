@@ -2,22 +2,28 @@
 
 The first choice comes from a model: after step 0, measure the upload throughput to the shards
 and the codec's cost on this device, and predict the communication each choice leaves exposed
-after overlapping with backward (``AutoFigures``). The model cannot see everything that competes
-for the machine (the transport's CPU cost per byte, a colocated shard), so after that the step
-time decides (``ModeChooser``): every interval rank 0 records the median step time of the
-current mode, tries the other mode for one interval when the model says it could plausibly be
-faster (and again every ``REEXPLORE`` decisions, as conditions change), and compresses only if
-compressed steps measured at least 5% faster than uncompressed ones.
+after overlapping with backward (``AutoFigures``). Where the uncompressed steps skip the shards
+(an all_reduce on a process group: the optimizer's ``collective.py``, the DDP hook's DDP
+allreduce), the probe of the shards says nothing about them, so every front end hands the tuner
+a probe of its own uncompressed path (``AutoFigures.uncompressed_bps``: ``collective.allreduce_rate``
+on that group, every rank at the same step): the model sees both paths in every front end, and
+does not rule out, on a fast link, the path that is as fast as DDP (through gRPC it once predicted
+2.3 s for a step DDP's allreduce took 0.38 s).
 
-Where the uncompressed steps skip the shards (an all_reduce on a process group: the optimizer's
-``collective.py``), the probe of the shards says nothing about them: the front end then measures
-the all_reduce itself (``AutoFigures.uncompressed_bps``, every rank at the same step), so the
-model does not rule out, on a fast link, the path that is as fast as DDP.
+The model cannot see everything that competes for the machine (the transport's CPU cost per
+byte, a colocated shard), so after that the step time decides (``ModeChooser``), built not to flap
+on a noisy, shared machine (the recorded runs at a decision every 5 steps flipped modes whenever
+one interval of the mode in use was slowed by others' load):
 
-Where no such measurement is given (the DDP hook's allreduce, a native collective moving bytes at
-a rate no gRPC probe shows), the model's guess for that path can be off several times over
-(2.3 s predicted, 0.38 s measured at 10 Gbit/s): then the uncompressed mode is measured once whatever the model says, and afterwards its own last
-measurement, not the model, says whether it is worth trying again.
+- each mode is judged by the median of its latest stretch of steps (up to ``_WINDOW``), not of
+  one interval, so one slow interval moves it little;
+- a switch needs a clear margin both ways (``keep_or_switch``): compressed steps at least 5%
+  faster to start compressing, uncompressed ones 3% faster to stop; in between the mode in use
+  stays;
+- the other mode is tried for an interval only when the model finds it plausible (at most
+  1.25x the current step time), and again after ``REEXPLORE`` decisions; every try that confirms
+  the mode in use doubles that gap (up to 4x), so on a steady run the cost of re-trying shrinks
+  while a change of conditions is still found.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -35,12 +41,16 @@ from ..kernels.wire import HEADER_SIZE, Codec, body_size
 if TYPE_CHECKING:
     from .autotune import Tunable
 
-__all__ = ["AutoFigures", "ModeChooser", "measure", "predict_exposed", "REEXPLORE"]
+__all__ = ["AutoFigures", "ModeChooser", "keep_or_switch", "measure", "predict_exposed", "REEXPLORE"]
 
 _PROBE_BYTES = 4 << 20  # per shard: long enough to measure a 1 Gbit/s link (~35 ms)
 _PIPELINE_MIN_BYTES = 4 << 20  # below this a step's transfer is latency-bound: its rate says little
-REEXPLORE = 8  # decisions between re-measuring the mode not in use
-_COMPRESS_MARGIN = 0.95  # compressed steps must be measured this much faster (exact gradients win ties)
+REEXPLORE = 8  # decisions between re-measuring the mode not in use, at first (ModeChooser)
+_REEXPLORE_MAX = 4 * REEXPLORE  # backed off to at most this on a steady run
+_START_COMPRESSING = 0.95  # compressed steps must measure this much faster (exact gradients win near-ties)
+_STOP_COMPRESSING = 0.97  # and uncompressed ones this much faster to stop: a band between, no flapping
+_MIN_SAMPLES = 3  # step times a mode needs before its median is compared
+_WINDOW = 6  # a mode's median covers the steps of at most its latest this many intervals (older: stale)
 _PLAUSIBLE = 1.25  # explore the other mode only if the model predicts at most this x the current step time
 
 
@@ -100,18 +110,30 @@ def measure(target: Tunable, quantized: list[int], uncompressed_bps: float = 0.0
     return AutoFigures(throughput, probe, pipeline, fp32, compressed, codec_s, stats.backward_s, uncompressed_bps)
 
 
+def keep_or_switch(incumbent: bool, medians: Mapping[bool, float]) -> bool:
+    """Hysteresis between the two modes' median step times: leave the incumbent mode only for a
+    clear margin, a wider one to start compressing (exact gradients win near-ties), so a mode
+    measured within the band of the other never makes auto switch back and forth."""
+    other = not incumbent
+    margin = _START_COMPRESSING if other else _STOP_COMPRESSING
+    return other if medians[other] < margin * medians[incumbent] else incumbent
+
+
 class ModeChooser:
     """Rank 0's choice between compressing and not: the model first, then measured step times
     (module doc). It depends only on the step times recorded and the figures given (no clock, no
     I/O), so tests drive it directly."""
 
-    def __init__(self, model_sees_uncompressed: bool = True) -> None:
-        # False: uncompressed steps do not go through the shards, so the model cannot predict them
-        self.model_sees_uncompressed = model_sees_uncompressed
+    def __init__(self) -> None:
         self.decisions = 0
         self.samples: list[float] = []  # step times of the current mode since the last decision
-        self.measured: dict[bool, tuple[float, int]] = {}  # mode -> (median step seconds, decision index)
-        self._incumbent: bool | None = None  # the mode in use before the last exploration
+        # each mode's latest stretch: the step times of its last intervals (at most _WINDOW), and
+        # the decision that last added to it
+        self.windows: dict[bool, list[list[float]]] = {}
+        self.measured_at: dict[bool, int] = {}
+        self._stretch: bool | None = None  # the mode whose stretch the next steps continue
+        self._incumbent: bool | None = None  # while exploring: the mode it left
+        self._reexplore = REEXPLORE  # decisions between tries of the mode not in use (backs off)
 
     def record(self, step_s: float) -> None:
         self.samples.append(step_s)
@@ -119,17 +141,31 @@ class ModeChooser:
     def state_dict(self) -> dict:
         """Plain data for a checkpoint: what was measured and where the exploration stands."""
         return {"decisions": self.decisions, "samples": list(self.samples),
-                "measured": {int(mode): [s, k] for mode, (s, k) in self.measured.items()},
-                "incumbent": self._incumbent}
+                "windows": {int(mode): [list(i) for i in w] for mode, w in self.windows.items()},
+                "measured_at": {int(mode): k for mode, k in self.measured_at.items()},
+                "stretch": self._stretch, "incumbent": self._incumbent, "reexplore": self._reexplore}
 
     def load_state_dict(self, state: dict) -> None:
+        """``state_dict()``'s output; a checkpoint of an older chooser (medians only) keeps its
+        decision count and measures both modes afresh."""
         self.decisions, self.samples = int(state["decisions"]), [float(s) for s in state["samples"]]
-        self.measured = {bool(mode): (float(s), int(k)) for mode, (s, k) in state["measured"].items()}
-        self._incumbent = state["incumbent"]
+        self.windows, self.measured_at, self._stretch, self._incumbent = {}, {}, None, None
+        self._reexplore = REEXPLORE
+        if "windows" not in state:
+            return
+        self.windows = {bool(int(m)): [[float(s) for s in i] for i in w] for m, w in state["windows"].items()}
+        self.measured_at = {bool(int(m)): int(k) for m, k in state["measured_at"].items()}
+        stretch, incumbent = state["stretch"], state["incumbent"]
+        self._stretch = None if stretch is None else bool(stretch)
+        self._incumbent = None if incumbent is None else bool(incumbent)
+        self._reexplore = int(state["reexplore"])
 
     def medians(self) -> dict[str, float]:
-        """The latest median step time of each mode measured so far."""
-        return {("compressed" if mode else "uncompressed"): s for mode, (s, _) in self.measured.items()}
+        """The median step time of each mode's latest stretch."""
+        return {("compressed" if mode else "uncompressed"): s for mode, s in self._medians().items()}
+
+    def _medians(self) -> dict[bool, float]:
+        return {mode: statistics.median(s for i in w for s in i) for mode, w in self.windows.items() if w}
 
     def choose(self, current: bool, figures: AutoFigures) -> tuple[bool, str]:
         """Compress or not from now on, and why; ``current``: whether the steps recorded did."""
@@ -139,31 +175,37 @@ class ModeChooser:
             return figures.exposed(True) < figures.exposed(False), "model"
         if not samples:
             return current, "no step measured since the last decision"
-        self.measured[current] = (statistics.median(samples), k)
-        other = not current
-        exploring, self._incumbent = self._incumbent, None  # after an exploration: the mode we left
-        incumbent = current if exploring is None else exploring
-        if other not in self.measured or k - self.measured[other][1] >= REEXPLORE:
-            now = self.measured[current][0]
-            predicted, source = self._predict(other, now, figures)
-            if predicted is None or predicted <= _PLAUSIBLE * now:
+        self._extend(current, samples, k)
+        measured = sum(map(len, self.windows[current]))
+        if measured < _MIN_SAMPLES:  # too few steps to judge this mode yet: go on
+            return current, f"too few steps measured yet ({measured} of {_MIN_SAMPLES})"
+        medians, other = self._medians(), not current
+        exploring, self._incumbent = self._incumbent, None
+        if exploring == other and other in medians:
+            # a try ends: the explored mode only for a clear win over the one left; either way the
+            # next scheduled try comes later (bounded cost on a steady run)
+            self._reexplore = min(2 * self._reexplore, _REEXPLORE_MAX)
+            choice = keep_or_switch(other, medians)
+            if choice == other:
+                self._stretch = other  # back to the mode left: its stretch goes on
+            return choice, "measured"
+        if other not in medians or k - self.measured_at[other] >= self._reexplore:
+            now = medians[current]
+            predicted = now - figures.exposed(current) + figures.exposed(other)
+            if predicted <= _PLAUSIBLE * now:
                 self._incumbent = current
-                why = "never measured, and the model cannot predict it" if predicted is None else \
-                    f"{source} predicts {predicted * 1e3:.0f} ms/step"
-                return other, f"measuring the other mode ({why})"
-            if other not in self.measured:
+                return other, f"measuring the other mode (the model predicts {predicted * 1e3:.0f} ms/step)"
+            if other not in medians:
                 return current, f"model rules the other mode out ({predicted * 1e3:.0f} ms/step predicted)"
-        if True in self.measured and False in self.measured:
-            # start compressing only for a clear win; while compressing, keep on as long as it wins
-            margin = 1.0 if incumbent else _COMPRESS_MARGIN
-            return self.measured[True][0] < margin * self.measured[False][0], "measured"
+        if keep_or_switch(current, medians) == other:
+            # the mode in use got slower than the other's last measurement: measure the other
+            # afresh before switching (a stale or lucky figure alone never switches)
+            self._incumbent = current
+            return other, f"measuring the other mode (it measured {medians[other] * 1e3:.0f} ms/step)"
         return current, "measured"
 
-    def _predict(self, mode: bool, now: float, figures: AutoFigures) -> tuple[float | None, str]:
-        """The step time ``mode`` is expected to take, and from what: the model where it sees both
-        modes' paths; else that mode's last measurement (None: never measured)."""
-        if self.model_sees_uncompressed:
-            return now - figures.exposed(not mode) + figures.exposed(mode), "model"
-        if mode in self.measured:
-            return self.measured[mode][0], "its last measurement"
-        return None, ""
+    def _extend(self, mode: bool, samples: list[float], k: int) -> None:
+        """Add the steps since the last decision to ``mode``'s stretch (a new stretch when the
+        steps before were of the other mode, unless that was a try of it that failed)."""
+        stretch = self.windows[mode] if self._stretch == mode else []
+        self.windows[mode], self.measured_at[mode], self._stretch = [*stretch, samples][-_WINDOW:], k, mode

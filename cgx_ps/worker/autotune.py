@@ -103,12 +103,11 @@ class Decision:
 
 class Tuner:
     def __init__(self, target: Tunable, compression: Compression,
-                 uncompressed_probe: Callable[[int], float | None] | None = None,
-                 model_sees_uncompressed: bool = True) -> None:
+                 uncompressed_probe: Callable[[int], float | None] | None = None) -> None:
         """``uncompressed_probe(nbytes)``: the front end's all_reduce rate (bytes/s) on the path its
         uncompressed steps take, or None when they go through the shards; a collective, called
-        on every rank at each auto-mode decision. ``model_sees_uncompressed``: False when those
-        steps bypass the shards and no probe measures their path (``automode``'s module doc)."""
+        on every rank at each auto-mode decision. Without one, every uncompressed step must go
+        through the shards (``StepDriver`` checks that)."""
         self.target = target
         self.compression = compression
         self.uncompressed_probe = uncompressed_probe
@@ -120,7 +119,7 @@ class Tuner:
         self.names = {b.block_id: layout.tensors[b.segments[0].tensor_index].name
                       for b in layout.blocks if b.codec.codec == ps_pb2.CODEC_MAXMIN}
         self.history: list[Decision] = []
-        self.modes = ModeChooser(model_sees_uncompressed)  # auto mode, rank 0
+        self.modes = ModeChooser()  # auto mode, rank 0
         self._last_step_end: float | None = None
         self._skip_sample = True  # the first step after a switch pays one-off costs: not a sample
         # so do a process's first steps (allocation, first touch, connections): in a 10 Gbit/s

@@ -48,6 +48,9 @@ uncompressed go through DDP's own allreduce on the DDP model's process group (as
 that compression does not pay the hook costs what DDP costs. Which path a step takes is
 ``uncompressed_path``; every rank applies auto mode's decisions at the same step boundary, so
 every rank takes the same one. ``uncompressed_via="shards"`` keeps every step on the shards.
+Auto mode's model judges that path as the optimizer's does, by timing an all_reduce on the same
+group at each decision (``collective.allreduce_rate``, every rank at the step's first gradient,
+before any bucket of the step is started).
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
@@ -62,6 +65,7 @@ import torch.distributed as dist
 
 from ..v1 import ps_pb2
 from .autotune import Decision
+from .collective import allreduce_rate, collective_group
 from .errors import CgxPsError, ConfigError
 from .frontend import StepDriver, SyncOptions, uncompressed_path
 from .handover import EarlyHandover, StepGradients, is_ddp
@@ -126,7 +130,8 @@ class DDPHookState:
             if self._driver is None:
                 states = [s for s in (ref() for ref in _waiting) if s is not None and s._driver is None]
                 named = [s._named_tensors() for s in states]
-                drivers = StepDriver.open_together(named, [s.options for s in states])
+                drivers = StepDriver.open_together(named, [s.options for s in states],
+                                                   [s._probe_allreduce for s in states])
                 for state, tensors, driver in zip(states, named, drivers):
                     state._params = dict(tensors)
                     state._name_of = {id(t): n for n, t in tensors}
@@ -204,13 +209,18 @@ class DDPHookState:
 
         return torch.futures.collect_all([pipe.future(b) for b in waiting]).then(averaged)
 
-    def _group(self):
-        """The process group for DDP's own allreduce: the DDP model's, else the default one."""
-        if self.uncompressed_via != "allreduce":
-            return None
-        if is_ddp(self.module):
-            return self.module.process_group
-        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    def _group(self) -> "dist.ProcessGroup | None":
+        """The process group of auto mode's uncompressed steps, DDP's own allreduce: the DDP
+        model's, else the default one (None: the shards)."""
+        return collective_group(self.module.process_group if is_ddp(self.module) else None, self.uncompressed_via)
+
+    def _probe_allreduce(self, nbytes: int) -> float | None:
+        """For auto mode's model: the all_reduce rate on the group DDP's allreduce uses, or None
+        (uncompressed steps go through the shards). The tuner calls it on every rank at the same
+        step (a collective), at a step's first gradient, before any of that step's buckets (or,
+        on uncompressed steps, DDP allreduce calls) is started, so it never interleaves with them."""
+        group = self._group()
+        return allreduce_rate(group, nbytes) if group is not None else None
 
     def _allreduce(self, bucket: torch.distributed.GradBucket, driver: StepDriver,
                    group) -> torch.futures.Future[torch.Tensor]:

@@ -20,6 +20,8 @@ On auto mode's uncompressed steps, ``uncompressed_path`` sends a step past the s
 process group is there: the DDP hook averages its buckets with DDP's allreduce (then
 ``finish_elsewhere``); the optimizer passes a ``collective.BlockAllreduce`` as ``collective`` to
 ``submit_ready``, ``submit_rest``, ``finish`` and ``abort``, and its blocks go there instead.
+Either way the front end gives the driver a probe of that path (``collective.allreduce_rate`` on
+the same group), so auto mode's model sees both of its choices in both front ends.
 
 ``after_step`` runs once per finished step: from ``DistributedOptimizer.step()``, or, when no one
 called it (DDP has no step; a GradScaler that skipped ``step()``), at the next step's first
@@ -45,7 +47,7 @@ from .pipeline import BlockPipeline, PipelineSpec, StepStats
 if TYPE_CHECKING:
     from .collective import BlockAllreduce
 
-__all__ = ["StepDriver", "SyncOptions", "UNCOMPRESSED_VIA", "uncompressed_path"]
+__all__ = ["StepDriver", "SyncOptions", "UNCOMPRESSED_VIA", "probe_problem", "uncompressed_path"]
 
 # where auto mode's uncompressed steps go: a native allreduce on a process group (when there is
 # one), or the shards' fp32 path
@@ -58,6 +60,17 @@ def uncompressed_path(compress: bool, via: str, group_available: bool) -> str:
     hook, ``collective.BlockAllreduce`` for the optimizer). Every rank applies auto mode's decision
     (``compress``) at the same step boundary, so every rank takes the same path."""
     return "allreduce" if not compress and via == "allreduce" and group_available else "shards"
+
+
+def probe_problem(auto: bool, via: str, has_probe: bool) -> str | None:
+    """Why a front end cannot run auto mode as configured, or None. Auto mode's model judges the
+    uncompressed path by a probe of it; a front end whose uncompressed steps may skip the shards
+    (``via="allreduce"``) and gives no probe would leave the model blind to the path it takes, so
+    there is no such front end: one mechanism for every front end (``automode``'s module doc)."""
+    if auto and via == "allreduce" and not has_probe:
+        return ("auto mode with uncompressed_via='allreduce' needs the front end's probe of that all_reduce "
+                "(a front end without one must use uncompressed_via='shards')")
+    return None
 
 
 @dataclass(frozen=True)
@@ -98,12 +111,11 @@ class StepDriver:
     def __init__(self, pipe: BlockPipeline, options: SyncOptions,
                  uncompressed_probe: Callable[[int], float | None] | None = None) -> None:
         """``uncompressed_probe``: for auto mode, the all_reduce rate of the path the front end's
-        uncompressed steps take, or None when they go through the shards (``autotune.Tuner``)."""
+        uncompressed steps take, or None when they go through the shards (``autotune.Tuner``);
+        every front end that may send them past the shards gives one (``open_together`` checks)."""
         self.pipe, self.options = pipe, options
         compression = options.compression
-        self.tuner = Tuner(pipe, compression, uncompressed_probe,
-                           model_sees_uncompressed=options.uncompressed_via == "shards" or uncompressed_probe is not None) \
-            if compression.adaptive or compression.auto else None
+        self.tuner = Tuner(pipe, compression, uncompressed_probe) if compression.adaptive or compression.auto else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block
         # buffers, unless the node reduces through its buffers or a tuner reads them
@@ -117,8 +129,12 @@ class StepDriver:
     def open_together(cls, named_tensors_per_model: list, options: list[SyncOptions],
                       uncompressed_probes: Sequence[Callable[[int], float | None] | None] | None = None
                       ) -> list["StepDriver"]:
+        probes = uncompressed_probes or [None] * len(options)
+        for o, probe in zip(options, probes):  # before registering with the shards
+            problem = probe_problem(o.compression.auto, o.uncompressed_via, probe is not None)
+            if problem is not None:
+                raise ConfigError(problem)
         pipes = BlockPipeline.open_together([o.spec(t) for t, o in zip(named_tensors_per_model, options)])
-        probes = uncompressed_probes or [None] * len(pipes)
         return [cls(p, o, probe) for p, o, probe in zip(pipes, options, probes)]
 
     # ---- a step ------------------------------------------------------------------------------

@@ -155,6 +155,37 @@ def optimizer_auto_group_run(rank: int, steps: int = 4) -> dict:
     return {"final": _snapshot(model), "paths": paths, "tuning": [d.as_dict() for d in opt.tuning_history]}
 
 
+def hook_auto_probe_run(rank: int, steps: int = 7) -> dict:
+    """Real auto mode in the DDP hook (``auto:2``: decisions after steps 0, 1, 3 and 5, each taken
+    at the next step's first bucket). Records, on this rank, every call of the tuner's probe of
+    DDP's allreduce with the step it followed, and the path each step took."""
+    model = _model()
+    ddp = _ddp(model)
+    state = cgx.DDPHookState(ddp, compression="auto:2", block_bytes=BLOCK_BYTES)
+    ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+    tuner = state.open().tuner
+    probe, probed = tuner.uncompressed_probe, []
+
+    def recording_probe(nbytes: int) -> float | None:  # the same probe, its calls written down
+        rate = probe(nbytes)
+        probed.append({"after_step": state.stats.step, "nbytes": nbytes, "bps": rate})
+        return rate
+
+    if probe is not None:
+        tuner.uncompressed_probe = recording_probe
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    paths, rounds = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+        paths.append(state.stats.path)
+        rounds.append(state.open().pipe.next_round)
+    return {"final": _snapshot(model), "paths": paths, "rounds": rounds, "probed": probed,
+            "tuning": [d.as_dict() for d in state.tuning_history]}
+
+
 def plain_ddp_run(rank: int, steps: int = 3) -> dict:
     model = _model()
     initial = _snapshot(model)
@@ -328,11 +359,12 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "bf16": bf16_run,
     "foreign_module": foreign_module_run,
 }
-# run only when named (tests/test_ddp_hook.py's second launch): the optimizer's auto-mode
-# uncompressed steps on the process group
+# run only when named (tests/test_ddp_hook.py's other launches): auto mode's uncompressed steps
+# on the process group
 ON_REQUEST = {
     "optimizer_allreduce": optimizer_allreduce_run,
     "optimizer_auto_group": optimizer_auto_group_run,
+    "hook_auto_probe": hook_auto_probe_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
 }
 
