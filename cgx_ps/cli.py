@@ -23,6 +23,42 @@ from typing import Sequence
 
 __all__ = ["build_parser", "main"]
 
+MAX_PORT = 65535
+
+
+def _at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (a bad count is a usage error, not a traceback)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in its message: "invalid integer value"
+    return parse
+
+
+def _port(off: int | None = None):
+    """An argparse type: a TCP port, 0 (pick a free one) to 65535, or ``off`` (disabled)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value != off and not 0 <= value <= MAX_PORT:
+            raise argparse.ArgumentTypeError(f"must be a port, 0..{MAX_PORT}"
+                                             f"{'' if off is None else f' or {off} (off)'}, got {value}")
+        return value
+    parse.__name__ = "port"
+    return parse
+
+
+def _seconds(zero: bool = False):
+    """An argparse type: seconds > 0 (or >= 0 where ``zero`` means something)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'} seconds, got {text}")
+        return value
+    parse.__name__ = "number of seconds"
+    return parse
+
 
 def _add_server_options(p: argparse.ArgumentParser, *, per_shard: bool) -> None:
     """A shard's settings as flags (server/config.py's SETTINGS), their defaults from the
@@ -70,32 +106,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the bound gRPC and metrics ports here as JSON once serving")
 
     cluster = sub.add_parser("cluster", help="run N local shard processes until Ctrl-C/SIGTERM")
-    cluster.add_argument("--shards", type=int, default=2, help="shard processes (default %(default)s)")
+    cluster.add_argument("--shards", type=_at_least(1), default=2, help="shard processes (default %(default)s)")
     cluster.add_argument("--host", default="127.0.0.1",
                          help="address the shards bind (default %(default)s: this machine only)")
-    cluster.add_argument("--base-port", type=int, default=DEFAULT_PORT,
+    cluster.add_argument("--base-port", type=_port(), default=DEFAULT_PORT,
                          help="shard i listens on base-port + i (default %(default)s)")
-    cluster.add_argument("--metrics-base-port", type=int, default=-1,
+    cluster.add_argument("--metrics-base-port", type=_port(off=-1), default=-1,
                          help="shard i serves metrics on this + i; -1 disables (default)")
     _add_server_options(cluster, per_shard=False)
 
     demo = sub.add_parser("demo", help="local cluster: shards plus workers training a real model")
-    demo.add_argument("--workers", type=int, default=2, help="worker processes (default %(default)s)")
-    demo.add_argument("--shards", type=int, default=2, help="shard processes (default %(default)s)")
-    demo.add_argument("--local-ranks", type=int, default=1,
+    demo.add_argument("--workers", type=_at_least(1), default=2, help="worker processes (default %(default)s)")
+    demo.add_argument("--shards", type=_at_least(1), default=2, help="shard processes (default %(default)s)")
+    demo.add_argument("--local-ranks", type=_at_least(1), default=1,
                       help="workers per node: they reduce through shared memory first, and each node pushes "
                            "every block once (must divide --workers; default %(default)s)")
-    demo.add_argument("--epochs", type=int, default=8, help="passes over the training data (default %(default)s)")
-    demo.add_argument("--batch-size", type=int, default=32, help="per worker")
+    demo.add_argument("--epochs", type=_at_least(1), default=8, help="passes over the training data (default %(default)s)")
+    demo.add_argument("--batch-size", type=_at_least(1), default=32, help="per worker")
     demo.add_argument("--compression", default="4bit",
                       help="fp32, fp16, Nbit (N in 1..8) or adaptive (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="data order and initial weights (default %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
 
     codec = sub.add_parser("codec-demo", help="encode a random gradient: sizes, error and speed")
-    codec.add_argument("--numel", type=int, default=25_000_000,
+    codec.add_argument("--numel", type=_at_least(1), default=25_000_000,
                        help="elements of the random gradient (default %(default)s: a 100 MB fp32 tensor)")
-    codec.add_argument("--bucket-size", type=int, default=1024,
+    codec.add_argument("--bucket-size", type=_at_least(1), default=1024,
                        help="elements per max-min bucket (default %(default)s)")
 
     status = sub.add_parser("status", help="one line per shard: health, session, rounds, bytes/s, last error",
@@ -104,22 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
                                         "workers (CGX_PS_TOKEN_FILE, CGX_PS_TLS_*). Exit status: 0 all shards "
                                         "SERVING and answering, 1 otherwise, 2 bad configuration.")
     _add_shard_list_options(status)
-    status.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+    status.add_argument("--watch", type=_seconds(), nargs="?", const=2.0, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2 when given) until Ctrl-C")
     status.add_argument("--json", action="store_true", help="one JSON object per refresh instead of a table")
-    status.add_argument("--sample", type=float, default=1.0,
+    status.add_argument("--sample", type=_seconds(zero=True), default=1.0,
                         help="without --watch: seconds between the two samples that give the rates; 0: one "
                              "sample, no rates (default %(default)s)")
-    status.add_argument("--timeout", type=float, default=3.0, help="seconds per call (default %(default)s)")
+    status.add_argument("--timeout", type=_seconds(), default=3.0, help="seconds per call (default %(default)s)")
 
     wait = sub.add_parser("wait-for-shards", help="wait until every shard is SERVING (health service; no token)",
                           description="Wait until every shard answers SERVING on the gRPC health service. "
                                       "TLS from CGX_PS_TLS_CA/CERT/KEY/SERVER_NAME, as workers. Exit status: 0 "
                                       "all SERVING, 1 timeout, 2 bad configuration.")
     _add_shard_list_options(wait)
-    wait.add_argument("--timeout", type=float, default=1800.0,
+    wait.add_argument("--timeout", type=_seconds(), default=1800.0,
                       help="seconds to wait in all before failing (default %(default)s)")
-    wait.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default %(default)s)")
+    wait.add_argument("--interval", type=_seconds(), default=2.0, help="seconds between polls (default %(default)s)")
     return parser
 
 
@@ -130,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not words:
             parser.print_help(sys.stderr)  # a first try with no arguments: the overview, not a usage error
             return 2
-        return _run(parser.parse_args(words))
+        args = parser.parse_args(words)
+        problem = _port_range_problem(args)
+        if problem:
+            parser.error(problem)
+        return _run(args)
     except KeyboardInterrupt:
         # Ctrl-C before a command installed its own handler: while parsing or importing (the
         # whole process group gets it, so a cluster's shards may be anywhere in their start-up)
@@ -142,6 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout goes to /dev/null so that flushing it at exit does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
+
+
+def _port_range_problem(args: argparse.Namespace) -> str | None:
+    """A cluster's shard i listens on base + i: every one of them must be a port."""
+    if args.command != "cluster":
+        return None
+    for flag, base in (("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port)):
+        if base > 0 and base + args.shards - 1 > MAX_PORT:
+            return f"{flag} {base} + {args.shards} shards goes past port {MAX_PORT}"
+    return None
 
 
 def _run(args: argparse.Namespace) -> int:

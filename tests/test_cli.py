@@ -230,3 +230,36 @@ def test_demo_from_a_wheel_without_the_extras(tmp_path):
     accuracy = float(summary.split("test accuracy", 1)[1].split("%")[0])
     assert accuracy > 80.0, summary  # synthetic classes are learnable: ~10% by chance
     assert "replicas identical   yes" in summary
+
+
+@pytest.mark.parametrize("words, says", [
+    (["cluster", "--shards", "0"], "--shards: must be >= 1, got 0"),
+    (["cluster", "--base-port", "70000"], "--base-port: must be a port, 0..65535, got 70000"),
+    (["cluster", "--base-port", "65535", "--shards", "2"], "--base-port 65535 + 2 shards goes past port 65535"),
+    (["cluster", "--metrics-base-port", "-5"], "--metrics-base-port: must be a port, 0..65535 or -1 (off)"),
+    (["demo", "--workers", "0"], "--workers: must be >= 1, got 0"),
+    (["demo", "--local-ranks", "-1"], "--local-ranks: must be >= 1, got -1"),
+    (["codec-demo", "--numel", "0"], "--numel: must be >= 1, got 0"),
+    (["status", "--timeout", "-1"], "--timeout: must be > 0 seconds, got -1"),
+    (["status", "--watch", "nan"], "--watch: must be > 0 seconds, got nan"),
+    (["wait-for-shards", "--interval", "0"], "--interval: must be > 0 seconds, got 0"),
+])
+def test_implausible_numbers_are_usage_errors_not_tracebacks(words, says, capsys):
+    """Found by hand: `cluster --shards 0` and `demo --workers 0` ended in tracebacks, `cluster
+    --base-port 70000` started shards on random ports, `codec-demo --numel 0` printed NaNs."""
+    from cgx_ps.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(words)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("field, value", [("port", 99999), ("port", -1), ("metrics_port", -7), ("health_port", 70000)])
+def test_a_shard_refuses_a_port_that_is_not_one(field, value):
+    """From a flag or the environment alike (CGX_PS_PORT=99999 bound a random port before)."""
+    from cgx_ps.server.config import ServerConfig
+
+    with pytest.raises(ValueError, match=f"{field} must be a port"):
+        ServerConfig(**{field: value})

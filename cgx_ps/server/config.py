@@ -71,6 +71,11 @@ class ServerConfig:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard_index must be in 0..{self.num_shards - 1}, got {self.shard_index}")
+        for name, off in (("port", None), ("metrics_port", -1), ("health_port", -1)):
+            value = getattr(self, name)
+            if value != off and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be a port, 0..65535{'' if off is None else f' or {off} (off)'}, "
+                                 f"got {value}")
         if self.round_timeout_s <= 0:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
         if self.max_inflight_bytes < 2 * CHUNK_BYTES:
