@@ -49,6 +49,18 @@ def _port(off: int | None = None):
     return parse
 
 
+def _compression(text: str) -> str:
+    """An argparse type: a compression the workers accept, checked before any process starts."""
+    from .worker.errors import ConfigError
+    from .worker.layout import Compression
+
+    try:
+        Compression.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _seconds(zero: bool = False):
     """An argparse type: seconds > 0 (or >= 0 where ``zero`` means something)."""
     def parse(text: str) -> float:
@@ -123,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "every block once (must divide --workers; default %(default)s)")
     demo.add_argument("--epochs", type=_at_least(1), default=8, help="passes over the training data (default %(default)s)")
     demo.add_argument("--batch-size", type=_at_least(1), default=32, help="per worker")
-    demo.add_argument("--compression", default="4bit",
+    demo.add_argument("--compression", type=_compression, default="4bit",
                       help="fp32, fp16, Nbit (N in 1..8) or adaptive (default %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="data order and initial weights (default %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")

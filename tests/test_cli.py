@@ -240,12 +240,14 @@ def test_demo_from_a_wheel_without_the_extras(tmp_path):
     (["demo", "--workers", "0"], "--workers: must be >= 1, got 0"),
     (["demo", "--local-ranks", "-1"], "--local-ranks: must be >= 1, got -1"),
     (["codec-demo", "--numel", "0"], "--numel: must be >= 1, got 0"),
+    (["demo", "--compression", "9bit"], "--compression: bits must be in 1..8"),
     (["status", "--timeout", "-1"], "--timeout: must be > 0 seconds, got -1"),
     (["status", "--watch", "nan"], "--watch: must be > 0 seconds, got nan"),
     (["wait-for-shards", "--interval", "0"], "--interval: must be > 0 seconds, got 0"),
 ])
 def test_implausible_numbers_are_usage_errors_not_tracebacks(words, says, capsys):
-    """Found by hand: `cluster --shards 0` and `demo --workers 0` ended in tracebacks, `cluster
+    """Found by hand: `cluster --shards 0`, `demo --workers 0` ended in tracebacks (`demo
+    --compression 9bit` in one per worker, after starting the shards), `cluster
     --base-port 70000` started shards on random ports, `codec-demo --numel 0` printed NaNs."""
     from cgx_ps.cli import main
 
