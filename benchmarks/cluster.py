@@ -86,9 +86,8 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import netcluster as nc  # noqa: E402
-from benchmarks.cluster_charts import plot, plot_links  # noqa: E402
 from benchmarks.cluster_configs import CONFIGS  # noqa: E402
-from benchmarks.cluster_report import markdown  # noqa: E402
+from benchmarks.cluster_report import markdown, write_outputs  # noqa: E402
 from benchmarks.cluster_stats import fmt  # noqa: E402
 from benchmarks.cluster_stats import relative_figures  # noqa: E402
 
@@ -373,13 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = (f"cgx-ps vs DDP on a throttled cluster ({started}{runs}, {os.cpu_count()} CPU cores, "
               f"load average {fmt(_loadavg(), '.2f')} at the end)\n")
     text = header + "\n" + markdown(rows, args)
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    if args.png:
-        plot(rows, args.png)
-    if args.links_png:
-        plot_links(rows, args.links_png)
+    write_outputs(text, rows, args)
     return 0
 
 

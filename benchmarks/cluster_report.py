@@ -28,7 +28,7 @@ from benchmarks.cluster_configs import CONFIGS  # noqa: E402
 from benchmarks.cluster_stats import fmt, groups, run_label, runs_of, summarize  # noqa: E402
 from benchmarks.cluster_targets import Verdict, judge  # noqa: E402
 
-__all__ = ["ResultsFileError", "host_cpu", "load_results", "main", "markdown"]
+__all__ = ["ResultsFileError", "host_cpu", "load_results", "main", "markdown", "write_outputs"]
 
 
 
@@ -193,6 +193,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def write_outputs(text: str, rows: list[dict], args: argparse.Namespace) -> None:
+    """The report on stdout, and where asked (``--markdown``, ``--png``, ``--links-png``) in files."""
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.png:
+        plot(rows, args.png)
+    if args.links_png:
+        plot_links(rows, args.links_png)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -204,13 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = (f"cgx-ps vs DDP on a throttled cluster: {runs} run{'s' if runs != 1 else ''} merged from "
             f"{len(args.json)} file{'s' if len(args.json) != 1 else ''}\n\n"
             + "\n".join(f"- {line}" for line in about) + "\n\n" + markdown(rows))
-    print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    if args.png:
-        plot(rows, args.png)
-    if args.links_png:
-        plot_links(rows, args.links_png)
+    write_outputs(text, rows, args)
     return 0
 
 
