@@ -60,7 +60,8 @@ from .buffers import TensorOf
 from .errors import CgxPsError, CollectiveStalledError, ConfigError
 from .pipeline import BlockPipeline
 
-__all__ = ["BlockAllreduce", "WaitOutcome", "allreduce_rate", "collective_group", "group_problem", "launch_order"]
+__all__ = ["BlockAllreduce", "WaitOutcome", "allreduce_rate", "collective_group", "group_problem",
+           "group_size_problem", "launch_order"]
 
 
 def collective_group(process_group: "dist.ProcessGroup | None", via: str) -> "dist.ProcessGroup | None":
@@ -105,6 +106,15 @@ def launch_order(layout: ps_pb2.Layout, registration_order: Sequence[str]) -> li
     return sorted(earliest, key=lambda b: (-earliest[b], b))
 
 
+def group_size_problem(group_size: int, world_size: int) -> str | None:
+    """Why a group of ``group_size`` ranks cannot average a job of ``world_size``, or None: the
+    one check that needs no collective, so a front end can make it when it is created."""
+    if group_size != world_size:
+        return (f"the process group has {group_size} ranks, this cgx-ps job {world_size}: pass a process_group "
+                f"of every worker (or uncompressed_via='shards')")
+    return None
+
+
 def group_problem(mine: Sequence[int], gathered: Sequence[Sequence[int]], world_size: int) -> str | None:
     """Why the group cannot average this job's gradients, or None. Each rank contributes
     (its cgx-ps rank, a hash of its launch order, a hash of the shards' session id)."""
@@ -141,10 +151,9 @@ class BlockAllreduce:
              ) -> "BlockAllreduce":
         """Check the group and build the launch order; a collective on the group, so every rank
         calls it at the same step (auto mode's first decision, or its first uncompressed step)."""
-        if dist.get_world_size(group) != pipe.config.world_size:  # checked here first: no collective to hang in
-            raise ConfigError(f"rank {pipe.config.rank}: the process group has {dist.get_world_size(group)} ranks, "
-                              f"this cgx-ps job {pipe.config.world_size}: pass a process_group of every worker "
-                              f"(or uncompressed_via='shards')")
+        problem = group_size_problem(dist.get_world_size(group), pipe.config.world_size)
+        if problem is not None:  # checked here first: no collective to hang in
+            raise ConfigError(f"rank {pipe.config.rank}: {problem}")
         order = launch_order(pipe.layout, registration_order)
         mine = [pipe.config.rank, zlib.crc32(",".join(map(str, order)).encode()),
                 zlib.crc32(pipe.session_id.encode())]
