@@ -390,6 +390,45 @@ async def test_a_refused_blob_upload_frees_its_buffer_before_the_rest_is_drained
     await close(server, [member], [])
 
 
+async def test_a_blob_reader_that_stops_reading_does_not_keep_the_blob_after_the_store_dropped_it(start_shard,
+                                                                                               monkeypatch):
+    """Before: GetBlob's writes had no deadline, so a member that asked for a blob and never read
+    it kept the blob alive (up to the store's capacity each) after the store dropped it at the
+    next session, outside its accounting, for as long as it stayed connected."""
+    class Weakable(bytearray):  # a bytearray that can be watched with a weakref
+        pass
+
+    buffers: list[weakref.ref] = []
+
+    class TrackedUpload(BlobUpload):
+        def __post_init__(self) -> None:
+            self.buffer = Weakable(self.total)
+            buffers.append(weakref.ref(self.buffer))
+
+    monkeypatch.setattr(service_module, "BlobUpload", TrackedUpload)
+    server = await start_shard()
+    (member,) = await connect(server, layout_of((64, 64)), 1)
+    total = 8 * CHUNK_BYTES  # far more than the connection's flow-control windows
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+
+        async def blob():
+            for offset in range(0, total, CHUNK_BYTES):
+                yield ps_pb2.BlobChunk(key="big", total_bytes=total, offset=offset, data=bytes(CHUNK_BYTES),
+                                       node_id="node-0", session_id=member.session_id)
+        await stub.PutBlob(blob(), metadata=METADATA)
+        reader = stub.GetBlob(ps_pb2.GetBlobRequest(key="big", timeout_s=5, session_id=member.session_id),
+                              metadata=METADATA)  # never read
+        await asyncio.sleep(0.5)  # the shard writes until flow control holds it
+        server.service.blobs.clear()  # what a new session does
+        deadline = time.monotonic() + ROUND_TIMEOUT + 5
+        while buffers[0]() is not None:
+            assert time.monotonic() < deadline, "the blob is still held by a reader that does not read"
+            await asyncio.sleep(0.05)
+        reader.cancel()
+    await close(server, [member], [])
+
+
 async def test_getblob_of_missing_keys_leaves_nothing_behind(start_shard):
     server = await start_shard()
     (member,) = await connect(server, layout_of((64, 64)), 1)

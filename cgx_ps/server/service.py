@@ -28,8 +28,8 @@ from .admission import MAX_ID_CHARS, Refuse, Restart, admit, check_registration,
 from .blobs import BlobStore, BlobUpload
 from .budget import ByteBudget
 from .config import ServerConfig
-from .errors import (BadRequest, Conflict, Forbidden, InternalError, NotMember, ProtocolError, SessionEnded,
-                     ShuttingDown, StreamAborted, TimedOut, shown, without_tracebacks)
+from .errors import (BadRequest, Conflict, Forbidden, InternalError, LimitExceeded, NotMember, ProtocolError,
+                     SessionEnded, ShuttingDown, StreamAborted, TimedOut, shown, without_tracebacks)
 from .frames import PushFrame, read_push, result_frames
 from .metrics import ShardMetrics
 from .reassembly import InflightPushes, PushAssembler
@@ -272,8 +272,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise Forbidden("not a member of this shard's current session (register first)")
         data, (node, member) = await self.blobs.get(request.key, request.timeout_s or 60.0)
         for off, piece in chunks(data):
-            await context.write(ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off, data=piece,
-                                                 node_id=node, member=member))
+            # Bounded as a result stream's writes are (stream.py): a client that stops reading
+            # would otherwise keep the blob alive after the store dropped it (a new session),
+            # outside the store's capacity, for as long as it stays connected.
+            try:
+                await asyncio.wait_for(context.write(ps_pb2.BlobChunk(
+                    key=request.key, total_bytes=len(data), offset=off, data=piece, node_id=node, member=member)),
+                    self.config.round_timeout_s)
+            except asyncio.TimeoutError:
+                raise LimitExceeded(f"blob {request.key[:64]!r}: the client has not read it for "
+                                    f"{self.config.round_timeout_s:g}s ({off} of {len(data)} bytes sent)") from None
 
     # ---- adaptive compression and link probe -----------------------------------------------------
 
