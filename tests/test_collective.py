@@ -8,8 +8,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import cgx_ps.worker as cgx
+from cgx_ps.worker import runtime
 from cgx_ps.worker.automode import AutoFigures
 from cgx_ps.worker.collective import collective_group, group_problem, launch_order
 from cgx_ps.worker.frontend import uncompressed_path
@@ -65,3 +67,25 @@ def test_bad_uncompressed_options_are_named_before_registering():
         cgx.DistributedOptimizer(opt, compression="auto", uncompressed_via="shards", process_group=object())
     with pytest.raises(cgx.ConfigError, match="must be a torch.distributed ProcessGroup, got str"):
         cgx.DistributedOptimizer(opt, compression="auto", process_group="gloo")
+
+
+def test_auto_mode_with_a_default_group_smaller_than_the_job_is_refused_when_created(monkeypatch, tmp_path):
+    """Before: the mismatch surfaced only at auto mode's first decision, inside an autograd hook
+    (maybe at step 100). Now when the optimizer is created, before a shard is dialled (the
+    address here is never reachable: registering would fail otherwise)."""
+    monkeypatch.setattr(runtime, "_config", None)
+    cgx.init(cgx.WorkerConfig(rank=0, world_size=2, node_rank=0, num_nodes=2, servers=("127.0.0.1:9",),
+                              connect_timeout_s=0.1))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        opt = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)
+        with pytest.raises(cgx.ConfigError, match=r"rank 0: the process group has 1 ranks, this cgx-ps job 2"):
+            cgx.DistributedOptimizer(opt, compression="auto")
+        # other modes never use the group; with uncompressed_via="shards" neither does auto mode:
+        # both go on to register, and fail at the unreachable shard instead
+        for kwargs in (dict(compression="4bit"), dict(compression="auto", uncompressed_via="shards")):
+            with pytest.raises(cgx.ShardUnavailableError):
+                cgx.DistributedOptimizer(opt, **kwargs)
+    finally:
+        dist.destroy_process_group()
+        cgx.shutdown()

@@ -228,6 +228,27 @@ def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(clust
     assert auto[0]["paths"] == ["shards" if c else "allreduce" for c in compress], (auto[0]["paths"], decisions)
 
 
+def test_a_stalled_rank_fails_the_optimizers_all_reduce_step_within_the_round_timeout(tmp_path):
+    """Before: a rank that stalled in auto mode's all_reduce steps was detected only at the gloo
+    group's own timeout (30 minutes), by an error naming no block or step; the shards path fails
+    after its round timeout. Now the all_reduce steps wait the same round timeout, and the
+    collective refuses every later step (torch cannot cancel the stalled all_reduce)."""
+    round_timeout = 1.0
+    with LocalCluster(1, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as short:
+        results = run_ddp_workers(short, tmp_path, "--scenarios", "optimizer_allreduce_stall",
+                                  "--stall-s", str(round_timeout + 1.5), timeout=120)
+    (ok, _), (stalled, took), (refused, refused_after) = results[0]["optimizer_allreduce_stall"]["outcomes"]
+    assert ok == "allreduce"
+    assert stalled.startswith("CollectiveStalledError: rank 0: the all_reduce of block "), stalled
+    assert "at step 1 did not finish within the round timeout (1s) on the process group of 2 ranks" in stalled
+    assert "restart the job" in stalled
+    assert round_timeout * 0.9 < took < round_timeout + 5, took
+    assert refused == stalled and refused_after < 1.0  # at once, the same reason
+    # rank 1 came back after rank 0 gave up: its all_reduce paired with rank 0's stale one, which
+    # is why rank 0 must not go on
+    assert [o for o, _ in results[1]["optimizer_allreduce_stall"]["outcomes"]] == ["allreduce", "allreduce"]
+
+
 def test_hook_auto_mode_probes_ddps_allreduce_on_every_rank_at_the_same_step(cluster, tmp_path):
     """The DDP hook's auto mode gives its model a probe of DDP's allreduce, as the optimizer does:
     every rank times an all_reduce on DDP's group at every decision, at the same step, rank 0's

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 import grpc
 import pytest
@@ -15,6 +16,8 @@ from cgx_ps.kernels import Codec, CodecError, dequantize, encode
 from cgx_ps.kernels.wire import HEADER_SIZE, parse_header
 from cgx_ps.layout import LayoutError, layout_hash, validate_layout
 from cgx_ps.server import ShardServer
+from cgx_ps.server import service as service_module
+from cgx_ps.server.blobs import BlobUpload
 from cgx_ps.server.budget import ByteBudget
 from cgx_ps.transport import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
@@ -345,6 +348,84 @@ async def test_a_refused_blob_upload_reports_its_reason_to_a_client_still_writin
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
     assert "exceeds the shard's blob capacity" in err.value.details()
     assert server.service.blobs.used == 0
+    await close(server, [member], [])
+
+
+async def test_a_refused_blob_upload_frees_its_buffer_before_the_rest_is_drained(start_shard, monkeypatch):
+    """Before: the drain of a refused PutBlob ran inside the ``except`` block, so the refusal's
+    traceback kept the upload (a buffer of its declared size, up to the store's capacity) alive
+    for up to round_timeout_s while the store said 0 bytes were in use: N refused uploads held N
+    times the capacity. Checked by reference count, while the client is still writing."""
+    uploads: list[weakref.ref] = []
+
+    class TrackedUpload(BlobUpload):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            uploads.append(weakref.ref(self))
+
+    monkeypatch.setattr(service_module, "BlobUpload", TrackedUpload)
+    server = await start_shard(round_timeout_s=10.0)  # a drain that outlasts the checks
+    (member,) = await connect(server, layout_of((64, 64)), 1)
+    total = 8 << 20
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = ps_pb2_grpc.ParameterServerStub(channel).PutBlob(metadata=METADATA)
+        await call.write(ps_pb2.BlobChunk(key="b", total_bytes=total, offset=0, data=b"x" * 1024,
+                                          node_id="node-0", session_id=member.session_id))
+        deadline = time.monotonic() + 10
+        while not uploads or server.service.blobs.used == 0:  # the upload has reserved its room
+            assert time.monotonic() < deadline, "the shard never started the upload"
+            await asyncio.sleep(0.01)
+        await call.write(ps_pb2.BlobChunk(key="b", total_bytes=total, offset=7, data=b"y"))  # refused: a gap
+        while server.service.blobs.used != 0:  # refused; the shard is now draining the stream
+            assert time.monotonic() < deadline, "the bad chunk was not refused"
+            await asyncio.sleep(0.01)
+        await call.write(ps_pb2.BlobChunk(key="z", data=b"z"))  # still writing, as a hostile client would
+        await asyncio.sleep(0.1)
+        assert not call.done(), "the shard should still be draining the refused stream"
+        assert uploads[0]() is None, "the refused upload's buffer is still held while the stream is drained"
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call, 10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at offset 7, expected 1024" in err.value.details()
+    await close(server, [member], [])
+
+
+async def test_a_blob_reader_that_stops_reading_does_not_keep_the_blob_after_the_store_dropped_it(start_shard,
+                                                                                               monkeypatch):
+    """Before: GetBlob's writes had no deadline, so a member that asked for a blob and never read
+    it kept the blob alive (up to the store's capacity each) after the store dropped it at the
+    next session, outside its accounting, for as long as it stayed connected."""
+    class Weakable(bytearray):  # a bytearray that can be watched with a weakref
+        pass
+
+    buffers: list[weakref.ref] = []
+
+    class TrackedUpload(BlobUpload):
+        def __post_init__(self) -> None:
+            self.buffer = Weakable(self.total)
+            buffers.append(weakref.ref(self.buffer))
+
+    monkeypatch.setattr(service_module, "BlobUpload", TrackedUpload)
+    server = await start_shard()
+    (member,) = await connect(server, layout_of((64, 64)), 1)
+    total = 8 * CHUNK_BYTES  # far more than the connection's flow-control windows
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+
+        async def blob():
+            for offset in range(0, total, CHUNK_BYTES):
+                yield ps_pb2.BlobChunk(key="big", total_bytes=total, offset=offset, data=bytes(CHUNK_BYTES),
+                                       node_id="node-0", session_id=member.session_id)
+        await stub.PutBlob(blob(), metadata=METADATA)
+        reader = stub.GetBlob(ps_pb2.GetBlobRequest(key="big", timeout_s=5, session_id=member.session_id),
+                              metadata=METADATA)  # never read
+        await asyncio.sleep(0.5)  # the shard writes until flow control holds it
+        server.service.blobs.clear()  # what a new session does
+        deadline = time.monotonic() + ROUND_TIMEOUT + 5
+        while buffers[0]() is not None:
+            assert time.monotonic() < deadline, "the blob is still held by a reader that does not read"
+            await asyncio.sleep(0.05)
+        reader.cancel()
     await close(server, [member], [])
 
 

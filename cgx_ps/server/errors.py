@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["AlreadyExists", "BadRequest", "Busy", "Conflict", "Forbidden", "InternalError", "LimitExceeded",
            "NotMember", "ProtocolError", "SessionEnded", "ShuttingDown", "StreamAborted", "TimedOut",
-           "Unauthenticated", "WITHHELD", "WrongRound", "shown"]
+           "Unauthenticated", "WITHHELD", "WrongRound", "shown", "without_tracebacks"]
 
 
 class ProtocolError(Exception):
@@ -99,3 +99,20 @@ def shown(text: str, authenticated: bool) -> str:
     """``text`` (it may name the job, tensors, shapes) for a shard whose callers proved they
     belong to the job; withheld otherwise, so a stranger learns nothing of the model."""
     return text if authenticated else WITHHELD
+
+
+def without_tracebacks(error: ProtocolError) -> ProtocolError:
+    """``error`` (and the exceptions it chains) stripped of their tracebacks, for a refusal kept
+    while the call still waits on the client: a traceback keeps every frame it passed through
+    alive with all their locals, such as a refused upload's buffer. The refusal's message is
+    all the caller and the log are given, so nothing is lost."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        link = pending.pop()
+        if link is None or id(link) in seen:  # a chain can loop back on itself
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        pending += [link.__cause__, link.__context__]
+    return error

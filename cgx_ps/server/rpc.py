@@ -126,7 +126,10 @@ async def discard_rest(context: grpc.aio.ServicerContext, timeout_s: float) -> N
     """Read and drop what is left of a client stream, until its end or ``timeout_s``, before a
     refusal: a grpc.aio client still writing when the call ends is told INTERNAL "Internal error
     from Core" instead of the refusal (grpc/grpc#36066). Raw messages, one at a time: nothing is
-    parsed or kept, and the call is bounded in time as an accepted one is."""
+    parsed or kept here, and the call is bounded in time as an accepted one is. The bound holds
+    only if the caller keeps nothing big either while it awaits this: call it outside an
+    ``except`` block, with the refusal stripped of its traceback (errors.without_tracebacks),
+    which would otherwise keep the refused request's frames and buffers alive until the end."""
     async def drain() -> None:
         while await context.read() is not grpc.aio.EOF:
             pass

@@ -28,8 +28,8 @@ from .admission import MAX_ID_CHARS, Refuse, Restart, admit, check_registration,
 from .blobs import BlobStore, BlobUpload
 from .budget import ByteBudget
 from .config import ServerConfig
-from .errors import (BadRequest, Conflict, Forbidden, InternalError, NotMember, ProtocolError, SessionEnded,
-                     ShuttingDown, StreamAborted, TimedOut, shown)
+from .errors import (BadRequest, Conflict, Forbidden, InternalError, LimitExceeded, NotMember, ProtocolError,
+                     SessionEnded, ShuttingDown, StreamAborted, TimedOut, shown, without_tracebacks)
 from .frames import PushFrame, read_push, result_frames
 from .metrics import ShardMetrics
 from .reassembly import InflightPushes, PushAssembler
@@ -224,16 +224,28 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         first = await _first_message(context, ps_pb2.BlobChunk)
         if first is grpc.aio.EOF:
             raise BadRequest("PutBlob stream carried no chunk")
+        refused = await self._put_blob_or_refusal(first, context)
+        del first  # up to one message: nothing of the upload is held while the rest is drained
+        if refused is None:
+            return ps_pb2.PutBlobResponse()
+        if not isinstance(refused, TimedOut):  # TimedOut: the upload's time is up, no waiting for the rest
+            # Refused while the client may still be writing the blob: let it finish first, so it
+            # hears why (a broadcast that does not fit the store), not INTERNAL. Outside any
+            # except block, so what the call holds meanwhile is one raw message at a time, for
+            # at most round_timeout_s (rpc.discard_rest), not the upload's buffer.
+            await discard_rest(context, self.config.round_timeout_s)
+        raise refused
+
+    async def _put_blob_or_refusal(self, first: ps_pb2.BlobChunk, context: grpc.aio.ServicerContext
+                                   ) -> ProtocolError | None:
+        """Store the blob, or say why not. The refusal comes without its traceback: that would
+        keep the frames of the failed upload, and so its buffer (up to the store's capacity,
+        already given back to the store's accounting), alive for as long as the refusal lives."""
         try:
             await self._put_blob(first, context)
-        except TimedOut:
-            raise  # the upload's time is up: no waiting for the rest
-        except ProtocolError:
-            # Refused while the client may still be writing the blob: let it finish first, so it
-            # hears why (a broadcast that does not fit the store), not INTERNAL.
-            await discard_rest(context, self.config.round_timeout_s)
-            raise
-        return ps_pb2.PutBlobResponse()
+            return None
+        except ProtocolError as exc:
+            return without_tracebacks(exc)
 
     async def _put_blob(self, first: ps_pb2.BlobChunk, context: grpc.aio.ServicerContext) -> None:
         session = self._blob_writer(first.node_id, first.member, first.session_id)
@@ -260,8 +272,16 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise Forbidden("not a member of this shard's current session (register first)")
         data, (node, member) = await self.blobs.get(request.key, request.timeout_s or 60.0)
         for off, piece in chunks(data):
-            await context.write(ps_pb2.BlobChunk(key=request.key, total_bytes=len(data), offset=off, data=piece,
-                                                 node_id=node, member=member))
+            # Bounded as a result stream's writes are (stream.py): a client that stops reading
+            # would otherwise keep the blob alive after the store dropped it (a new session),
+            # outside the store's capacity, for as long as it stays connected.
+            try:
+                await asyncio.wait_for(context.write(ps_pb2.BlobChunk(
+                    key=request.key, total_bytes=len(data), offset=off, data=piece, node_id=node, member=member)),
+                    self.config.round_timeout_s)
+            except asyncio.TimeoutError:
+                raise LimitExceeded(f"blob {request.key[:64]!r}: the client has not read it for "
+                                    f"{self.config.round_timeout_s:g}s ({off} of {len(data)} bytes sent)") from None
 
     # ---- adaptive compression and link probe -----------------------------------------------------
 

@@ -33,14 +33,15 @@ from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_pa
 from .checkpoint import Checkpoints
 from .config import WorkerConfig
 from .ddp_hook import DDPHookState, ddp_comm_hook
-from .errors import (BlobFormatError, BroadcastError, CgxPsError, CheckpointError, ConfigError, IntraNodeError,
-                     RoundFailedError, ShardRejectedError, ShardUnavailableError)
+from .errors import (BlobFormatError, BroadcastError, CgxPsError, CheckpointError, CollectiveStalledError, ConfigError,
+                     IntraNodeError, RoundFailedError, ShardRejectedError, ShardUnavailableError)
 from .layout import Compression
 from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
 __all__ = [
-    "BlobFormatError", "BroadcastError", "CgxPsError", "CheckpointError", "Checkpoints", "Compression", "ConfigError",
+    "BlobFormatError", "BroadcastError", "CgxPsError", "CheckpointError", "Checkpoints", "CollectiveStalledError",
+    "Compression", "ConfigError",
     "DDPHookState", "Decision", "DistributedOptimizer", "ddp_comm_hook",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",

@@ -33,6 +33,15 @@ peers took the last shard result from its buffer before writing into it (``take_
 
 NaN/Inf pass through the sum to every rank, so a rank's overflow reaches every rank's
 GradScaler; without ``allow_non_finite``, ``wait`` raises on every rank, naming the tensors.
+
+A stalled rank. The shards fail a round after their round timeout, naming the node; the
+group's own timeout is far longer (gloo: 30 minutes) and names no rank. So on a gloo group
+``wait`` gives each step the same round timeout: then ``CollectiveStalledError``, naming the
+block, the step and the group. That is fatal for this rank: torch cannot cancel a collective
+(``Work.wait(timeout)`` only stops waiting), so the stalled all_reduce stays queued on the
+group, pairs with whatever the late rank sends next and writes into the gradients when it
+does; the collective refuses every later use with the same error. NCCL's ``wait`` does not
+block the CPU (it orders the CUDA stream), so there the group's watchdog timeout applies.
 """
 
 from __future__ import annotations
@@ -40,17 +49,19 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from typing import Iterable, Sequence
+from datetime import timedelta
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..v1 import ps_pb2
 from .buffers import TensorOf
-from .errors import CgxPsError, ConfigError
+from .errors import CgxPsError, CollectiveStalledError, ConfigError
 from .pipeline import BlockPipeline
 
-__all__ = ["BlockAllreduce", "allreduce_rate", "collective_group", "group_problem", "launch_order"]
+__all__ = ["BlockAllreduce", "WaitOutcome", "allreduce_rate", "collective_group", "group_problem",
+           "group_size_problem", "launch_order"]
 
 
 def collective_group(process_group: "dist.ProcessGroup | None", via: str) -> "dist.ProcessGroup | None":
@@ -95,6 +106,15 @@ def launch_order(layout: ps_pb2.Layout, registration_order: Sequence[str]) -> li
     return sorted(earliest, key=lambda b: (-earliest[b], b))
 
 
+def group_size_problem(group_size: int, world_size: int) -> str | None:
+    """Why a group of ``group_size`` ranks cannot average a job of ``world_size``, or None: the
+    one check that needs no collective, so a front end can make it when it is created."""
+    if group_size != world_size:
+        return (f"the process group has {group_size} ranks, this cgx-ps job {world_size}: pass a process_group "
+                f"of every worker (or uncompressed_via='shards')")
+    return None
+
+
 def group_problem(mine: Sequence[int], gathered: Sequence[Sequence[int]], world_size: int) -> str | None:
     """Why the group cannot average this job's gradients, or None. Each rank contributes
     (its cgx-ps rank, a hash of its launch order, a hash of the shards' session id)."""
@@ -113,9 +133,13 @@ def group_problem(mine: Sequence[int], gathered: Sequence[Sequence[int]], world_
 class BlockAllreduce:
     """Averages the blocks of a step over a process group, each launched in its turn (module doc)."""
 
-    def __init__(self, pipe: BlockPipeline, group: "dist.ProcessGroup", order: Sequence[int]) -> None:
+    def __init__(self, pipe: BlockPipeline, group: "dist.ProcessGroup", order: Sequence[int],
+                 timeout_s: float | None = None) -> None:
         self.pipe, self.group, self.order = pipe, group, list(order)
         self.size = dist.get_world_size(group)
+        # how long a step waits for its all_reduces (None: the group's own timeout; module doc)
+        self.timeout_s = timeout_s
+        self.stalled: CollectiveStalledError | None = None  # once set, the group is out of step for good
         self._lock = threading.Lock()  # hooks may fire on several autograd threads
         # this step: blocks complete, how many of ``order`` are launched, the launched ones in flight
         self._ready: set[int] = set()
@@ -127,10 +151,9 @@ class BlockAllreduce:
              ) -> "BlockAllreduce":
         """Check the group and build the launch order; a collective on the group, so every rank
         calls it at the same step (auto mode's first decision, or its first uncompressed step)."""
-        if dist.get_world_size(group) != pipe.config.world_size:  # checked here first: no collective to hang in
-            raise ConfigError(f"rank {pipe.config.rank}: the process group has {dist.get_world_size(group)} ranks, "
-                              f"this cgx-ps job {pipe.config.world_size}: pass a process_group of every worker "
-                              f"(or uncompressed_via='shards')")
+        problem = group_size_problem(dist.get_world_size(group), pipe.config.world_size)
+        if problem is not None:  # checked here first: no collective to hang in
+            raise ConfigError(f"rank {pipe.config.rank}: {problem}")
         order = launch_order(pipe.layout, registration_order)
         mine = [pipe.config.rank, zlib.crc32(",".join(map(str, order)).encode()),
                 zlib.crc32(pipe.session_id.encode())]
@@ -140,11 +163,14 @@ class BlockAllreduce:
         problem = group_problem(mine, [g.tolist() for g in gathered], pipe.config.world_size)
         if problem is not None:
             raise ConfigError(f"rank {pipe.config.rank}: {problem}")
-        return cls(pipe, group, order)
+        gloo = "gloo" in str(dist.get_backend(group)).lower()  # NCCL's wait does not block the CPU
+        return cls(pipe, group, order, pipe.round_timeout_s if gloo else None)
 
     def ready(self, blocks: Iterable[int], grad_of: TensorOf) -> None:
         """These blocks' gradients are final (``pipe.tensors_ready``): launch every block whose
         turn has come."""
+        if self.stalled is not None:
+            raise self.stalled
         with self._lock:
             self._ready.update(blocks)
             while self._launched < len(self.order) and self.order[self._launched] in self._ready:
@@ -161,13 +187,19 @@ class BlockAllreduce:
         ``take_in`` gave (``pipe.copy_out`` writes them to the front end). Raises, ready for the
         next step, if a block's all_reduce failed or, without ``allow_non_finite``, its average
         is not finite (then on every rank alike)."""
+        if self.stalled is not None:
+            raise self.stalled
         with self._lock:
             in_flight, launched = self._in_flight, self._launched
             self._ready, self._launched, self._in_flight = set(), 0, []
-        failed = _wait_all(in_flight)  # all of them, even after a failure: none may write later
+        # all of them, even after a failure: none may write later (but a stalled one stays)
+        failed = _wait_all(in_flight, self.timeout_s)
         rank = self.pipe.config.rank
+        if failed is not None and failed.stalled:
+            self.stalled = self._stalled_error(failed.block_id)
+            raise self.stalled
         if failed is not None:
-            block_id, exc = failed  # a rank died or left: gloo's timeout, a reset connection
+            block_id, exc = failed.block_id, failed.error  # a rank died or left: a reset connection, gloo's timeout
             raise CgxPsError(f"rank {rank}: the all_reduce of block {block_id} failed on the process group: "
                              f"{exc}") from exc
         if launched < len(self.order):
@@ -180,22 +212,52 @@ class BlockAllreduce:
                 if not bool(torch.isfinite(work.sum())) and not bool(torch.isfinite(work).all()):
                     raise self.pipe.gradient_error(block_id, "NaN/Inf (on some rank) in the gradient of")
 
+    def _stalled_error(self, block_id: int) -> CollectiveStalledError:
+        return CollectiveStalledError(
+            f"rank {self.pipe.config.rank}: the all_reduce of block {block_id} at step {self.pipe.steps} did not "
+            f"finish within the round timeout ({self.timeout_s:g}s) on the process group of {self.size} ranks: "
+            f"another rank stalled (hung, or stopped before this step's backward; its own log says which). This "
+            f"rank cannot go on: torch cannot cancel the all_reduce, so the group is out of step and a late one "
+            f"may still write into the gradients. Stop every rank and restart the job from a checkpoint; if the "
+            f"ranks are only slow, raise the shards' --round-timeout, or use uncompressed_via='shards'")
+
     def abort(self) -> None:
-        """Forget this step (after an error elsewhere). What is in flight is waited for first, as
-        it writes into the gradients the next step takes in; if ranks parted ways, the group
-        fails it at its timeout."""
+        """Forget this step (after an error elsewhere). What is in flight is waited for first (up to
+        the round timeout), as it writes into the gradients the next step takes in; if ranks
+        parted ways, the group fails it at its timeout."""
         with self._lock:
             in_flight = self._in_flight
             self._ready, self._launched, self._in_flight = set(), 0, []
-        _wait_all(in_flight)
+        if self.stalled is None:
+            failed = _wait_all(in_flight, self.timeout_s)
+            if failed is not None and failed.stalled:
+                self.stalled = self._stalled_error(failed.block_id)
 
 
-def _wait_all(in_flight: Sequence[tuple[int, torch.Tensor, "dist.Work"]]) -> tuple[int, Exception] | None:
-    """Wait for every all_reduce in flight; the first failure (block, error), or None."""
+class WaitOutcome(NamedTuple):
+    """The first all_reduce of a step that failed: its block, the error, and whether it is still
+    running (stalled: waited for up to the timeout) rather than failed by the backend."""
+
+    block_id: int
+    error: Exception
+    stalled: bool
+
+
+def _wait_all(in_flight: Sequence[tuple[int, torch.Tensor, "dist.Work"]], timeout_s: float | None
+              ) -> WaitOutcome | None:
+    """Wait for every all_reduce in flight, all of them within ``timeout_s`` (None: the group's
+    own timeout); the first failure, or None. After a stall the rest are not waited for: they
+    are queued behind it on the group."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed = None
     for block_id, _, handle in in_flight:
         try:
-            handle.wait()
+            if deadline is None:
+                handle.wait()
+            else:  # at least 1 ms: a zero timedelta means "no timeout" to torch
+                handle.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except Exception as exc:  # noqa: BLE001 - the backend's errors have no common type; reported by the caller
-            failed = failed or (block_id, exc)
+            if not handle.is_completed():  # "Operation timed out!": still queued on the group
+                return WaitOutcome(block_id, exc, stalled=True)
+            failed = failed or WaitOutcome(block_id, exc, stalled=False)
     return failed

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
-           "ConfigError", "IntraNodeError", "BroadcastError", "BlobFormatError", "CheckpointError"]
+           "ConfigError", "CollectiveStalledError", "IntraNodeError", "BroadcastError", "BlobFormatError",
+           "CheckpointError"]
 
 
 class CgxPsError(RuntimeError):
@@ -32,6 +33,11 @@ class RoundFailedError(CgxPsError):
     def __init__(self, address: str, message: str, missing_nodes: tuple[str, ...] = ()) -> None:
         super().__init__(f"round failed on shard {address}: {message}")
         self.address, self.missing_nodes = address, missing_nodes
+
+
+class CollectiveStalledError(CgxPsError):
+    """An all_reduce on the process group (auto mode's uncompressed steps) did not finish within
+    the round timeout: another rank stalled. Fatal for this rank: its group is out of step."""
 
 
 class IntraNodeError(CgxPsError):

@@ -46,11 +46,12 @@ import torch.distributed as dist
 from .. import timeline
 from ..v1 import ps_pb2
 from .autotune import Decision
-from .collective import BlockAllreduce, allreduce_rate, collective_group
+from .collective import BlockAllreduce, allreduce_rate, collective_group, group_size_problem
 from .errors import CgxPsError, ConfigError
 from .frontend import StepDriver, SyncOptions, uncompressed_path
 from .layout import DEFAULT_BLOCK_BYTES, Compression
 from .pipeline import StepStats
+from .runtime import current_config
 
 __all__ = ["DistributedOptimizer", "StepStats"]
 
@@ -88,6 +89,7 @@ class _DistributedMixin:
         # one, else the default group), per block in the order of registration (collective.py);
         # auto mode's model measures that all_reduce
         self._cgx_uncompressed_via, self._cgx_process_group = uncompressed_via, process_group
+        _check_group_size(options, process_group)
         self._cgx_driver = StepDriver.open_together([named_parameters], [options], [self._cgx_probe_allreduce])[0]
         self._cgx_pipe = self._cgx_driver.pipe
         self._cgx_backward_passes = backward_passes_per_step
@@ -258,6 +260,20 @@ class _DistributedMixin:
         return self._cgx_driver.tuning_history
 
 
+def _check_group_size(options: SyncOptions, process_group: "dist.ProcessGroup | None") -> None:
+    """Auto mode's group, if it has one now, must be as large as the job: said here, before
+    registering, not at auto mode's first decision (inside an autograd hook, maybe at step 100).
+    The rest of the check (which ranks, one session, one parameter order) is a collective, made
+    at the group's first use (``BlockAllreduce.open``)."""
+    group = collective_group(process_group, options.uncompressed_via) if options.compression.auto else None
+    if group is None:
+        return
+    config = current_config()
+    problem = group_size_problem(dist.get_world_size(group), config.world_size)
+    if problem is not None:
+        raise ConfigError(f"rank {config.rank}: {problem}")
+
+
 def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns (Horovod's API)
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
@@ -299,8 +315,9 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         ``torch.distributed`` is initialized, block by block as backward completes them, so a link
         fast enough that compression does not pay costs what DDP costs; without a group, the
         shards) or "shards" (fp32 through the shards). The group must hold every worker of the
-        job (local ranks too: such a step skips the node's shared-memory reduction); the
-        first such step checks it. Other compression modes never use it.
+        job (local ranks too: such a step skips the node's shared-memory reduction); its size is
+        checked here, the rest (which ranks, one session) at the first such step. Other
+        compression modes never use it.
     process_group: the group for those steps (default: the default group).
 
     ``state_dict()`` adds a ``"cgx_ps"`` entry to the wrapped optimizer's state (counters, codec

@@ -133,6 +133,11 @@ class BlockPipeline:
         """The shards' id of this job's session (the same on every rank of the job)."""
         return self._engine.session_id
 
+    @property
+    def round_timeout_s(self) -> float:
+        """The shards' round timeout: how long a step's exchange may wait for the other ranks."""
+        return self._engine.round_timeout_s
+
     def blocks_of(self, names: Iterable[str]) -> list[int]:
         """The blocks holding any of these tensors, in order."""
         return self.arrivals.blocks_of(names)

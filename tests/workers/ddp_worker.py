@@ -28,6 +28,7 @@ OPTIONS_COMPRESSION = cgx.Compression(bits=3, exclude=("2.*",), overrides={"0.we
 OPTIONS = {"error_feedback": True, "warmup_steps": 1}
 BLOCK_BYTES = 16384
 BUCKET_MB = 0.02  # about 5000 floats: several buckets, blocks that span two of them
+STALL_S = 0.0  # how long rank 1 stalls in optimizer_allreduce_stall (--stall-s)
 
 
 def _loss(module: torch.nn.Module, named, rank: int, step: int, part: int = 0) -> torch.Tensor:
@@ -137,6 +138,32 @@ def optimizer_allreduce_run(rank: int) -> dict:
         in_place.append(opt.stats.in_place_blocks)
     return {"before": before, "final": _snapshot(model), "paths": paths, "rounds": rounds,
             "in_place": in_place, "blocks": len(opt.layout.blocks), "errors": errors, "intranode": opt.intranode}
+
+
+def optimizer_allreduce_stall_run(rank: int) -> dict:
+    """Auto mode's uncompressed steps on the gloo group, and rank 1 stalls before step 1's
+    backward for longer than the shards' round timeout (``--stall-s``): rank 0 must fail that
+    step within the round timeout, naming what stalled, and refuse the next one at once. Rank 1
+    skips step 2 (rank 0 launches nothing there), so the group is idle for the final barrier."""
+    model = _model()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression="4bit", block_bytes=BLOCK_BYTES)
+    opt._cgx_pipe.apply(False, {})  # what auto mode's tuner sets: every step uncompressed, on the group
+    named = list(model.named_parameters())
+    outcomes = []
+    for step in range(3 if rank == 0 else 2):
+        if step == 1 and rank == 1:
+            time.sleep(STALL_S)
+        start = time.monotonic()
+        try:
+            opt.zero_grad()
+            _loss(model, named, rank, step).backward()
+            opt.step()
+            outcome = opt.stats.path
+        except cgx.CgxPsError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        outcomes.append((outcome, time.monotonic() - start))
+    return {"outcomes": outcomes}
 
 
 def optimizer_auto_group_run(rank: int, steps: int = 4) -> dict:
@@ -364,6 +391,7 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
 ON_REQUEST = {
     "optimizer_allreduce": optimizer_allreduce_run,
     "optimizer_auto_group": optimizer_auto_group_run,
+    "optimizer_allreduce_stall": optimizer_allreduce_stall_run,
     "hook_auto_probe": hook_auto_probe_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
 }
@@ -374,7 +402,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--scenarios", default=",".join([*SCENARIOS, "local:hook_4bit", "local:gan"]),
                    help="comma-separated; local:NAME runs NAME with every rank a local rank of one node")
+    p.add_argument("--stall-s", type=float, default=0.0, help="optimizer_allreduce_stall: rank 1's stall")
     args = p.parse_args()
+    global STALL_S
+    STALL_S = args.stall_s
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
