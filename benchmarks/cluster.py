@@ -76,7 +76,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -88,6 +87,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster.py`
 from benchmarks import netcluster as nc  # noqa: E402
 from benchmarks.cluster_configs import CONFIGS  # noqa: E402
 from benchmarks.cluster_report import markdown, write_outputs  # noqa: E402
+from benchmarks.cluster_rows import add_cpu_usage, add_link_figures, job_row  # noqa: E402
 from benchmarks.cluster_stats import fmt  # noqa: E402
 from benchmarks.cluster_stats import relative_figures  # noqa: E402
 
@@ -126,40 +126,6 @@ def wait_idle(max_wait_s: float, busy_cores: float = 0.3, window_s: float = 2.0)
 # --------------------------------------------------------------------------
 # running one group (model x rate x topology) of configurations
 # --------------------------------------------------------------------------
-
-
-def _summarize(res: nc.JobResult, steps: int, warmup: int) -> dict:
-    ok = [r for r in res.results if r]
-    row: dict = {"status": res.status, "wall_s": res.wall_s, "worker_cpu_s": res.cpu_s}
-    if not res.ok:
-        tails = [t[-800:] for t in res.stderr_tails if t.strip()]
-        row["error"] = tails[0] if tails else None
-        return row
-    row["step_s"] = max(r["median_step_s"] for r in ok)  # the slowest rank sets the pace
-    row["step_s_per_rank"] = [r["median_step_s"] for r in ok]
-    row["step_times_s"] = [r["step_times_s"] for r in ok]
-    row["eval_loss"] = ok[0]["eval_loss"]
-    row["eval_loss_per_rank"] = [r["eval_loss"] for r in ok]
-    tx = [r.get("tx_bytes_per_step") for r in ok]
-    rx = [r.get("rx_bytes_per_step") for r in ok]
-    if all(v is not None for v in tx + rx):
-        row["tx_bytes"] = statistics.mean(tx)
-        row["rx_bytes"] = statistics.mean(rx)
-        row["link_bytes"] = max(max(tx), max(rx))  # busiest direction of the busiest worker link
-    host = [r.get("host_cpu_s_per_step") for r in ok]
-    if all(v is not None for v in host):
-        row["host_cpu_s_per_step"] = statistics.mean(host)
-        row["worker_cpu_s_per_step"] = statistics.mean(r["cpu_s_per_step"] for r in ok)
-        row["colocated_cpu_s_per_step"] = statistics.mean(r["colocated_cpu_s_per_step"] for r in ok)
-    if "exposed_comm_s" in ok[0]:
-        row["exposed_comm_s"] = max(r["exposed_comm_s"] for r in ok)
-        row["pushed_bytes"] = ok[0]["bytes_pushed_per_step"]
-        row["fp32_bytes"] = ok[0]["fp32_bytes_per_step"]
-    if ok[0].get("tuning"):  # auto mode: what it chose, step by step
-        row["tuning"] = ok[0]["tuning"]
-    if ok[0].get("steps_by_path"):  # the optimizer: timed steps through the shards / all_reduce
-        row["steps_by_path"] = ok[0]["steps_by_path"]
-    return row
 
 
 def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, run: int = 1) -> list[dict]:
@@ -202,10 +168,10 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
                 res_status = None
             row = {**base, "config": name, "label": label, "load_before": load0,
                    "busy_cores_before": idle,
-                   "load_after": _loadavg(), **_summarize(res, args.steps, args.warmup)}
+                   "load_after": _loadavg(), **job_row(res)}
             if res_status:
                 row["status"] = res_status
-            _cpu_usage(row, res, args)
+            add_cpu_usage(row, res, args.steps + args.warmup)
             rows.append(row)
             _log(f"  {label}: {row['status']} ({row['wall_s']:.1f}s wall)"
                  + (f", {row['step_s']:.3f} s/step" if row.get("step_s") else "")
@@ -224,7 +190,7 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
     for row in singles + rows:
         row["compute_s"] = compute
         row["compute_cpu_s"] = min(cpus) if cpus else None  # CPU of the compute alone, per step
-        _finish_row(row, rate_bps, topology)
+        add_link_figures(row, rate_bps, topology)
     relative_figures(rows)
     return singles + rows
 
@@ -239,47 +205,10 @@ def _single(cluster: nc.Cluster, base: dict, kw: dict, args: argparse.Namespace,
            "load_before": _loadavg(), "step_s": r0 and r0["single_process_compute_s"],
            "step_times_s": r0 and [r0["step_times_s"]], "eval_loss": r0 and r0["eval_loss"], "wall_s": res.wall_s,
            "host_cpu_s_per_step": r0 and r0.get("host_cpu_s_per_step")}
-    _cpu_usage(row, res, args)
+    add_cpu_usage(row, res, args.steps + args.warmup)
     _log(f"  single-process compute ({when}): {res.status}, {fmt(row['step_s'])} s/step"
          f" (others' load {fmt(row.get('other_cores'), '.2f')} cores)")
     return row
-
-
-def _cpu_usage(row: dict, res: nc.JobResult, args: argparse.Namespace) -> None:
-    """Where the machine's CPU went during the job (whole job: start-up included).
-
-    busy_cores: all CPUs, from /proc/stat; own_cores: our workers and shards (utime+stime);
-    irq_cores: irq + softirq time (packet processing of veth/tbf, mostly ours); other_cores:
-    the rest = other people's processes on a shared machine."""
-    info = res.info or {}
-    shard = [c for c in info.get("shard_cpu_s", []) if c is not None]
-    if "shard_cpu_s" in info:
-        row["shard_cpu_s"] = info["shard_cpu_s"]
-        row["shard_cpu_s_per_step"] = sum(shard) / len(shard) / (args.steps + args.warmup) if shard else None
-    if info.get("shard_log_tails"):
-        row["shard_log_tails"] = info["shard_log_tails"]
-    wall = info.get("machine_wall_s")
-    if wall:
-        own = sum(c for c in res.cpu_s if c is not None) + sum(shard)
-        row["busy_cores"] = info["machine_busy_s"] / wall
-        row["own_cores"] = own / wall
-        row["irq_cores"] = info.get("machine_irq_s", 0.0) / wall
-        row["other_cores"] = row["busy_cores"] - row["own_cores"] - row["irq_cores"]
-
-
-def _finish_row(row: dict, rate_bps: int, topology: str) -> None:
-    """Communication time and the link-bound ideal."""
-    step, compute = row.get("step_s"), row.get("compute_s")
-    row["comm_s"] = step - compute if step is not None and compute is not None and row["config"] != "single" else None
-    link = row.get("link_bytes")
-    if link is not None and topology == "dedicated" and row.get("pushed_bytes"):
-        # each shard host receives every worker's pushes for its blocks and sends the aggregate back
-        overhead = row["tx_bytes"] / row["pushed_bytes"] if row["pushed_bytes"] else 1.0
-        row["shard_link_bytes_est"] = overhead * row["workers"] * row["pushed_bytes"] / row["shards"]
-        link = max(link, row["shard_link_bytes_est"])
-    row["ideal_s"] = link * 8 / rate_bps if link is not None else None
-    row["comm_over_ideal"] = (row["comm_s"] / row["ideal_s"]
-                              if row["comm_s"] is not None and row.get("ideal_s") else None)
 
 
 # --------------------------------------------------------------------------
