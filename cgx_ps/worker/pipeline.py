@@ -40,7 +40,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -132,6 +132,10 @@ class BlockPipeline:
     def session_id(self) -> str:
         """The shards' id of this job's session (the same on every rank of the job)."""
         return self._engine.session_id
+
+    def when_session_closes(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when ``cgx_ps.worker.shutdown()`` ends the session (``CommEngine.when_closed``)."""
+        self._engine.when_closed(callback)
 
     def blocks_of(self, names: Iterable[str]) -> list[int]:
         """The blocks holding any of these tensors, in order."""
