@@ -112,6 +112,21 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
     assert_same(r0["hook_bucket_view_no_sync"]["final"], r0["optimizer_accumulate_3"]["final"],
                 "early hand-over with no_sync() accumulation")
     assert r0["hook_bucket_view_no_sync"]["stats"]["early_gradients"] == params
+    # early hand-over acts only on a backward DDP reduces: a probe through ddp.module (on both
+    # ranks, then on rank 0 only) keeps its local gradients, and every step stays exact
+    for r in results:
+        probe = r["early_probe"]
+        assert probe["probe_local"] == ([True, True] if r is r0 else [True]), probe["probe_local"]
+        assert probe["early"][2:] == [params] * 3, probe["early"]  # and the DDP steps still hand over early
+    for step, after in enumerate(r0["early_probe"]["after"]):
+        assert_same(after, expected_fp32(r0["early_probe"]["initial"], step + 1), f"early_probe: step {step}")
+    # its hooks go with the DDP model and its state, or with the session (then re-wrapping trains on)
+    for r in results:
+        dropped = r["early_dropped"]
+        assert (dropped["early"], dropped["hooks_before"], dropped["hooks_after"]) == (params, params, 0), dropped
+        assert dropped["ddp_freed"] and dropped["local"] == [True, True], dropped
+        assert r["early_rewrap"]["early"] == [params, params] and r["early_rewrap"]["hooks"] == [params, 0, params]
+    assert_same(r0["early_rewrap"]["final"], expected_fp32(r0["early_rewrap"]["initial"], 6), "early_rewrap")
     # blocks of one tensor, or of tensors end to end in one bucket, skip the copies (both front ends)
     for run in ("hook_4bit", "hook_bucket_view", "optimizer_4bit"):
         assert 0 < r0[run]["stats"]["in_place_blocks"] < len(layout.blocks), run

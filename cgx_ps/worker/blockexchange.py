@@ -12,7 +12,9 @@ world size, and publishes it to the other local ranks, which copy it (``fetch``)
 decodes the same bytes: replicas stay bit-identical.
 
 ``BlockState`` is what the pipeline keeps of each block (its buffers, settings, round counter
-and this step's bookkeeping); the exchange reads it and writes only the block's work memory.
+and this step's bookkeeping); the exchange encodes from ``block.work`` (then points it back at
+the block's buffer) and decodes into ``block.result``: the block buffers, or, for in-place
+blocks, the front end's own memory (a ``.grad``, DDP's bucket).
 """
 
 from __future__ import annotations

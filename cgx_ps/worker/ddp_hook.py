@@ -31,8 +31,12 @@ the bucket into ``.grad``, unless it was built with ``gradient_as_bucket_view=Tr
 gradients are the bucket, and that copy goes too (recommended).
 
 Early hand-over (``handover.py``): with the DDP model itself, built with
-``gradient_as_bucket_view=True``, gradients are taken from autograd as it finishes them, before
-DDP copies them into its bucket, and their averages decoded straight into the bucket.
+``gradient_as_bucket_view=True``, gradients of a backward DDP reduces (after a synchronizing DDP
+forward) are taken from autograd as it finishes them, before DDP copies them into its bucket, and
+their averages decoded straight into the bucket. Any other backward (through ``ddp.module``, in
+``no_sync()``) keeps its local gradients, as with plain DDP. Its autograd hooks go when the state
+is dropped or ``cgx_ps.worker.shutdown()`` ends its session (to re-wrap: ``shutdown()``, ``init()``,
+a new DDP model and a new state).
 
 With DDP, DDP itself divides by nothing when a hook is registered: the pipeline averages (it
 divides the aggregate by the world size), as torch's ``allreduce_hook`` does. ``no_sync()``
@@ -58,7 +62,7 @@ before any bucket of the step is started).
 import threading
 import time
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -109,7 +113,10 @@ class DDPHookState:
         self.options = SyncOptions.of(compression, error_feedback, warmup_steps, block_bytes, allow_non_finite,
                                       uncompressed_via)
         self.uncompressed_via = uncompressed_via
-        self.module = module
+        # The DDP wrapper weakly: its reducer holds this state (the comm hook's) where the garbage
+        # collector cannot see it, so a strong reference back would keep both alive for good.
+        self._module: Callable[[], torch.nn.Module | None] = (
+            weakref.ref(module) if is_ddp(module) else (lambda: module))
         # set when registered with the shards (the first backward)
         self._driver: StepDriver | None = None
         self._params: dict[str, torch.Tensor] = {}
@@ -118,6 +125,14 @@ class DDPHookState:
         self._early = EarlyHandover(module, self._gradients)
         with _waiting_lock:
             _waiting.append(weakref.ref(self))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The module given (the DDP wrapper is held weakly: gone once the caller drops it)."""
+        module = self._module()
+        if module is None:
+            raise CgxPsError("the DDP model given to this DDPHookState has been deleted")
+        return module
 
     # ---- registration ------------------------------------------------------------------------
 
@@ -128,7 +143,8 @@ class DDPHookState:
             return self._driver
         with _waiting_lock:
             if self._driver is None:
-                states = [s for s in (ref() for ref in _waiting) if s is not None and s._driver is None]
+                states = [s for s in (ref() for ref in _waiting)
+                          if s is not None and s._driver is None and s._module() is not None]
                 named = [s._named_tensors() for s in states]
                 drivers = StepDriver.open_together(named, [s.options for s in states],
                                                    [s._probe_allreduce for s in states])
@@ -166,12 +182,15 @@ class DDPHookState:
 
     def communicate(self, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """What ``ddp_comm_hook`` does: start the bucket's blocks, return its future."""
+        if bucket.is_last():  # every gradient of this backward has arrived: DDP's reducer is done
+            self._early.disarm()
         driver = self.open()
         pipe = driver.pipe
         try:
             driver.gradient_arrived()  # a step's first bucket: auto mode's decision is applied here
         except BaseException:
             driver.abort()
+            self._early.disarm()
             raise
         group = self._group()
         if uncompressed_path(pipe.compress, self.uncompressed_via, group is not None) == "allreduce":
@@ -188,10 +207,11 @@ class DDPHookState:
             if last:
                 driver.submit_rest(gradients.source, gradients.target)  # tensors no bucket held: zeros
                 early = gradients.forget()
-                self._early.arm_once(driver, self._params)
+                self._early.install_once(driver, self._params)
         except BaseException:
             driver.abort()
             gradients.forget()
+            self._early.disarm()
             raise
         blocks = pipe.blocks_of(names)
         waiting = list(range(pipe.num_blocks)) if last else blocks

@@ -44,6 +44,8 @@ class CommEngine:
         self._thread.start()
         self.round_timeout_s = 60.0
         self.closed = False
+        self._on_close: list[Callable[[], None]] | None = []  # what lives only as long as the session
+        self._on_close_lock = threading.Lock()  # callbacks come from autograd's thread too
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -81,7 +83,26 @@ class CommEngine:
         known only to them (local ranks name their intra-node rendezvous after it)."""
         return self.clients[0].session_id if self.clients else ""
 
+    def when_closed(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once ``close()`` ends the session (on the closing thread), at once if it
+        has: the DDP hook's autograd hooks are removed then, not left to act for a closed session."""
+        with self._on_close_lock:
+            pending = self._on_close is not None
+            if pending:
+                self._on_close.append(callback)
+        if not pending:
+            callback()
+
     def close(self) -> None:
+        try:
+            self._close()
+        finally:
+            with self._on_close_lock:
+                callbacks, self._on_close = self._on_close or [], None
+            for callback in callbacks:
+                callback()
+
+    def _close(self) -> None:
         if self.closed or not self._thread.is_alive():
             self.closed = True
             return
@@ -104,8 +125,9 @@ class CommEngine:
         """Run a coroutine on the communication loop; returns a thread-safe future."""
         if self.closed or not self._thread.is_alive():
             coro.close()  # never awaited: say so without a warning
-            raise CgxPsError("cgx_ps.worker.shutdown() has closed the connection to the shards; "
-                             "create a new DistributedOptimizer to train on")
+            raise CgxPsError("cgx_ps.worker.shutdown() has closed the connection to the shards; to train on, "
+                             "call cgx_ps.worker.init() and create a new DistributedOptimizer (DDP: a new DDP "
+                             "model with a new DDPHookState)")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def in_thread(self, fn: Callable, *args):
@@ -215,6 +237,9 @@ class EngineShare:
 
     def shard_error(self, shard: int) -> CgxPsError | None:
         return self.engine.shard_error(shard)
+
+    def when_closed(self, callback: Callable[[], None]) -> None:
+        self.engine.when_closed(callback)
 
     def set_codecs(self, from_round: int, blocks: list[ps_pb2.BlockCodec], resume: bool = False) -> None:
         self.engine.set_codecs(from_round, [ps_pb2.BlockCodec(block_id=self.offset + b.block_id, codec=b.codec)

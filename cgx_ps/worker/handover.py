@@ -12,13 +12,22 @@ there and skips its copy, and the average is decoded into that place.
 
 Only where that is safe (``early_handover``): the hook's state holds the DDP model itself, built
 with ``gradient_as_bucket_view=True``, no ``find_unused_parameters`` or ``static_graph``, blocks in
-place. ``no_sync()`` steps are left alone (DDP's reducer is not armed then). Two private DDP flags
-are read through ``getattr``; on a torch without them there is no early hand-over.
+place. And only on a backward DDP reduces: a forward hook on the DDP model arms the hand-over when
+that forward armed DDP's reducer (grad enabled, not in ``no_sync()``: what ``_post_forward`` checks),
+and the step's last bucket disarms it, as it ends the reducer's backward. Any other backward (a
+gradient probe through ``ddp.module``, a ``no_sync()`` step, validation with gradients) is left
+to autograd: local gradients, nothing pushed, as with plain DDP.
+
+The hooks hold the hand-over weakly and are removed when it is dropped (with its state) or when
+its session ends (``cgx_ps.worker.shutdown()``); the hand-over holds the DDP model weakly, as DDP's
+reducer holds the state out of the garbage collector's sight. One private DDP flag is read through
+``getattr``; on a torch without it there is no early hand-over.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -26,7 +35,7 @@ import torch
 if TYPE_CHECKING:
     from .frontend import StepDriver
 
-__all__ = ["EarlyHandover", "StepGradients", "buckets_settled", "early_handover", "is_ddp"]
+__all__ = ["EarlyHandover", "StepGradients", "buckets_settled", "early_handover", "hands_over", "is_ddp"]
 
 
 def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_graph: bool,
@@ -37,6 +46,14 @@ def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_gr
     whose unused ones DDP fills in itself, nor ``static_graph``, which delays the first step's
     hooks), and where blocks may work in place (no intra-node reduction, no tuner)."""
     return is_ddp and bucket_view and not find_unused and not static_graph and in_place
+
+
+def hands_over(armed: bool, session_open: bool, settled: bool) -> bool:
+    """Whether a gradient autograd just finished is handed over early: only on a backward DDP's
+    reducer reduces (``armed`` by a synchronizing DDP forward, until the step's last bucket), while
+    the state's session is open, and once DDP's buckets are settled (the places are known). Else
+    autograd keeps it, as plain DDP does (DDP copies it into its bucket, or ignores it)."""
+    return armed and session_open and settled
 
 
 def is_ddp(module: torch.nn.Module) -> bool:
@@ -100,48 +117,74 @@ class StepGradients:
 
 
 class EarlyHandover:
-    """The post-accumulate-grad hooks of one DDP model (module doc), armed once, at the end of the
-    first step (every parameter's gradient has been accumulated then: no hook is added while
-    autograd may run one)."""
+    """The post-accumulate-grad hooks of one DDP model (module doc), installed once, at the end of
+    the first step (every parameter's gradient has been accumulated then: no hook is added while
+    autograd may run one), with a forward hook on the DDP model that arms them for its backward."""
 
     def __init__(self, module: torch.nn.Module, gradients: StepGradients) -> None:
-        self.module, self.gradients = module, gradients
+        self._module = weakref.ref(module)  # weak: see the module doc
+        self.gradients = gradients
         self._views: dict[str, torch.Tensor] = {}  # each gradient's place in DDP's settled buckets
-        self._hooks: list | None = None  # None: not armed yet; []: decided against
+        self._handles: list | None = None  # None: not installed yet; []: decided against, or removed
         self._driver: StepDriver | None = None
         self._name_of: Callable[[torch.Tensor], str | None] = lambda _: None
+        self._armed = False  # the last DDP forward armed DDP's reducer, and its backward is not over
+        self._session_open = True
 
     @property
-    def armed(self) -> bool:
-        return bool(self._hooks)
+    def installed(self) -> bool:
+        return bool(self._handles)
 
     def learn(self, grads: dict[str, torch.Tensor]) -> None:
         """A bucket's gradient views: once DDP's buckets are settled, the places of the next
         step's early hand-overs."""
-        if self._hooks and buckets_settled(self.module):
+        module = self._module()
+        if self._handles and module is not None and buckets_settled(module):
             self._views.update(grads)
 
-    def arm_once(self, driver: StepDriver, params: dict[str, torch.Tensor]) -> None:
+    def install_once(self, driver: StepDriver, params: dict[str, torch.Tensor]) -> None:
         """At the end of the first step: hook every parameter if ``early_handover`` allows it."""
-        if self._hooks is not None:
+        if self._handles is not None:
             return
-        ddp = self.module
-        self._hooks = []
-        if not early_handover(is_ddp(ddp), getattr(ddp, "gradient_as_bucket_view", False),
-                              getattr(ddp, "find_unused_parameters", True), getattr(ddp, "static_graph", True),
-                              driver.in_place.allowed):
+        ddp = self._module()
+        self._handles = []
+        if ddp is None or not early_handover(is_ddp(ddp), getattr(ddp, "gradient_as_bucket_view", False),
+                                             getattr(ddp, "find_unused_parameters", True),
+                                             getattr(ddp, "static_graph", True), driver.in_place.allowed):
             return
         self._driver = driver
         name_of = {id(t): n for n, t in params.items()}
         self._name_of = lambda p: name_of.get(id(p))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_done) for p in params.values()]
+        gradient_done = _weakly(self._gradient_done)
+        handles = [p.register_post_accumulate_grad_hook(gradient_done) for p in params.values()]
+        handles.append(ddp.register_forward_hook(_weakly(self._forward_done)))
+        self._handles = handles
+        weakref.finalize(self, _remove, handles).atexit = False  # dropped with its state: hooks go too
+        driver.pipe.when_session_closes(_weakly(self.close))
+
+    def disarm(self) -> None:
+        """The step's last bucket (or a failed step): DDP's reducer is done with this backward."""
+        self._armed = False
+
+    def close(self) -> None:
+        """The session ended: remove the hooks; every later backward is autograd's alone."""
+        self._session_open = self._armed = False
+        _remove(self._handles or [])
+        self._views.clear()
+
+    def _forward_done(self, ddp: torch.nn.Module, inputs, output) -> None:
+        """After DDP's forward: armed where it armed its reducer for the backward to come (DDP's
+        ``_post_forward``); a forward that did not (``no_sync()``, no grad) leaves it as it was,
+        as it leaves the reducer."""
+        if torch.is_grad_enabled() and getattr(ddp, "require_backward_grad_sync", False):
+            self._armed = True
 
     def _gradient_done(self, param: torch.Tensor) -> None:
         """Autograd accumulated ``param``'s gradient (DDP's reducer has not seen it yet): start
         its blocks and point ``.grad`` at its place in DDP's bucket, so DDP does not copy it."""
-        ddp = self.module
-        if not (getattr(ddp, "require_forward_param_sync", False) and buckets_settled(ddp)):
-            return  # no_sync() accumulation, or buckets not settled yet: DDP copies, as without this
+        ddp = self._module()
+        if ddp is None or not hands_over(self._armed, self._session_open, buckets_settled(ddp)):
+            return  # a backward DDP does not reduce, or buckets not settled yet: as without this
         name = self._name_of(param)
         view, grad = self._views.get(name), param.grad
         if view is None or grad is None or grad.data_ptr() == view.data_ptr():
@@ -157,4 +200,23 @@ class EarlyHandover:
         except BaseException:
             driver.abort()
             gradients.forget()
+            self.disarm()
             raise
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method`` called while its object lives, nothing after: what autograd, DDP and the engine
+    hold of the hand-over, so that they do not keep it (and its state) alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()

@@ -40,7 +40,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -137,6 +137,10 @@ class BlockPipeline:
     def round_timeout_s(self) -> float:
         """The shards' round timeout: how long a step's exchange may wait for the other ranks."""
         return self._engine.round_timeout_s
+
+    def when_session_closes(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when ``cgx_ps.worker.shutdown()`` ends the session (``CommEngine.when_closed``)."""
+        self._engine.when_closed(callback)
 
     def blocks_of(self, names: Iterable[str]) -> list[int]:
         """The blocks holding any of these tensors, in order."""

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import time
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -213,6 +215,96 @@ def hook_auto_probe_run(rank: int, steps: int = 7) -> dict:
             "tuning": [d.as_dict() for d in state.tuning_history]}
 
 
+def _hooked_bucket_views(model: torch.nn.Module) -> tuple[DDP, cgx.DDPHookState]:
+    """DDP with bucket views and the hook, fp32 (exact expectations): early hand-over from step 2."""
+    ddp = _ddp(model, gradient_as_bucket_view=True)
+    state = cgx.DDPHookState(ddp, compression="fp32", block_bytes=BLOCK_BYTES)
+    ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+    return ddp, state
+
+
+def _local_grads(named, rank: int, step: int) -> bool:
+    return all(p.grad is not None and torch.equal(p.grad, rank_gradient(n, p, rank, step, 0)) for n, p in named)
+
+
+def _cgx_hooks(model: torch.nn.Module) -> int:
+    """Post-accumulate-grad hooks on the model's parameters (only early hand-over adds them)."""
+    return sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+
+
+def early_probe_run(rank: int, steps: int = 5) -> dict:
+    """Early hand-over with backward passes DDP does not reduce between its steps: a gradient probe
+    through ``ddp.module`` (no DDP forward) before step 3 on both ranks, before step 4 on rank 0
+    only. Plain DDP leaves the probe's gradients local and every step's average exact."""
+    model = _model()
+    initial = _snapshot(model)
+    ddp, state = _hooked_bucket_views(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    after, probe_local, early = [], [], []
+    for step in range(steps):
+        if step == 3 or (step == 4 and rank == 0):
+            opt.zero_grad()
+            _loss(ddp.module, named, rank, 99).backward()
+            probe_local.append(_local_grads(named, rank, 99))
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+        after.append(_snapshot(model))
+        early.append(state.stats.early_gradients)
+    return {"initial": initial, "after": after, "probe_local": probe_local, "early": early}
+
+
+def early_dropped_run(rank: int) -> dict:
+    """Early hand-over, then the DDP model and its state dropped (the session still open): their
+    hooks go with them, and the bare model trains on local gradients, as after plain DDP."""
+    model = _model()
+    ddp, state = _hooked_bucket_views(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    for step in range(3):
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+    early, hooks_before, ddp_ref = state.stats.early_gradients, _cgx_hooks(model), weakref.ref(ddp)
+    del ddp, state
+    gc.collect()
+    local = []
+    for step in (10, 11):
+        opt.zero_grad()
+        _loss(model, named, rank, step).backward()
+        local.append(_local_grads(named, rank, step))
+    return {"early": early, "hooks_before": hooks_before, "hooks_after": _cgx_hooks(model),
+            "ddp_freed": ddp_ref() is None, "local": local}
+
+
+def early_rewrap_run(rank: int, steps: int = 3) -> dict:
+    """Early hand-over, then a new session (shutdown, init) and the same model re-wrapped in a new
+    DDP with a new state, the old ones still referenced: the old hooks go at shutdown, the new
+    wrapper trains exactly."""
+    model = _model()
+    initial = _snapshot(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    old = _hooked_bucket_views(model)
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(old[0], named, rank, step).backward()
+        opt.step()
+    hooks_before = _cgx_hooks(model)
+    cgx.shutdown()
+    dist.barrier()
+    _init_cgx(rank, dist.get_world_size(), local=False)
+    hooks_after_shutdown = _cgx_hooks(model)
+    ddp, state = _hooked_bucket_views(model)
+    for step in range(steps, 2 * steps):
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+    return {"initial": initial, "final": _snapshot(model), "early": [old[1].stats.early_gradients,
+            state.stats.early_gradients], "hooks": [hooks_before, hooks_after_shutdown, _cgx_hooks(model)]}
+
+
 def plain_ddp_run(rank: int, steps: int = 3) -> dict:
     model = _model()
     initial = _snapshot(model)
@@ -379,6 +471,10 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     # early hand-over (gradient_as_bucket_view, torch's zero_grad(set_to_none=True)) from the third step
     "hook_bucket_view_no_sync": lambda r: hook_run(r, "4bit", steps=3, accumulate=2, gradient_as_bucket_view=True),
     "optimizer_accumulate_3": lambda r: optimizer_run(r, "4bit", steps=3, accumulate=2),
+    # early hand-over only on backward passes DDP reduces; its hooks go with the state or session
+    "early_probe": early_probe_run,
+    "early_dropped": early_dropped_run,
+    "early_rewrap": early_rewrap_run,
     "unused": unused_run,
     "gan": gan_run,
     "amp_ddp": lambda r: amp_run(r, "ddp"),
@@ -397,6 +493,16 @@ ON_REQUEST = {
 }
 
 
+def _init_cgx(rank: int, world: int, local: bool) -> None:
+    job = os.environ.get("CGX_PS_JOB_ID", "")
+    if local:  # every rank a local rank of node 0: they reduce through shared memory first
+        # Another job id: a job's shape never changes on the shards (a rank registering as
+        # node-0 member 1 before node-0 member 0 restarted the 2-node session would be refused).
+        cgx.init(local_rank=rank, local_world_size=world, node_rank=0, num_nodes=1, job_id=f"{job}-local")
+    else:
+        cgx.init(local_rank=0, local_world_size=1, node_rank=rank, num_nodes=world, job_id=job)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -412,13 +518,7 @@ def main() -> None:
     results = {}
     for name in args.scenarios.split(","):
         local, _, scenario = name.rpartition(":")
-        job = os.environ.get("CGX_PS_JOB_ID", "")
-        if local:  # every rank a local rank of node 0: they reduce through shared memory first
-            # Another job id: a job's shape never changes on the shards (a rank registering as
-            # node-0 member 1 before node-0 member 0 restarted the 2-node session would be refused).
-            cgx.init(local_rank=rank, local_world_size=world, node_rank=0, num_nodes=1, job_id=f"{job}-local")
-        else:
-            cgx.init(local_rank=0, local_world_size=1, node_rank=rank, num_nodes=world, job_id=job)
+        _init_cgx(rank, world, bool(local))
         t0 = time.perf_counter()
         try:
             results[name] = {**SCENARIOS, **ON_REQUEST}[scenario](rank)
