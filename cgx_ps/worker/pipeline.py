@@ -21,17 +21,13 @@ memory and decoded into it (``buffers.py``).
 Between ``submit`` and its future, the block's exchange runs on the communication thread
 (``blockexchange.py``): local sum, encode, push, pull, decode, share with the node's other ranks.
 
-The DDP communication hook (``ddp_hook.py``) drives it per DDP bucket, returning futures of the
-bucket's ``blocks_of``; the tuner (``autotune.py``) runs from the training thread, never the
-communication thread. Both front ends share their step bookkeeping through ``frontend.py``.
+The DDP hook (``ddp_hook.py``) drives it per bucket; the tuner (``autotune.py``) runs on the
+training thread. Both front ends share their step bookkeeping through ``frontend.py``.
 
 ``allow_non_finite`` (mixed precision): a block holding NaN/Inf travels as a non-finite block
 (the header alone) and every rank decodes NaN for it, so a loss scaler skips the step on every
 rank; without it the step fails, naming the tensors.
-
-Beside it: ``blockexchange.py`` (one block's exchange), ``stepstats.py`` (what ``finish_step``
-measured) and ``pipeline_state.py`` (the checkpoint, which ``state_dict`` / ``load_state_dict``
-delegate to).
+Beside it: ``stepstats.py`` (what ``finish_step`` measured), ``pipeline_state.py`` (checkpoints).
 """
 
 from __future__ import annotations
