@@ -401,6 +401,12 @@ def _unpack_tail(src, out, mn, unit, bits, accumulate, first):
         i += 8
 
 
+@numba.njit(inline="always")
+def _scale(out, scale):
+    for j in range(out.shape[0]):
+        out[j] *= scale
+
+
 @numba.njit(nogil=True, cache=True)
 def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, scale, scaled, b0, b1, status):
     """Decode buckets [b0, b1) into out, or add into it. The caller has validated meta. With
@@ -414,8 +420,7 @@ def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, scale
         src = packed[p0: p0 + ((end - start) * bits + 7) // 8]
         _unpack(src, out[start:end], meta[2 * b], meta[2 * b + 1], bits, accumulate, lv_buf)
         if scaled:
-            for j in range(start, end):
-                out[j] = out[j] * scale
+            _scale(out[start:end], scale)
 
 
 @numba.njit(nogil=True, cache=True)
