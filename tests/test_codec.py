@@ -255,6 +255,28 @@ def test_dequantize_accumulate_and_out_dtypes() -> None:
         dequantize(payload, accumulate=True)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_a_scaled_decode_is_bit_for_bit_the_decode_then_mul(bits: int) -> None:
+    # the worker's average (blockexchange.py): the division by the world size inside the kernel's
+    # pass must give exactly what out.mul_(1 / world) gave after it, in every thread split
+    old = cpu.num_threads()
+    try:
+        for threads, n, bucket_size in ((1, 10_007, 1024), (3, 300_001, 512)):
+            cpu.set_num_threads(threads)
+            x = _data(n, seed=bits) * 1e3
+            for codec_payload in (quantize(x, bits, bucket_size, stochastic=True, seed=1).to_bytes(),
+                                  encode(x, Codec.FP32).to_bytes()):
+                for world in (2, 3, 7, 12):
+                    want = dequantize(codec_payload, out=torch.empty(n)).mul_(1.0 / world)
+                    for impl in ("cpu", "reference"):
+                        got = dequantize(codec_payload, out=torch.full((n,), 5.0), scale=1.0 / world, impl=impl)
+                        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (threads, world, impl)
+    finally:
+        cpu.set_num_threads(old)
+    with pytest.raises(CodecError, match="scale= needs out"):
+        dequantize(codec_payload, scale=0.5)
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
-"""The shard's raw-bytes reading of pushes and framing of results (cgx_ps/server/frames.py) must
-agree with protobuf on every input: what the fast path accepts, protobuf reads the same way, and
-what it frames, protobuf would have written byte for byte."""
+"""The shard's raw-bytes reading of pushes (cgx_ps/server/frames.py) and both ends' framing of
+chunks (cgx_ps/chunkframes.py: the shard's results, the worker's pushes) must agree with protobuf
+on every input: what the fast path accepts, protobuf reads the same way, and what they frame,
+protobuf would have written byte for byte."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cgx_ps import chunkframes
 from cgx_ps.server import frames
 from cgx_ps.server.errors import BadRequest
 from cgx_ps.transport import CHUNK_BYTES
@@ -73,5 +75,19 @@ def test_result_frames_are_the_bytes_protobuf_would_write(round_, block_id, size
     got = frames.result_frames(block_id, round_, data)
     want = [ps_pb2.ExchangeResponse(pull=ps_pb2.PullChunk(round=round_, block_id=block_id, total_bytes=size,
                                                           offset=off, data=data[off:off + CHUNK_BYTES]))
+            .SerializeToString() for off in range(0, max(size, 1), CHUNK_BYTES)]
+    assert got == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(u64, u32, st.booleans(),
+       st.sampled_from([0, 1, 1000, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 5]))
+def test_push_frames_are_the_bytes_protobuf_would_write(round_, block_id, restore, size) -> None:
+    # the worker's pushes (chunkframes.py, client.py): what the shard's fast path and protobuf read
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    got = chunkframes.chunk_frames(chunkframes.PUSH_FIELD, block_id, round_, data, restore)
+    want = [ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=round_, block_id=block_id, total_bytes=size,
+                                                         offset=off, data=data[off:off + CHUNK_BYTES],
+                                                         restore=restore))
             .SerializeToString() for off in range(0, max(size, 1), CHUNK_BYTES)]
     assert got == want

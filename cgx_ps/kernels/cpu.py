@@ -401,9 +401,17 @@ def _unpack_tail(src, out, mn, unit, bits, accumulate, first):
         i += 8
 
 
+@numba.njit(inline="always")
+def _scale(out, scale):
+    for j in range(out.shape[0]):
+        out[j] *= scale
+
+
 @numba.njit(nogil=True, cache=True)
-def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, b0, b1, status):
-    """Decode buckets [b0, b1) into out, or add into it. The caller has validated meta."""
+def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, scale, scaled, b0, b1, status):
+    """Decode buckets [b0, b1) into out, or add into it. The caller has validated meta. With
+    ``scaled`` (not accumulating), multiply each bucket by the float32 ``scale`` while it is
+    still in L1: the products torch's ``out.mul_(scale)`` makes, without a second pass over out."""
     lv_buf = np.empty(bucket_size, dtype=np.uint8)
     for b in range(b0, b1):
         start = b * bucket_size
@@ -411,6 +419,8 @@ def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, b0, b
         p0 = start * bits // 8
         src = packed[p0: p0 + ((end - start) * bits + 7) // 8]
         _unpack(src, out[start:end], meta[2 * b], meta[2 * b + 1], bits, accumulate, lv_buf)
+        if scaled:
+            _scale(out[start:end], scale)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -560,14 +570,18 @@ def encode_maxmin_into(
 
 def decode_maxmin_into(
     meta: np.ndarray, packed: np.ndarray, out: np.ndarray, accumulate: bool, bits: int,
-    bucket_size: int,
+    bucket_size: int, scale: float = 1.0,
 ) -> None:
-    """Decode into float32 out (or add into it). meta must already be validated."""
+    """Decode into float32 out (or add into it). meta must already be validated. ``scale``
+    (not with accumulate): multiply the decoded values by float32(scale), bit for bit as
+    ``torch.Tensor.mul_(scale)`` would afterwards."""
+    if accumulate and scale != 1.0:
+        raise ValueError("scale is for a plain decode, not an accumulating one")
     n = out.shape[0]
     if n == 0:
         return
     nb = -(-n // bucket_size)
-    args = (meta, packed, out, accumulate, n, bits, bucket_size)
+    args = (meta, packed, out, accumulate, n, bits, bucket_size, np.float32(scale), scale != 1.0)
     _run_split(_decode_range, nb, args, 1)
 
 

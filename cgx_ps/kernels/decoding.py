@@ -48,6 +48,7 @@ def dequantize(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     impl: Impl = "auto",
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode an EncodedBlock or a wire payload into a float32 tensor of ``numel`` elements.
 
@@ -55,9 +56,15 @@ def dequantize(
     with ``accumulate=True`` it is added into ``out`` instead (the server's hot path). A payload
     from the wire is fully validated (header, size, crc32, metadata, NaN/Inf) before anything is
     written, so a bad payload raises CodecError and leaves ``out`` untouched.
+
+    ``scale`` (with ``out``, not accumulating): the result multiplied by it, the same bits as
+    ``out.mul_(scale)`` after the decode (a worker's division by the world size); the CPU kernel
+    does it inside its pass over ``out``, sparing a second pass over the whole block.
     """
     if accumulate and out is None:
         raise CodecError("accumulate=True needs out=")
+    if scale != 1.0 and (accumulate or out is None):
+        raise CodecError("scale= needs out= and no accumulate")
     if isinstance(block_or_bytes, EncodedBlock):
         header, payload = block_or_bytes.header, block_or_bytes.payload
     else:
@@ -83,7 +90,7 @@ def dequantize(
         from . import cuda
 
         result = cuda.decode(payload, header, target, accumulate)
-        return target if target is not None else result
+        return _scaled(target, scale) if target is not None else result
     if isinstance(payload, torch.Tensor):
         payload = payload.cpu().numpy()
     body = np.frombuffer(payload, dtype=np.uint8, offset=HEADER_SIZE)
@@ -91,15 +98,21 @@ def dequantize(
         return _decode_cpu(body, header, None, False, impl)
     flat = target.view(-1)
     if flat.dtype == torch.float32:
-        _decode_cpu(body, header, flat, accumulate, impl)
-    else:  # decode in float32, then round once into the caller's dtype
-        decoded = _decode_cpu(body, header, None, False, impl)
-        flat.add_(decoded) if accumulate else flat.copy_(decoded)
-    return target
+        _decode_cpu(body, header, flat, accumulate, impl, scale)
+        return target
+    # decode in float32, then round once into the caller's dtype
+    decoded = _decode_cpu(body, header, None, False, impl)
+    flat.add_(decoded) if accumulate else flat.copy_(decoded)
+    return _scaled(target, scale)
+
+
+def _scaled(out: torch.Tensor, scale: float) -> torch.Tensor:
+    return out.mul_(scale) if scale != 1.0 else out
 
 
 def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulate: bool,
-                impl: str) -> torch.Tensor:
+                impl: str, scale: float = 1.0) -> torch.Tensor:
+    """Decode into float32 ``out`` (or a new tensor), times ``scale`` (only with ``out``)."""
     if h.codec != Codec.MAXMIN:
         values = _float_values(body, h)
         if out is None:
@@ -109,7 +122,7 @@ def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulat
             np.add(target, values, out=target)
         else:
             target[:] = values
-        return out
+        return _scaled(out, scale)
     meta, packed = split_maxmin_body(body, h.numel, h.bucket_size)
     _validate_meta(meta, h.bits)
     if impl == "reference":
@@ -118,10 +131,10 @@ def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulat
                                          h.bucket_size)
         if out is None:
             return values
-        return out.add_(values) if accumulate else out.copy_(values)
+        return out.add_(values) if accumulate else _scaled(out.copy_(values), scale)
     if out is None:
         out = torch.empty(h.numel, dtype=torch.float32)
-    cpu.decode_maxmin_into(meta, packed, out.numpy(), accumulate, h.bits, h.bucket_size)
+    cpu.decode_maxmin_into(meta, packed, out.numpy(), accumulate, h.bits, h.bucket_size, scale)
     return out
 
 

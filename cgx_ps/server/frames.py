@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..transport import CHUNK_BYTES
+from ..chunkframes import PULL_FIELD, chunk_frames
 from ..v1 import ps_pb2
 from .errors import BadRequest
 from .rpc import parse_message
@@ -115,32 +115,8 @@ def read_push(raw: bytes) -> PushFrame:
     return PushFrame(c.round, c.block_id, c.total_bytes, c.offset, c.data, c.restore)
 
 
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _pull_chunk_head(round_: int, block_id: int, total: int, offset: int, size: int) -> bytes:
-    """ExchangeResponse{pull: PullChunk{...}} up to the data's bytes, as protobuf writes it
-    (fields in number order, zeros left out, so the bytes equal SerializeToString's)."""
-    body = bytearray()
-    for number, value in ((1, round_), (2, block_id), (3, total), (4, offset)):
-        if value:
-            body += _encode_varint(number << 3 | _VARINT) + _encode_varint(value)
-    if size:
-        body += _encode_varint(5 << 3 | _LEN) + _encode_varint(size)
-    return _encode_varint(1 << 3 | _LEN) + _encode_varint(len(body) + size) + bytes(body)
-
-
 def result_frames(block_id: int, round_: int, data: bytes) -> list[bytes]:
     """A result as serialized ExchangeResponse PullChunks of at most CHUNK_BYTES of data, built
     once and written as they are to every node's stream; at least one (so an empty result still
     tells its total_bytes)."""
-    view = memoryview(data)
-    return [_pull_chunk_head(round_, block_id, len(data), off, len(view[off:off + CHUNK_BYTES]))
-            + view[off:off + CHUNK_BYTES]
-            for off in range(0, max(len(data), 1), CHUNK_BYTES)]
+    return chunk_frames(PULL_FIELD, block_id, round_, data)

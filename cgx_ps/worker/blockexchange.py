@@ -128,7 +128,7 @@ class BlockExchange:
                             allow_non_finite=self.allow_non_finite, scratch=block.scratch).to_bytes()
 
     def _decode(self, block: BlockState, result: bytes) -> None:  # on a codec thread
-        dequantize(result, out=block.result)
-        block.result.mul_(1.0 / self._config.world_size)
+        # the average: the division by the world size is fused into the CPU decode's pass
+        dequantize(result, out=block.result, scale=1.0 / self._config.world_size)
         if block.result.is_cuda:
             torch.cuda.current_stream(block.result.device).synchronize()

@@ -4,8 +4,8 @@
     await client.connect()                       # retries with backoff, then a clear error
     result = await client.exchange(block_id, round, payload)   # push, then await the aggregate
 
-Pushes go out as 1 MiB chunks over one stream; results come back on the same stream and are
-matched to waiting callers by (block, round).
+Pushes go out as 1 MiB chunks over one stream, serialized by hand (chunkframes.py); results come
+back on the same stream and are matched to waiting callers by (block, round).
 
 Recovery (recovery.py decides, supervisor.py acts). A push is kept until its result arrives, and
 so is the last result of each block. When the stream breaks (the shard died, is restarting, or
@@ -33,7 +33,8 @@ import grpc
 from .. import __version__, timeline
 from ..layout import layout_hash
 from ..security import ChannelSecurity
-from ..transport import CHUNK_BYTES, chunks
+from ..chunkframes import PUSH_FIELD, chunk_frames
+from ..transport import CHUNK_BYTES
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
@@ -47,6 +48,8 @@ _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is sa
 
 # What writing to a stream that has ended raises (the status itself comes to the reader).
 _WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+# the method path the generated stub calls, from the .proto
+_EXCHANGE = f"/{ps_pb2.DESCRIPTOR.services_by_name['ParameterServer'].full_name}/Exchange"
 
 
 @dataclass(eq=False)
@@ -134,15 +137,22 @@ class ShardClient(ConnectionSupervisor):
     def _stub(self) -> ps_pb2_grpc.ParameterServerStub:
         return ps_pb2_grpc.ParameterServerStub(self._channel)
 
+    def _exchange_call(self):
+        """An Exchange stream that takes serialized requests (pushes are framed by hand:
+        chunkframes.py); responses are parsed as the generated stub parses them."""
+        method = self._channel.stream_stream(_EXCHANGE, request_serializer=None,
+                                             response_deserializer=ps_pb2.ExchangeResponse.FromString)
+        return method(metadata=self._metadata)
+
     async def _open_stream(self) -> None:
         """A new Exchange stream (call with the write lock held); ready once the caller has pushed
         what must go first."""
         self._generation += 1
         self._incoming.clear()
-        self._call = call = self._stub().Exchange(metadata=self._metadata)
+        self._call = call = self._exchange_call()
         await call.write(ps_pb2.ExchangeRequest(
             hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
-                               session_id=self.session_id)))
+                               session_id=self.session_id)).SerializeToString())
         self._reader = asyncio.create_task(self._read_results(call, self._generation))
         self._ready.set()
 
@@ -287,10 +297,8 @@ class ShardClient(ConnectionSupervisor):
         self.bytes_sent += len(payload)
 
     async def _write(self, block_id: int, round_: int, payload: bytes, restore: bool = False) -> None:
-        total = len(payload)
-        for off, piece in chunks(payload):
-            await self._call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(
-                round=round_, block_id=block_id, total_bytes=total, offset=off, data=piece, restore=restore)))
+        for frame in chunk_frames(PUSH_FIELD, block_id, round_, payload, restore):
+            await self._call.write(frame)
 
     async def _read_results(self, call, generation: int) -> None:
         code, details = None, ""
