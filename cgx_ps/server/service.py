@@ -179,11 +179,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             stream.stop()
 
     def _rejected(self, stream: NodeStream, error: ProtocolError) -> ProtocolError:
-        """Count and log a refused push; the error, without the traceback that would keep the
-        stream's frames (and the pushed bytes) alive."""
+        """Count and log a refused push; the error, without the tracebacks (its own and those it
+        chains) that would keep the stream's frames (and the pushed bytes) alive."""
         self.metrics.push(stream.node_id, "rejected")
         log.warning("node %s: %s", stream.node_id, error.message)
-        return error.with_traceback(None)
+        return without_tracebacks(error)
 
     def _check_push(self, session: Session, chunk: PushFrame) -> None:
         if session.failed is not None or session is not self.session:
