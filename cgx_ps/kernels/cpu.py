@@ -25,8 +25,8 @@ from numba.extending import intrinsic
 
 from . import rng
 
-__all__ = ["encode_maxmin_into", "decode_maxmin_into", "sum_maxmin_into", "first_nonfinite", "num_threads",
-           "set_num_threads"]
+__all__ = ["encode_maxmin_into", "decode_maxmin_into", "sum_maxmin_into", "first_bad_meta", "first_nonfinite",
+           "num_threads", "set_num_threads"]
 
 _MIN_BUCKETS_PER_THREAD = 64  # below ~64K elements a thread hop costs more than it saves
 
@@ -481,6 +481,27 @@ def _first_nonfinite(v, exp_mask):
                 if (part[i] & exp_mask) == exp_mask:
                     return c + i
     return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _first_bad_meta(meta, top_level):
+    for b in range(meta.shape[0] // 2):
+        mn = meta[2 * b]
+        unit = meta[2 * b + 1]
+        top = mn + unit * top_level  # float32, as decoding's top level is
+        if not (np.isfinite(mn) and np.isfinite(unit) and unit >= np.float32(0.0) and np.isfinite(top)):
+            return b
+    return -1
+
+
+def first_bad_meta(meta: np.ndarray, bits: int) -> int:
+    """The first bucket whose (min, unit) pair in ``meta`` (float32, 2 per bucket, from the wire)
+    is not finite, has unit < 0, or whose top level ``min + unit * (2**bits - 1)`` is not finite
+    in float32; -1 if none. A payload's metadata may sit at any byte offset: an unaligned one is
+    copied first (8 bytes per bucket), so one compiled kernel serves every payload."""
+    if not meta.flags.aligned:
+        meta = meta.copy()
+    return int(_first_bad_meta(meta, np.float32((1 << bits) - 1)))
 
 
 _EXPONENT_MASKS = {"<f4": (np.int32, 0x7F800000), "<f2": (np.int16, 0x7C00), "bf16": (np.int16, 0x7F80)}
