@@ -91,6 +91,22 @@ class EncodedSum:
         self._kept_format = fmt
         return header
 
+    def copies(self, header: Header) -> bool:
+        """Would ``add`` of a valid payload with this header only check it and copy its body into
+        a free slot (allocated first if need be), or note a non-finite block: no decoding and no
+        fold of kept bodies? (A shard keeps such a push without a hop to a kernel thread.)"""
+        if header.non_finite:
+            return True
+        if header.codec != Codec.MAXMIN or header.numel != self.numel:
+            return False
+        stride = -(-header.body_size // 8) * 8
+        if self.parts * stride > self.keep_bytes:
+            return False  # the accumulator path: add decodes
+        if not self._kept:
+            return True
+        return (self._slots.shape == (self.parts, stride) and self._kept < self.parts
+                and self._kept_format == (header.bits, header.bucket_size))
+
     def encode(self, codec: Codec | int, *, bits: int, bucket_size: int, stochastic: bool, seed: int,
                feedback: ErrorFeedback | None = None, allow_non_finite: bool = False) -> EncodedBlock:
         """The sum, encoded as ``encode_block`` would encode the accumulated sum (CodecError as
