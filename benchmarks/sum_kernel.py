@@ -5,7 +5,7 @@ compared in the same run.
                                               [--bits 4] [--nearest]
 
 A round is what a shard's kernel threads do for 4 nodes x 100 MB: 24 blocks of 1M elements, each
-summed from ``--nodes`` 4-bit bodies kept in a block's slots and re-encoded (stochastic rounding
+summed from ``--nodes`` kept 4-bit pushes and re-encoded (stochastic rounding
 unless ``--nearest``), one kernel call per block on one thread (a shard's executor runs a thread
 per core and splits no call, server/threads.py). No validation, no copies, no executor: only
 the kernel, so its CPU per round (``time.thread_time``) is the figure a change to
@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 def child(nodes: int, mb: float, bits: int, stochastic: bool) -> None:
     """Run one round per line read on stdin; print its CPU in ms and a digest of its results."""
+    import inspect
     import time
 
     import numpy as np
@@ -54,14 +55,20 @@ def child(nodes: int, mb: float, bits: int, stochastic: bool) -> None:
         slots.append(rows)
     body = np.zeros(slots[0].shape[1], dtype=np.uint8)
     meta, packed = split_maxmin_body(body, numel, bucket)
+    if "slots" in inspect.signature(cpu.sum_maxmin_into).parameters:  # code before 2026-11-24: bodies in slots
+        inputs = [(rows, nodes) for rows in slots]
+    else:  # levels read where they are, metadata rows apart
+        nmeta = 2 * -(-numel // bucket)
+        inputs = [([row[4 * nmeta:] for row in rows], np.ascontiguousarray(rows[:, :4 * nmeta]).view(np.float32))
+                  for rows in slots]
     print(cgx_ps.__file__, flush=True)
     r = 0
     for _ in sys.stdin:
         digest = hashlib.sha256()
         spent = 0.0
-        for b, rows in enumerate(slots):
+        for b, pushed in enumerate(inputs):
             t0 = time.thread_time()
-            cpu.sum_maxmin_into(rows, nodes, numel, bits, bucket, None, False, (meta, packed), None, stochastic,
+            cpu.sum_maxmin_into(*pushed, numel, bits, bucket, None, False, (meta, packed), None, stochastic,
                                 (r << 24) | b, 1)
             spent += time.thread_time() - t0
             digest.update(body.tobytes())

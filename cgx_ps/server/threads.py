@@ -10,9 +10,9 @@ only over the cores the executor's threads leave over.
 
 The hop to the executor has its own price: a submit, a futex wake of an executor thread, the
 GIL passed back and forth, and a call back into the event loop to resume the push. A push that
-does not complete its round is only checked (crc32, header, metadata) and copied into its slot:
-for a compressed block of up to 1 MiB that costs less CPU than the hop itself, so it is kept on
-the event loop, and only the push completing a round (the summing kernel) goes to a kernel
+does not complete its round is only checked (crc32, header, metadata) and kept: for a
+compressed block of up to 1 MiB that costs less CPU than the hop itself, so it is kept on the
+event loop, and only the push completing a round (the summing kernel) goes to a kernel
 thread (``keeps_on_loop``; measured in BENCHMARKS.md, "The shard's data path on AVX2").
 """
 
@@ -42,9 +42,9 @@ def per_call_threads(configured: int, cpus: int) -> int:
     return max(1, cpus // executor_threads(configured, cpus))
 
 
-def keeps_on_loop(payload_bytes: int, copies_only: bool, completes_round: bool) -> bool:
+def keeps_on_loop(payload_bytes: int, only_checked: bool, completes_round: bool) -> bool:
     """Is a push checked and kept on the event loop rather than in a hop to a kernel thread?
-    Only one that does not complete its round, whose keeping is a check and a copy
-    (``EncodedSum.copies``), of at most ``INLINE_KEEP_BYTES``: anything that decodes or sums
+    Only one that does not complete its round, whose keeping is a check and nothing more
+    (``EncodedSum.keeps``), of at most ``INLINE_KEEP_BYTES``: anything that decodes or sums
     stays off the event loop, which must keep reading every stream."""
-    return copies_only and not completes_round and payload_bytes <= INLINE_KEEP_BYTES
+    return only_checked and not completes_round and payload_bytes <= INLINE_KEEP_BYTES
