@@ -58,7 +58,7 @@ class EncodedSum:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 (or None: the kernels' default), got {threads}")
         self.numel = numel
-        self.parts = parts  # blocks expected per sum: sizes the slots
+        self.parts = parts  # blocks expected per sum: sizes the metadata rows and the keep rule
         self.keep_bytes = 4 * numel if keep_bytes is None else keep_bytes
         # threads one summing kernel call splits its buckets over (None: cpu.num_threads()); a
         # caller that already sums several blocks at once on its own threads passes 1
