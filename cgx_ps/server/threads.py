@@ -22,7 +22,7 @@ import os
 
 __all__ = ["INLINE_KEEP_BYTES", "executor_threads", "keeps_on_loop", "per_call_threads", "usable_cpus"]
 
-# Largest push kept on the event loop: checking and copying 1 MiB takes ~0.3 ms of it
+# Largest push kept on the event loop: checking 1 MiB (crc32 at ~10 GB/s, the metadata) takes ~0.15 ms of it
 INLINE_KEEP_BYTES = 1 << 20
 
 
