@@ -2,6 +2,7 @@
 executor, round after round; the CPU per round of each code tree, rounds alternated between them.
 
     .venv/bin/python benchmarks/aggregator.py [--trees DIR ...] [--rounds 30] [--nodes 4] [--mb 100]
+    .venv/bin/python benchmarks/aggregator.py --profile [--rounds 10]
 
 Each tree (a directory holding a ``cgx_ps`` package, say ``git archive <commit> cgx_ps | tar -x -C
 DIR``; this checkout is always the last) runs in a process of its own that sums one round per
@@ -10,6 +11,10 @@ load: the paired ratios of CPU per round are the figure to trust on a shared mac
 round costs here is what the shard's kernel threads and its event loop's aggregation spend on
 it (checking, keeping, summing, encoding, the executor hand-offs), without the gRPC I/O that
 benchmarks/server.py adds.
+
+``--profile`` runs this checkout's rounds in this process under cProfile instead and prints where
+the Python time goes (own time per function; the pushes' payloads sit at an odd byte offset, as
+gRPC leaves them), for the per-push costs that sampling profilers blur.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 
 
-async def child(nodes: int, mb: float, threads: int) -> None:
-    """Sum one round per line read on stdin; print its CPU (process, event loop thread) in ms."""
+async def child(nodes: int, mb: float, threads: int, profile_rounds: int = 0) -> None:
+    """Sum one round per line read on stdin; print its CPU (process, event loop thread) in ms.
+    With ``profile_rounds``: run that many rounds (after two warm-ups) under cProfile instead."""
+    import cProfile
     import inspect
+    import pstats
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +51,8 @@ async def child(nodes: int, mb: float, threads: int) -> None:
     gen = torch.Generator().manual_seed(0)
     payloads = {b.block_id: [quantize(torch.randn(b.numel, generator=gen), 4, 1024, stochastic=True).to_bytes()
                              for _ in range(nodes)] for b in layout.blocks}
+    if profile_rounds:  # where a received push sits: a view into gRPC's message, at an odd offset
+        payloads = {k: [memoryview(b"\0" * 13 + p)[13:] for p in v] for k, v in payloads.items()}
 
     class Sink:
         def deliver(self, *args) -> None:
@@ -64,6 +74,18 @@ async def child(nodes: int, mb: float, threads: int) -> None:
             for b in layout.blocks:
                 await agg.push(f"n{i}", 0, b.block_id, r, payloads[b.block_id][i])
 
+        if profile_rounds:
+            for r in range(2):
+                await asyncio.gather(*[node(i, r) for i in range(nodes)])
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for r in range(2, 2 + profile_rounds):
+                await asyncio.gather(*[node(i, r) for i in range(nodes)])
+            profiler.disable()
+            agg.close()
+            print(f"{profile_rounds} rounds; the event loop thread's Python (and what it calls), by own time:")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+            return
         r = 0
         while await loop.run_in_executor(None, sys.stdin.readline):
             cpu, main = time.process_time(), time.thread_time()
@@ -80,8 +102,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--mb", type=float, default=100.0, help="fp32 megabytes of gradient per node per round")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="executor threads")
+    parser.add_argument("--profile", action="store_true", help="profile this checkout's rounds (cProfile) instead")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile:
+        asyncio.run(child(args.nodes, args.mb, args.threads, profile_rounds=args.rounds))
+        return
     if args.child:
         asyncio.run(child(args.nodes, args.mb, args.threads))
         return

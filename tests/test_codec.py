@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cgx_ps.kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, decode_header, dequantize, encode,
-                            encode_block, quantize)
+from cgx_ps.kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, check_payload, decode_header, dequantize,
+                            encode, encode_block, quantize)
 from cgx_ps.kernels import cpu, rng, wire
 
 LENGTHS = [1, 7, 8, 1023, 1024, 1025, 10_007]
@@ -388,6 +388,11 @@ def test_bad_metadata_with_valid_crc_rejected(meta_index: int, value: float) -> 
     with pytest.raises(CodecError, match=f"bucket {meta_index // 2} has invalid metadata"):
         dequantize(bad, out=out, accumulate=True)
     assert bool((out == 0).all())
+    # a shard checks a push where gRPC left it: its metadata at any byte offset
+    unaligned = memoryview(b"\0" + bad)[1:]
+    with pytest.raises(CodecError, match=f"bucket {meta_index // 2} has invalid metadata"):
+        check_payload(unaligned)
+    assert check_payload(memoryview(b"\0" + _payload())[1:]).numel == 3000
 
 
 def test_nonfinite_float_payload_rejected() -> None:

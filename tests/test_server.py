@@ -115,9 +115,11 @@ async def test_unregistered_nodes_are_reported_missing(shard: ShardServer) -> No
         await a.close()
 
 
-async def test_a_push_costs_one_kernel_thread_hop_the_rounds_last_included() -> None:
-    """The push completing a round is kept, summed and encoded in its own hop (aggregator.py):
-    two nodes, three rounds, six hops, and each round's result the exact sum."""
+async def test_a_round_costs_one_kernel_thread_hop_its_last_push() -> None:
+    """A compressed push that does not complete its round is checked and kept on the event loop;
+    the push completing it is kept, summed and encoded in one hop (aggregator.py, threads.py):
+    two nodes, three 4-bit rounds, three hops, and each round's result the exact sum. An FP32
+    round decodes every push, so each takes its hop: two more."""
     from concurrent.futures import ThreadPoolExecutor
 
     from cgx_ps.server.aggregator import Aggregator
@@ -148,7 +150,11 @@ async def test_a_push_costs_one_kernel_thread_hop_the_rounds_last_included() -> 
             for node, payload in zip(("n0", "n1"), pushed):
                 assert (await agg.push(node, 0, block.block_id, round_, payload)).accepted
             check_aggregate(block, pushed, sink.results[-1], round_)
-        assert executor.hops == 6 and len(sink.results) == 3
+        assert executor.hops == 3 and len(sink.results) == 3
+        xs = [torch.randn(block.numel) for _ in range(2)]
+        for node, x in zip(("n0", "n1"), xs):
+            assert (await agg.push(node, 0, block.block_id, 3, encode(x, Codec.FP32).to_bytes())).accepted
+        assert executor.hops == 5 and dequantize(sink.results[-1]).equal(xs[0] + xs[1])
         agg.close()
 
 

@@ -166,6 +166,7 @@ async def test_budget_cancelled_waiter_lets_smaller_ones_through() -> None:
     small = asyncio.create_task(budget.acquire(1))
     await asyncio.sleep(0.01)
     assert not small.done()  # FIFO: behind the big one
+    assert not budget.try_acquire(1) and budget.used == 8  # nor does a push's fast path jump the queue
     big.cancel()
     await asyncio.wait_for(small, 1)
     assert budget.used == 9

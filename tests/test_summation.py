@@ -115,22 +115,28 @@ def test_bad_push_changes_nothing_and_non_finite_or_overflowing_sums() -> None:
         total.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=False, seed=0)
 
 
-def test_a_sum_holds_its_slots_or_its_accumulator_not_both() -> None:
-    """A shard is sized for one fp32 accumulator per block (server/sizing.py): the slots that
-    replace it must not come on top of it."""
+def test_a_sum_holds_its_kept_pushes_or_its_accumulator_not_both() -> None:
+    """A shard is sized for one fp32 accumulator per block (server/sizing.py): the kept pushes that
+    replace it must not come on top of it. Immutable payloads are kept where they are (their
+    levels are not copied), a mutable one is copied, and clearing the sum lets them go."""
     numel, gen = 4096, torch.Generator().manual_seed(5)
     acc_bytes = 4 * numel
     total = EncodedSum(numel, parts=3)
     for round_, (codec, bits, bucket) in enumerate([(Codec.FP32, 32, 0), (Codec.MAXMIN, 4, 64),
                                                     (Codec.MAXMIN, 4, 64), (Codec.FP16, 16, 0)]):
         payloads = pushes(gen, 3, numel, codec, bits, bucket, round_)
-        for payload in payloads:
+        kept = [payloads[0], bytearray(payloads[1]), memoryview(b"\0" + payloads[2])[1:]]  # any alignment
+        for payload in kept:
             total.add(payload)
+            assert total.held_bytes <= acc_bytes + (8 * 3 * numel // bucket if bucket else 0)
+        if codec == Codec.MAXMIN:
+            kept[1][-1] ^= 0xFF  # changed after it was checked: the sum has its own copy
+            assert total._levels[0].base is not None and total._levels[1].base is None
         got = total.encode(codec, bits=bits, bucket_size=bucket, stochastic=True, seed=round_).to_bytes()
         assert got == accumulator_path(payloads, numel, codec, bits, bucket, True, round_, None)
         total.clear()
-        slots = 3 * -(-len(payloads[0][32:]) // 8) * 8
-        assert total.held_bytes == (acc_bytes if codec != Codec.MAXMIN else slots), (round_, total.held_bytes)
+        metadata_rows = 3 * 8 * (numel // bucket) if bucket else 0
+        assert total.held_bytes == (acc_bytes if codec != Codec.MAXMIN else metadata_rows), (round_, total.held_bytes)
     # 16 nodes at 4 bits do not fit in one accumulator's size: they sum through the accumulator
     many = EncodedSum(numel, parts=16)
     payloads = pushes(gen, 16, numel, Codec.MAXMIN, 4, 64, 9)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import numba
 import numpy as np
@@ -25,8 +26,8 @@ from numba.extending import intrinsic
 
 from . import rng
 
-__all__ = ["encode_maxmin_into", "decode_maxmin_into", "sum_maxmin_into", "first_nonfinite", "num_threads",
-           "set_num_threads"]
+__all__ = ["encode_maxmin_into", "decode_maxmin_into", "sum_maxmin_into", "first_bad_meta", "first_nonfinite",
+           "num_threads", "set_num_threads"]
 
 _MIN_BUCKETS_PER_THREAD = 64  # below ~64K elements a thread hop costs more than it saves
 
@@ -423,12 +424,24 @@ def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, scale
             _scale(out[start:end], scale)
 
 
+@intrinsic
+def _u8_at(typingctx, address):
+    """A uint8 pointer to ``address``: the packed levels of a kept push, in a buffer that the
+    caller of ``sum_maxmin_into`` holds and has checked the length of."""
+    sig = types.CPointer(types.uint8)(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint8)))
+
+    return sig, codegen
+
+
 @numba.njit(nogil=True, cache=True)
-def _sum_range(slots, slots_f32, count, packed_at, numel, bits, bucket_size, acc, from_acc, encode, residual,
+def _sum_range(levels_at, metas, count, numel, bits, bucket_size, acc, from_acc, encode, residual,
                feedback, meta, packed, stochastic, key, b0, b1, status):
-    """Sum buckets [b0, b1) of the first ``count`` encoded bodies in ``slots`` (one per row, in
-    arrival order; row k's metadata is slots_f32[k, :2 * buckets], its levels start at byte
-    packed_at), after acc if from_acc. Each bucket is summed in a scratch buffer that stays in
+    """Sum buckets [b0, b1) of the first ``count`` encoded pushes (in arrival order; push k's
+    (min, unit) pairs are metas[k, :2 * buckets], its packed levels start at address
+    levels_at[k]), after acc if from_acc. Each bucket is summed in a scratch buffer that stays in
     L1, with exactly the additions of decoding into an accumulator one push at a time. Then
     either store the bucket's sum into acc (encode False), or encode it into meta and packed
     (the same bucket code as _encode_range; with feedback, the residual is added first and
@@ -439,16 +452,18 @@ def _sum_range(slots, slots_f32, count, packed_at, numel, bits, bucket_size, acc
         start = b * bucket_size
         end = min(start + bucket_size, numel)
         xs = x[: end - start]
-        p0 = packed_at + start * bits // 8
-        p1 = p0 + ((end - start) * bits + 7) // 8
+        p0 = start * bits // 8
+        nbytes = ((end - start) * bits + 7) // 8
         first = 0
         if from_acc:
             xs[:] = acc[start:end]
         else:
-            _unpack(slots[0, p0:p1], xs, slots_f32[0, 2 * b], slots_f32[0, 2 * b + 1], bits, False, lv_buf)
+            src = numba.carray(_u8_at(levels_at[0] + np.uint64(p0)), (nbytes,))
+            _unpack(src, xs, metas[0, 2 * b], metas[0, 2 * b + 1], bits, False, lv_buf)
             first = 1
         for k in range(first, count):
-            _unpack(slots[k, p0:p1], xs, slots_f32[k, 2 * b], slots_f32[k, 2 * b + 1], bits, True, lv_buf)
+            src = numba.carray(_u8_at(levels_at[k] + np.uint64(p0)), (nbytes,))
+            _unpack(src, xs, metas[k, 2 * b], metas[k, 2 * b + 1], bits, True, lv_buf)
         if not encode:
             acc[start:end] = xs
             continue
@@ -481,6 +496,27 @@ def _first_nonfinite(v, exp_mask):
                 if (part[i] & exp_mask) == exp_mask:
                     return c + i
     return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _first_bad_meta(meta, top_level):
+    for b in range(meta.shape[0] // 2):
+        mn = meta[2 * b]
+        unit = meta[2 * b + 1]
+        top = mn + unit * top_level  # float32, as decoding's top level is
+        if not (np.isfinite(mn) and np.isfinite(unit) and unit >= np.float32(0.0) and np.isfinite(top)):
+            return b
+    return -1
+
+
+def first_bad_meta(meta: np.ndarray, bits: int) -> int:
+    """The first bucket whose (min, unit) pair in ``meta`` (float32, 2 per bucket, from the wire)
+    is not finite, has unit < 0, or whose top level ``min + unit * (2**bits - 1)`` is not finite
+    in float32; -1 if none. A payload's metadata may sit at any byte offset: an unaligned one is
+    copied first (8 bytes per bucket), so one compiled kernel serves every payload."""
+    if not meta.flags.aligned:
+        meta = meta.copy()
+    return int(_first_bad_meta(meta, np.float32((1 << bits) - 1)))
 
 
 _EXPONENT_MASKS = {"<f4": (np.int32, 0x7F800000), "<f2": (np.int16, 0x7C00), "bf16": (np.int16, 0x7F80)}
@@ -586,26 +622,38 @@ def decode_maxmin_into(
 
 
 def sum_maxmin_into(
-    slots: np.ndarray, count: int, numel: int, bits: int, bucket_size: int, acc: np.ndarray | None,
-    from_acc: bool, out: tuple[np.ndarray, np.ndarray] | None, residual: np.ndarray | None,
-    stochastic: bool, seed: int, threads: int | None = None,
+    levels: Sequence[np.ndarray], metas: np.ndarray, numel: int, bits: int, bucket_size: int,
+    acc: np.ndarray | None, from_acc: bool, out: tuple[np.ndarray, np.ndarray] | None,
+    residual: np.ndarray | None, stochastic: bool, seed: int, threads: int | None = None,
 ) -> tuple[int, int]:
-    """Sum max-min bodies held in the rows of ``slots`` (uint8, each row one validated body of
-    these settings, rows 8-byte aligned), after ``acc`` if ``from_acc``. With ``out`` (meta,
-    packed), encode the sum there (with ``residual``: error feedback, updated in place) and
-    return what encode_maxmin_into returns; without, store the sum into ``acc``. The result is
-    bit-identical to decoding the rows one by one into an accumulator, then encoding it, however
-    many ``threads`` (None: ``num_threads()``) the buckets are split over."""
+    """Sum validated max-min pushes of these settings, after ``acc`` if ``from_acc``: push k's
+    packed levels are ``levels[k]`` (uint8, read where they are: a shard passes the payloads as
+    received) and its (min, unit) pairs ``metas[k]`` (float32). With ``out`` (meta, packed),
+    encode the sum there (with ``residual``: error feedback, updated in place) and return what
+    encode_maxmin_into returns; without, store the sum into ``acc``. The result is bit-identical
+    to decoding the pushes one by one into an accumulator, then encoding it, however many
+    ``threads`` (None: ``num_threads()``) the buckets are split over."""
     if numel == 0:
         return -1, -1
-    if count == 0 and not from_acc:
-        raise ValueError("nothing to sum: no bodies and no partial sum")
+    if not levels and not from_acc:
+        raise ValueError("nothing to sum: no pushes and no partial sum")
     nb = -(-numel // bucket_size)
+    need = (numel * bits + 7) // 8
+    # the kernel reads each push's levels through a raw pointer: every bound is checked here
+    for lv in levels:
+        if lv.dtype != np.uint8 or lv.ndim != 1 or not lv.flags.c_contiguous or lv.size < need:
+            raise ValueError(f"levels must be contiguous uint8 arrays of at least {need} bytes, got "
+                             f"{lv.dtype} {lv.shape}")
+    if metas.dtype != np.float32 or metas.ndim != 2 or metas.shape[0] < len(levels) or metas.shape[1] < 2 * nb \
+            or not metas.flags.c_contiguous:
+        raise ValueError(f"metas must be a contiguous float32 array of at least ({len(levels)}, {2 * nb})")
+    levels_at = np.array([lv.ctypes.data for lv in levels] or [0], dtype=np.uint64)
     meta, packed = out if out is not None else (_NO_F32, _NO_U8)
     key = rng.seed_key(seed) if stochastic and out is not None else 0
-    args = (slots, slots.view(np.float32), count, 8 * nb, numel, bits, bucket_size,
+    args = (levels_at, metas, len(levels), numel, bits, bucket_size,
             acc if acc is not None else _NO_F32, from_acc, out is not None,
             residual if residual is not None else _NO_F32, residual is not None, meta, packed, stochastic, key)
+    # levels stays referenced (this frame) until every part of the call has returned
     return _first_flagged(_run_split(_sum_range, nb, args, 2, threads))
 
 

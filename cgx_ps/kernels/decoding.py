@@ -153,13 +153,10 @@ def _float_values(body: np.ndarray, h: Header) -> np.ndarray:
 
 
 def _validate_meta(meta: np.ndarray, bits: int) -> None:
-    pairs = meta.reshape(-1, 2)
-    mn, unit = pairs[:, 0], pairs[:, 1]
-    with np.errstate(over="ignore", invalid="ignore"):
-        top = mn + unit * np.float32((1 << bits) - 1)
-    ok = np.isfinite(mn) & np.isfinite(unit) & (unit >= 0) & np.isfinite(top)
-    if not ok.all():
-        b = int(np.argmin(ok))
+    """Every bucket's (min, unit) finite, unit >= 0, and its top level min + unit * (2**bits - 1)
+    finite in float32: one kernel pass (cpu.first_bad_meta), not a dozen numpy temporaries."""
+    b = cpu.first_bad_meta(meta, bits)
+    if b >= 0:
         raise CodecError(
-            f"bucket {b} has invalid metadata (min={mn[b]}, unit={unit[b]}): corrupted payload?"
+            f"bucket {b} has invalid metadata (min={meta[2 * b]}, unit={meta[2 * b + 1]}): corrupted payload?"
         )

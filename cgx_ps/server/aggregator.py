@@ -1,17 +1,21 @@
 """Where gradients are summed: per-block rounds whose pushes are kept, summed and re-quantized once.
 
 Each owned block has its own round counter (blockstate.py). A node's push for (block, round) is
-validated and kept in the block's EncodedSum on a kernel thread, so the event loop keeps
-receiving. When every node has pushed, one fused kernel sums the round's pushes (in arrival
-order, bit-identical to decoding each into a float32 accumulator) and encodes the sum once with
-the round's codec (kernels/summation.py), and the same bytes go to every node: the sink (the
-session) hears the result with the member of each node that pushed it. Blocks are independent,
+validated and kept in the block's EncodedSum (on the event loop when that is only a check,
+else on a kernel thread, so the event loop keeps receiving). When every node has pushed, one
+fused kernel sums the round's pushes (in arrival order, bit-identical to decoding each into a
+float32 accumulator) and encodes the sum once with the round's codec (kernels/summation.py),
+and the same bytes go to every node: the sink (the session) hears the result with the member
+of each node that pushed it. Blocks are independent,
 so early blocks are returned while later ones are still arriving.
 
-A push costs one hop to a kernel thread: the push that completes its round is kept, summed and
-encoded in that same hop, rather than in a second one per block. Each hop wakes an executor
-thread and, back on the event loop, resumes the push; the profile (BENCHMARKS.md, "One executor
-hop per push") counted these hand-offs among the shard's larger costs.
+A push costs at most one hop to a kernel thread: the push that completes its round is kept,
+summed and encoded in that same hop, rather than in a second one per block. Each hop wakes an
+executor thread and, back on the event loop, resumes the push; the profiles (BENCHMARKS.md, "One
+executor hop per push", "The shard's data path on AVX2") counted these hand-offs among the
+shard's larger costs. So a push whose keeping is only a check (a compressed block of up to
+1 MiB that does not complete its round: EncodedSum keeps it where it arrived) is kept on the
+event loop, with no hop at all (threads.keeps_on_loop): a round of N nodes costs one hop per block.
 
 Mixed precision: a node whose gradient overflowed pushes a non-finite block (the header alone,
 ``FLAG_NONFINITE``). It is validated like any push (header, exact size, crc), makes the sum
@@ -52,6 +56,7 @@ from .blockstate import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState
                          check_result, check_round, prune_schedule, result_seed, resume_conflict)
 from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from .metrics import ShardMetrics
+from .threads import keeps_on_loop
 
 __all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
 
@@ -216,10 +221,15 @@ class Aggregator:
             loop = asyncio.get_running_loop()
             first = not block.pushed
             arrived = time.monotonic()
-            # One hop to a kernel thread per push: check and keep it and, when it completes the
-            # round, sum the round and encode the sum right there (module doc)
+            # A push that is only checked and copied is kept right here; any other takes one hop
+            # to a kernel thread, where the push completing the round is summed and encoded too
+            # (module doc, threads.keeps_on_loop)
             try:
-                kept = await loop.run_in_executor(self.executor, self._keep, block, round_, node_id, payload, encode)
+                if keeps_on_loop(len(payload), block.sum.keeps(header), completes):
+                    kept = self._keep(block, round_, node_id, payload, None)
+                else:
+                    kept = await loop.run_in_executor(self.executor, self._keep, block, round_, node_id, payload,
+                                                      encode)
             except CodecError as exc:
                 raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
             block.round_stochastic = stochastic

@@ -19,11 +19,18 @@ class ByteBudget:
         self.used = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    async def acquire(self, n: int) -> None:
+    def try_acquire(self, n: int) -> bool:
+        """Reserve ``n`` bytes if they fit now and nobody waits before us (FIFO); else False.
+        A push's common case, without the task and timer a bounded ``acquire`` would cost."""
         if n > self.capacity:  # callers refuse such requests first (Register, blob admission)
             raise ValueError(f"cannot reserve {n} bytes from a budget of {self.capacity}")
         if not self._waiters and self.used + n <= self.capacity:
             self.used += n
+            return True
+        return False
+
+    async def acquire(self, n: int) -> None:
+        if self.try_acquire(n):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((n, fut))

@@ -40,10 +40,18 @@ class ShardMetrics:
         self.block_bits = Gauge("cgx_ps_block_bits", "Bits per element a block travels with since the last "
                                 "SetCodecs (32: uncompressed)", ["shard", "block"], registry=r)
         self._shard = str(shard_index)
+        # labels() builds and checks its key and takes a lock on every call; a push is counted per
+        # message on the event loop, so each (node, outcome) child is looked up once. Bounded as the
+        # metric's own children are: one per node id that pushed, and three outcomes.
+        self._push_counters: dict[tuple[str, str], Counter] = {}
 
     @property
     def shard(self) -> str:
         return self._shard
 
     def push(self, node: str, outcome: str) -> None:
-        self.pushes.labels(shard=self._shard, node=node, outcome=outcome).inc()
+        counter = self._push_counters.get((node, outcome))
+        if counter is None:
+            counter = self._push_counters[(node, outcome)] = self.pushes.labels(shard=self._shard, node=node,
+                                                                                outcome=outcome)
+        counter.inc()

@@ -32,11 +32,13 @@ class InflightPushes:
         self._gauge = gauge  # Prometheus: bytes held
 
     async def reserve(self, nbytes: int, block_id: int, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self.budget.acquire(nbytes), timeout_s)
-        except asyncio.TimeoutError:
-            raise LimitExceeded(f"block {block_id}: the shard's memory budget ({self.budget.capacity} "
-                                f"bytes) stayed full for {timeout_s:g}s") from None
+        # Room now (the common case): no wait, so no task and timer for a bounded one
+        if not self.budget.try_acquire(nbytes):
+            try:
+                await asyncio.wait_for(self.budget.acquire(nbytes), timeout_s)
+            except asyncio.TimeoutError:
+                raise LimitExceeded(f"block {block_id}: the shard's memory budget ({self.budget.capacity} "
+                                    f"bytes) stayed full for {timeout_s:g}s") from None
         self.count += 1
         self._update()
 

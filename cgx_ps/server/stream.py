@@ -71,8 +71,10 @@ class NodeStream:
             sending = timeline.mark()
             for message in messages:
                 try:
-                    await asyncio.wait_for(write(message), timeout_s)
-                except asyncio.TimeoutError:
+                    # asyncio.timeout, not wait_for: wait_for wraps every write in a task of its own
+                    async with asyncio.timeout(timeout_s):
+                        await write(message)
+                except TimeoutError:
                     self.fail(LimitExceeded(f"node {self.node_id} member {self.member} has not read its results "
                                             f"for {timeout_s:g}s ({self.queued_bytes} bytes waiting)"))
                     log.warning("node %s member %d stopped reading: %s", self.node_id, self.member,
