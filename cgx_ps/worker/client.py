@@ -45,6 +45,7 @@ __all__ = ["ShardClient"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+Result = bytes | memoryview  # a block's aggregate: a view of the message it came in, or its chunks joined
 _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is safe)
 
 # What writing to a stream that has ended raises (the status itself comes to the reader).
@@ -89,12 +90,12 @@ class ShardClient(ConnectionSupervisor):
         self._call = None
         self._reader: asyncio.Task | None = None
         self._write_lock = asyncio.Lock()
-        self._waiting: dict[tuple[int, int], asyncio.Future[bytes]] = {}
-        self._incoming: dict[tuple[int, int], list[bytes]] = {}
+        self._waiting: dict[tuple[int, int], asyncio.Future[Result]] = {}
+        self._incoming: dict[tuple[int, int], list[Result]] = {}
         self._error: CgxPsError | None = None
         # recovery: what a new stream must carry, and the state of the current one
         self._unanswered: dict[tuple[int, int], _Unanswered] = {}  # pushed, no result yet; oldest first
-        self._results: dict[int, tuple[int, bytes]] = {}  # block -> (round, its result): for restores
+        self._results: dict[int, tuple[int, Result]] = {}  # block -> (round, its result): for restores
         self._generation = 0  # of the current stream: the end of an older one is old news
         self._ready = asyncio.Event()  # the current stream is open and carries every unanswered push
         self._broken = asyncio.Event()  # the current stream ended in a way recovery may repair
@@ -268,8 +269,9 @@ class ShardClient(ConnectionSupervisor):
 
     # ---- push / pull ----------------------------------------------------------------------------
 
-    async def exchange(self, block_id: int, round_: int, payload: bytes) -> bytes:
-        """Push one block for a round and wait for the aggregate of all nodes."""
+    async def exchange(self, block_id: int, round_: int, payload: bytes) -> Result:
+        """Push one block for a round and wait for the aggregate of all nodes (a view of the
+        received message when it came in one chunk: ``read_result``)."""
         future = self.expect(block_id, round_)
         with timeline.span("push", round_, timeline.block_track(block_id), block=block_id, bytes=len(payload)):
             await self.push(block_id, round_, payload)
@@ -278,7 +280,7 @@ class ShardClient(ConnectionSupervisor):
         timeline.pulled(pushed, block_id, round_)
         return result
 
-    def expect(self, block_id: int, round_: int) -> asyncio.Future[bytes]:
+    def expect(self, block_id: int, round_: int) -> asyncio.Future[Result]:
         """Register interest in a result before pushing (so an early result is never missed)."""
         if self._error is not None:
             raise self._error
