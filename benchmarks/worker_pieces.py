@@ -17,13 +17,20 @@ so both run on the same data, alternating, and the medians are comparable on a s
 - the push's framing (``chunk_frames``: the payload copied a second time, after ``to_bytes``).
 
 The codec kernels run on this thread only (``cpu.set_num_threads(1)``, as the worker's plan does
-on 2 cores), so thread time is their whole cost.
+on 2 cores), so thread time is their whole cost. Minor page faults are counted too: alone in this
+process, each fresh 0.5 MB buffer would fault its pages in (glibc gives a freed heap top back to
+the kernel), which a worker's communication and codec threads do not (``ThreadCpu`` in
+benchmarks/worker_cpu.py counts ~0 faults per step on them), so glibc is told to keep its heap
+here (``mallopt``), as a worker's; ``--fresh-pages`` leaves glibc's defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
+import resource
 import statistics
 import sys
 import time
@@ -46,10 +53,12 @@ from cgx_ps.worker.client import read_result  # noqa: E402
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
 
 
-def thread_ms(fn: Callable[[], object]) -> float:
+def thread_ms(fn: Callable[[], object]) -> tuple[float, int]:
+    """CPU ms of this thread in ``fn()``, and its minor page faults (a fresh buffer's pages)."""
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     start = time.thread_time()
     fn()
-    return (time.thread_time() - start) * 1e3
+    return (time.thread_time() - start) * 1e3, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
 
 
 def seed_key_numpy(seed: int) -> int:
@@ -112,7 +121,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="mlp17m")
     parser.add_argument("--reps", type=int, default=30, help="steps' worth per piece and form (after one warm-up)")
+    parser.add_argument("--fresh-pages", action="store_true", help="keep glibc's defaults (see the module doc)")
     args = parser.parse_args()
+    if not args.fresh_pages:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep freed memory at the heap top
+        libc.mallopt(-3, 1 << 26)  # M_MMAP_THRESHOLD: 0.5 MB buffers from the heap, not fresh mmaps
     torch.set_num_threads(1)
     cpu.set_num_threads(1)
     load = os.getloadavg()[0]
@@ -123,16 +137,17 @@ def main() -> None:
             forms = [(0, new), (1, old)] if rep % 2 else [(1, old), (0, new)]  # alternate the order
             for k, fn in forms:
                 if fn is not None:
-                    ms = thread_ms(fn)
+                    measured = thread_ms(fn)
                     if rep:
-                        times[name][k].append(ms)
+                        times[name][k].append(measured)
     print(f"{args.model}, one step's worth per piece, thread CPU ms, median of {args.reps} (old and new "
           f"alternated); load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
-    print("| piece (thread) | before | after |")
+    print("| piece (thread) | before: ms (page faults) | after: ms (page faults) |")
     print("|---|---:|---:|")
-    for name, (new, old) in times.items():
-        before = f"{statistics.median(old):.2f}" if old else "(unchanged)"
-        print(f"| {name} | {before} | {statistics.median(new):.2f} |")
+    for name, forms in times.items():
+        cells = [f"{statistics.median(ms for ms, _ in runs):.2f} ({statistics.median(n for _, n in runs):.0f})"
+                 if runs else "(unchanged)" for runs in reversed(forms)]
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
