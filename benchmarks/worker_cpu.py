@@ -2,6 +2,7 @@
 (DistributedOptimizer, the DDP hook) of each tree on the same shards, round after round.
 
     .venv/bin/python benchmarks/worker_cpu.py --trees DIR [DIR ...] [--rounds 5] [--steps 20] [--json out.json]
+    .venv/bin/python benchmarks/worker_cpu.py --block-mb 4 8 16 --rounds 3     # this checkout, three block sizes
 
 Each tree is a directory holding a ``cgx_ps`` package (``git archive <commit> | tar -x -C DIR``;
 run ``python -m cgx_ps.kernels.warm`` there once: numba caches its kernels per tree); this checkout
@@ -16,7 +17,10 @@ thread role (``procstat.ThreadCpu``: training, communication, codec, other) with
 faults per step. Per front end and tree: the median over rounds, and the median of the paired
 ratios to the first tree, the figure to trust on a machine shared with others. The trees must
 train bit-identically: the eval loss and the bytes pushed per step of every run are compared,
-and the script fails where they differ.
+and the script fails where they differ. ``--block-mb`` runs every tree at each of several block
+sizes too (interleaved with the rest; a block size is another layout, so other bytes and another
+model, compared only with itself), with the step time: fewer, larger messages against less
+overlap of communication with backward.
 """
 
 from __future__ import annotations
@@ -69,23 +73,28 @@ def summarize(ranks: list[dict]) -> dict:
             "eval_loss": [r["eval_loss"] for r in ranks], "pushed": [r["bytes_pushed_per_step"] for r in ranks]}
 
 
-def report(front_end: str, trees: list[Path], runs: list[list[dict]]) -> None:
-    """The table of one front end: ``runs[k]``, tree k's runs in round order."""
+def report(front_end: str, labels: list[str], runs: list[list[dict]]) -> None:
+    """The table of one front end: ``runs[k]``, configuration k's runs in round order."""
     print(f"\n{front_end}: CPU ms per step of one worker process (median over {len(runs[0])} rounds; "
-          f"minor page faults per step in the last column)")
-    print("| code | all threads (min) | training | communication | codec | other | × first, paired | faults |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for k, tree in enumerate(trees):
+          f"minor page faults and the step time too)")
+    print("| code | all threads (min) | training | communication | codec | other | × first, paired | faults "
+          "| step (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for k, label in enumerate(labels):
         cpu = [r["cpu_s"] * 1e3 for r in runs[k]]
         paired = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in zip(runs[k], runs[0]))
         roles = " | ".join(f"{statistics.median(r['threads'][role] for r in runs[k]) * 1e3:.1f}" for role in ROLES)
         faults = statistics.median(sum(r["minflt"].values()) for r in runs[k])
-        print(f"| {tree} | {statistics.median(cpu):.1f} ({min(cpu):.1f}) | {roles} | {paired:.3f} | {faults:.0f} |")
+        step = statistics.median(r["step_s"] for r in runs[k])
+        print(f"| {label} | {statistics.median(cpu):.1f} ({min(cpu):.1f}) | {roles} | {paired:.3f} | {faults:.0f} "
+              f"| {step:.3f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trees", nargs="*", default=[], help="directories holding a cgx_ps package to compare")
+    parser.add_argument("--block-mb", nargs="*", type=float, default=[4.0],
+                        help="block sizes to run every tree with (fp32 MB; other sizes train other bytes)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -97,30 +106,37 @@ def main() -> None:
     for tree in trees:
         if not (tree / "cgx_ps" / "worker").is_dir():
             parser.error(f"no cgx_ps package under {tree}")
+    configs = [(tree, mb) for mb in args.block_mb for tree in trees]
+    labels = [f"{tree}" + (f" @ {mb:g} MB blocks" if len(args.block_mb) > 1 else "") for tree, mb in configs]
     common = ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", "1"]
     base = dict(os.environ, OMP_NUM_THREADS="1")
-    runs = {fe: [[] for _ in trees] for fe in args.front_ends}
-    print(f"{len(trees)} trees, {args.rounds} rounds; load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+    runs = {fe: [[] for _ in configs] for fe in args.front_ends}
+    print(f"{len(configs)} configurations, {args.rounds} rounds; load average {os.getloadavg()[0]:.2f} at the start",
+          flush=True)
     with LocalCluster(2, extra_args=["--log-level", "WARNING"]) as cluster:
         for r in range(args.rounds):
             for front_end in args.front_ends:
                 script, *flags = FRONT_ENDS[front_end]
-                for k in [*range(r % len(trees), len(trees)), *range(r % len(trees))]:
-                    argv = [sys.executable, __file__, "--child", trees[k], script, *common, *flags]
+                for k in [*range(r % len(configs), len(configs)), *range(r % len(configs))]:
+                    tree, mb = configs[k]
+                    argv = [sys.executable, __file__, "--child", tree, script, *common, *flags, "--block-mb", str(mb)]
                     run = summarize(run_cgx_job(cluster, argv, base))
                     runs[front_end][k].append(run)
                     roles = ", ".join(f"{role} {run['threads'][role] * 1e3:.1f}" for role in ROLES)
-                    print(f"round {r} {front_end} {trees[k]}: {run['cpu_s'] * 1e3:.1f} ms/step ({roles}), "
+                    print(f"round {r} {front_end} {labels[k]}: {run['cpu_s'] * 1e3:.1f} ms/step ({roles}), "
                           f"step {run['step_s']:.3f} s, load {os.getloadavg()[0]:.2f}", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
     identical = True
     for front_end in args.front_ends:
-        report(front_end, trees, runs[front_end])
-        seen = {(tuple(run["eval_loss"]), tuple(run["pushed"])) for per_tree in runs[front_end] for run in per_tree}
-        print(f"eval loss and bytes pushed per step (rank 0, rank 1) of every run: {sorted(seen)}")
-        identical &= len(seen) == 1
+        report(front_end, labels, runs[front_end])
+        for mb in args.block_mb:  # every tree trains the same bytes at one block size
+            seen = {(tuple(run["eval_loss"]), tuple(run["pushed"]))
+                    for (_, size), per_config in zip(configs, runs[front_end]) if size == mb for run in per_config}
+            print(f"{mb:g} MB blocks: eval loss and bytes pushed per step (rank 0, rank 1) of every run: "
+                  f"{sorted(seen)}")
+            identical &= len(seen) == 1
     if args.json:
-        Path(args.json).write_text(json.dumps({"trees": [str(t) for t in trees], "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"configurations": labels, "runs": runs}, indent=1))
     if not identical:
         raise SystemExit("the trees did not train bit-identically (eval loss or bytes pushed differ)")
 
