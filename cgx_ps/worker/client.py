@@ -41,7 +41,7 @@ from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnava
 from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
 from .supervisor import ConnectionSupervisor
 
-__all__ = ["ShardClient"]
+__all__ = ["Result", "ShardClient", "read_result"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
