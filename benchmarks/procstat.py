@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["HOST_PIDS_ENV", "HostCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds", "resident_mb",
-           "thread_cpu_seconds"]
+__all__ = ["HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds",
+           "resident_mb", "thread_cpu_seconds"]
 
 # pids of the cgx-ps shards on a worker's host (shards.run_cgx sets it): HostCpu adds their CPU
 # to the host's per step
@@ -21,13 +21,18 @@ HOST_PIDS_ENV = "CGX_PS_BENCH_HOST_PIDS"
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat_cpu_seconds(stat: Path) -> float | None:
-    """User + system CPU seconds from a /proc stat file (a process's or a thread's), None if gone."""
+def _stat_fields(stat: Path) -> list[str] | None:
+    """The fields of a /proc stat file after the name (proc(5)'s field N is index N - 3), None if gone."""
     try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        return stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def _stat_cpu_seconds(stat: Path) -> float | None:
+    """User + system CPU seconds from a /proc stat file (a process's or a thread's), None if gone."""
+    fields = _stat_fields(stat)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _CLK_TCK  # fields 14 and 15
 
 
 def proc_cpu_seconds(pid: int) -> float | None:
@@ -51,6 +56,70 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         group = "event loop" if task.name == str(pid) else "kernel threads" if comm == "python" else "gRPC threads"
         groups[group] += seconds
     return groups
+
+
+class ThreadCpu:
+    """CPU seconds and minor page faults of this process's threads by role, between ``start()``
+    and ``stop()``: where a worker's CPU per step goes. Python names its threads but not the OS
+    threads (3.11), so the roles come from ``threading``'s names and native ids: the training
+    thread (the main one: forward, backward, the front end's hooks, the optimizer), the
+    communication thread (the engine's loop, ``cgx-comm``) and the codec threads (the engine's
+    pool and the kernels' split, both ``cgx-codec*``); "other" is the rest of the process (gRPC's
+    own threads, torch's), the process's total less the named threads. A thread that ends inside
+    the window loses its share to "other"; one that starts inside it counts from zero."""
+
+    ROLES = (("training", "MainThread"), ("communication", "cgx-comm"), ("codec", "cgx-codec"))
+
+    def __init__(self) -> None:
+        self._start: dict[int, tuple[str, float, int]] | None = None
+        self._start_total: tuple[float, int] | None = None
+        self.cpu_s: dict[str, float] = {}
+        self.minflt: dict[str, int] = {}
+
+    @classmethod
+    def _role(cls, name: str) -> str | None:
+        return next((role for role, prefix in cls.ROLES if name.startswith(prefix)), None)
+
+    @staticmethod
+    def _sample_stat(path: Path) -> tuple[float, int] | None:
+        fields = _stat_fields(path)
+        if fields is None:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK, int(fields[7])  # utime+stime, minflt (field 10)
+
+    def _sample(self) -> tuple[dict[int, tuple[str, float, int]], tuple[float, int]]:
+        import threading
+
+        threads = {}
+        for thread in threading.enumerate():
+            role = self._role(thread.name)
+            sample = self._sample_stat(Path(f"/proc/self/task/{thread.native_id}/stat")) if role else None
+            if sample is not None:
+                threads[thread.native_id] = (role, *sample)
+        return threads, self._sample_stat(Path("/proc/self/stat")) or (0.0, 0)
+
+    def start(self) -> None:
+        self._start, self._start_total = self._sample()
+
+    def stop(self) -> None:
+        if self._start is None or self._start_total is None:
+            return
+        end, end_total = self._sample()
+        cpu = {role: 0.0 for role, _ in self.ROLES}
+        faults = {role: 0 for role, _ in self.ROLES}
+        for tid, (role, seconds, minflt) in end.items():
+            _, seconds0, minflt0 = self._start.get(tid, (role, 0.0, 0))
+            cpu[role] += seconds - seconds0
+            faults[role] += minflt - minflt0
+        cpu["other"] = end_total[0] - self._start_total[0] - sum(cpu.values())
+        faults["other"] = end_total[1] - self._start_total[1] - sum(faults.values())
+        self.cpu_s, self.minflt = cpu, faults
+
+    def per_step(self, steps: int) -> dict[str, dict[str, float]]:
+        if not self.cpu_s or steps <= 0:
+            return {"thread_cpu_s_per_step": {}, "thread_minflt_per_step": {}}
+        return {"thread_cpu_s_per_step": {role: s / steps for role, s in self.cpu_s.items()},
+                "thread_minflt_per_step": {role: n / steps for role, n in self.minflt.items()}}
 
 
 def resident_mb(pid: int) -> float:

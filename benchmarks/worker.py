@@ -29,12 +29,24 @@ from benchmarks.localjob import run_ranks  # noqa: E402
 from cgx_ps.server import LocalCluster  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# the two 4-bit front ends: DistributedOptimizer (cgx_step.py) and the DDP hook (ddp_step.py)
+FRONT_ENDS = {"cgx-ps 4bit": ("cgx_step.py", "--compression", "4bit"),
+              "DDP + cgx-ps hook 4bit": ("ddp_step.py", "--hook", "cgx", "--compression", "4bit")}
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_cgx_job(cluster: LocalCluster, argv: list, base_env: dict[str, str]) -> list[dict]:
+    """Two ranks of ``argv`` (cgx_step.py, or ddp_step.py --hook cgx) as one job on ``cluster``'s
+    shards (a fresh job id: runs one after another share the shards); each rank's result."""
+    job, port = uuid.uuid4().hex[:8], str(_free_port())
+    return run_ranks(argv, 2, lambda r: dict(
+        base_env, RANK=str(r), WORLD_SIZE="2", CGX_PS_NODE_RANK=str(r), CGX_PS_NUM_NODES="2",
+        **cluster.worker_env(), CGX_PS_JOB_ID=job, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
 
 
 def main() -> None:
@@ -59,14 +71,11 @@ def main() -> None:
                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
     rows.append({"config": "DDP gloo fp32 (peer)", "step_s": max(d["median_step_s"] for d in ddp), "exposed_s": None})
 
-    runs = [("cgx-ps 4bit", [*cgx_step, "--compression", "4bit"]),
-            ("DDP + cgx-ps hook 4bit", [*ddp_step, "--hook", "cgx", "--compression", "4bit"])] * args.rounds
+    runs = [(label, [sys.executable, HERE / script, *common, *flags])
+            for label, (script, *flags) in FRONT_ENDS.items()] * args.rounds
     with LocalCluster(2, extra_args=["--log-level", "WARNING"]) as cluster:
         for label, argv in [*runs, ("cgx-ps fp32", [*cgx_step, "--compression", "fp32"])]:
-            job, port = uuid.uuid4().hex[:8], str(_free_port())
-            res = run_ranks(argv, 2, lambda r, job=job, port=port: dict(
-                base, RANK=str(r), WORLD_SIZE="2", CGX_PS_NODE_RANK=str(r), CGX_PS_NUM_NODES="2",
-                **cluster.worker_env(), CGX_PS_JOB_ID=job, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+            res = run_cgx_job(cluster, argv, base)
             rows.append({"config": label, "step_s": max(d["median_step_s"] for d in res),
                          "exposed_s": max(d["exposed_comm_s"] for d in res),
                          "mb_pushed": res[0]["bytes_pushed_per_step"] / 1e6,

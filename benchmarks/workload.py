@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.procstat import HostCpu, iface_bytes
+from benchmarks.procstat import HostCpu, ThreadCpu, iface_bytes
 
 __all__ = ["MODELS", "Teacher", "batch_seed", "build_model", "eval_loss", "input_shape", "make_batch",
            "timed_training", "training_parser"]
@@ -100,15 +100,17 @@ def eval_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                    warmup: int, iface: str | None, after_timed_step: Callable[[], None] = lambda: None) -> dict:
     """Train one step per batch and time each; the steps after ``warmup`` are measured: median and
-    mean step time, bytes through ``iface`` and CPU seconds (``HostCpu``) per timed step.
+    mean step time, bytes through ``iface``, CPU seconds (``HostCpu``) and CPU seconds and page
+    faults per thread role (``ThreadCpu``) per timed step.
     ``after_timed_step`` runs after each timed step (to read a system's own per-step stats)."""
     times, loss = [], float("nan")
     counters0 = None
-    cpu = HostCpu()
+    cpu, threads = HostCpu(), ThreadCpu()
     for step, (x, y) in enumerate(batches):
         if step == warmup:
             counters0 = iface_bytes(iface)
             cpu.start()
+            threads.start()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_t = F.cross_entropy(net(x), y)
@@ -119,6 +121,7 @@ def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence
         if step >= warmup:
             after_timed_step()
     cpu.stop()
+    threads.stop()
     counters1 = iface_bytes(iface)
     timed = times[warmup:]
     steps = len(timed)
@@ -128,7 +131,7 @@ def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence
         tx = (counters1[1] - counters0[1]) / steps
     return {"step_times_s": times, "median_step_s": statistics.median(timed) if timed else None,
             "mean_step_s": statistics.mean(timed) if timed else None, "train_loss": loss,
-            "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, **cpu.per_step(steps)}
+            "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, **cpu.per_step(steps), **threads.per_step(steps)}
 
 
 def training_parser(description: str) -> argparse.ArgumentParser:

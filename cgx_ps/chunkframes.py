@@ -11,15 +11,25 @@ serializer. Here it is copied once, into the frame that gRPC sends as it is (the
 serializer passes bytes through).
 
 ``chunk_frames`` writes the fields in number order and leaves zeros out, as protobuf does, so the
-bytes equal ``SerializeToString``'s (tests/test_frames.py checks both messages). Reading stays
-with each end: the shard reads pushes with its own fast path (server/frames.py).
+bytes equal ``SerializeToString``'s (tests/test_frames.py checks both messages).
+
+``read_chunk`` reads them back without protobuf's copies (a parse copies the data once, and
+every read of ``chunk.data`` once more): the chunk's data is a view into the received bytes. The
+shard reads pushes with it (server/frames.py), a worker its results (worker/client.py). It
+accepts only the shape our ends send (the outer message holding one chunk, each field at most
+once with its declared wire type) and leaves anything else (another kind of message, unknown or
+repeated fields, truncation, a varint of more than 10 bytes) to protobuf's parser, whose answer,
+or refusal, stands: it never reads a message differently from protobuf (tests/test_frames.py
+checks this on arbitrary bytes for both messages).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .transport import CHUNK_BYTES
 
-__all__ = ["PULL_FIELD", "PUSH_FIELD", "chunk_frames", "encode_varint"]
+__all__ = ["PULL_FIELD", "PUSH_FIELD", "ChunkFrame", "chunk_frames", "encode_varint", "read_chunk"]
 
 PUSH_FIELD = 2  # ExchangeRequest.push
 PULL_FIELD = 1  # ExchangeResponse.pull
@@ -27,6 +37,25 @@ _VARINT = 0
 _LEN = 2
 _DATA = 5  # the chunk's data field; restore (a push's field 6) comes after it
 _RESTORE_TRUE = bytes([6 << 3 | _VARINT, 1])
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+# chunk field number -> (attribute, mask); field 5 is the data, field 6 a push's restore flag (a
+# bool: any non-zero varint is true, as protobuf reads it)
+_INTS = {1: ("round", _U64), 2: ("block_id", _U32), 3: ("total_bytes", _U64), 4: ("offset", _U64),
+         6: ("restore", _U64)}
+_LAST_FIELD = {PUSH_FIELD: 6, PULL_FIELD: 5}  # a PullChunk has no field 6: protobuf keeps it as unknown
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFrame:
+    """One chunk (the fields of ps_pb2.PushChunk / PullChunk); ``data`` may view the received bytes."""
+
+    round: int
+    block_id: int
+    total_bytes: int
+    offset: int
+    data: bytes | memoryview
+    restore: bool = False  # a push's: a recovering node's last result for a resumed session (ps.proto)
 
 
 def encode_varint(value: int) -> bytes:
@@ -60,3 +89,56 @@ def chunk_frames(field: int, block_id: int, round_: int, data: bytes, restore: b
         piece = view[off:off + CHUNK_BYTES]
         frames.append(b"".join((_head(field, round_, block_id, len(data), off, len(piece), len(tail)), piece, tail)))
     return frames
+
+
+def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int] | None:
+    """(value, next position) of the varint at ``pos``, or None if it is cut off or too long."""
+    value = shift = 0
+    for i in range(pos, min(end, pos + 10)):
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return (value, i + 1) if value <= _U64 else None  # past 64 bits: protobuf decides
+        shift += 7
+    return None
+
+
+def read_chunk(raw: bytes, field: int) -> ChunkFrame | None:
+    """The chunk in ``raw``, a serialized outer message holding it in ``field`` (``PUSH_FIELD``:
+    an ExchangeRequest's push; ``PULL_FIELD``: an ExchangeResponse's pull), if it has the plain
+    shape; else None: the caller parses it with protobuf."""
+    if len(raw) < 2 or raw[0] != (field << 3 | _LEN):
+        return None
+    length = _varint(raw, 1, len(raw))
+    if length is None or length[1] + length[0] != len(raw):
+        return None
+    pos, end, last = length[1], len(raw), _LAST_FIELD[field]
+    fields: dict[str, int] = {"round": 0, "block_id": 0, "total_bytes": 0, "offset": 0, "restore": 0}
+    seen = 0
+    data: bytes | memoryview = b""
+    while pos < end:
+        tag = raw[pos]  # every chunk tag is one byte; a longer one is for protobuf
+        pos += 1
+        number, wire_type = tag >> 3, tag & 7
+        if tag >= 0x80 or not 1 <= number <= last or seen & (1 << number):
+            return None  # unknown or repeated field: protobuf's rules decide
+        seen |= 1 << number
+        if number == _DATA:
+            if wire_type != _LEN:
+                return None
+            size = _varint(raw, pos, end)
+            if size is None or size[1] + size[0] > end:
+                return None
+            pos = size[1] + size[0]
+            data = memoryview(raw)[size[1]:pos]
+        else:
+            if wire_type != _VARINT:
+                return None
+            value = _varint(raw, pos, end)
+            if value is None:
+                return None
+            name, mask = _INTS[number]
+            fields[name] = value[0] & mask
+            pos = value[1]
+    restore = fields.pop("restore") != 0
+    return ChunkFrame(data=data, restore=restore, **fields)

@@ -459,3 +459,33 @@ def test_error_feedback_carries_what_each_encoding_left_out() -> None:
     plain = encode_block(grads[0].clone(), Codec.FP32, bits=32, bucket_size=0, stochastic=False, seed=0,
                          feedback=feedback)
     assert plain.to_bytes() == encode(grads[0], Codec.FP32).to_bytes() and torch.equal(feedback.residual, before)
+
+
+@pytest.mark.parametrize("codec, bits", [(Codec.MAXMIN, 4), (Codec.MAXMIN, 3), (Codec.FP32, 32)])
+def test_a_payload_viewed_anywhere_in_a_received_message_decodes_as_its_bytes_do(codec, bits):
+    """The worker decodes results as views into the received gRPC message (client.read_result),
+    at any offset: its float32 metadata is then unaligned, which must change nothing."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    payload = encode(x, codec, bits=bits, bucket_size=512, stochastic=True, seed=9).to_bytes()
+    want = dequantize(payload, out=torch.empty(5000), scale=0.5)
+    for offset in range(1, 8):
+        message = bytes(offset) + payload + b"\x01"
+        view = memoryview(message)[offset:offset + len(payload)]
+        got = dequantize(view, out=torch.full((5000,), 7.0), scale=0.5)
+        assert torch.equal(got, want), offset
+        bad = bytearray(message)
+        bad[offset + HEADER_SIZE + 3] ^= 0xFF  # in the metadata, or the float body: the crc says so
+        with pytest.raises(CodecError, match="crc32"):
+            dequantize(memoryview(bytes(bad))[offset:offset + len(payload)], out=torch.empty(5000))
+
+
+def test_the_seed_key_in_python_integers_is_the_numpy_definitions():
+    """rng.seed_key folds seeds with Python integers (per block encoded); rng.mix32 on numpy
+    arrays is the definition the reference and the kernels share."""
+    gen = np.random.default_rng(0)
+    seeds = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1, 2**64 + 5, -1,
+             *(int(s) for s in gen.integers(0, 2**63, 2000, dtype=np.int64) * 2 + 1)]
+    for seed in seeds:
+        folded = seed & (2**64 - 1)
+        hi = rng.mix32(np.array([folded >> 32], dtype=np.uint64))
+        assert rng.seed_key(seed) == int(rng.mix32(np.array([folded & 0xFFFFFFFF], dtype=np.uint64) ^ hi)[0]), seed

@@ -1,7 +1,7 @@
-"""The shard's raw-bytes reading of pushes (cgx_ps/server/frames.py) and both ends' framing of
-chunks (cgx_ps/chunkframes.py: the shard's results, the worker's pushes) must agree with protobuf
-on every input: what the fast path accepts, protobuf reads the same way, and what they frame,
-protobuf would have written byte for byte."""
+"""The raw-bytes reading of chunks (cgx_ps/chunkframes.py: the shard's of pushes, server/frames.py;
+the worker's of results, worker/client.py) and both ends' framing of them (the shard's results,
+the worker's pushes) must agree with protobuf on every input: what the fast path accepts,
+protobuf reads the same way, and what they frame, protobuf would have written byte for byte."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from cgx_ps.server import frames
 from cgx_ps.server.errors import BadRequest
 from cgx_ps.transport import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker.client import read_result
 
 u64 = st.integers(0, (1 << 64) - 1)
 u32 = st.integers(0, (1 << 32) - 1)
@@ -91,3 +92,44 @@ def test_push_frames_are_the_bytes_protobuf_would_write(round_, block_id, restor
                                                          restore=restore))
             .SerializeToString() for off in range(0, max(size, 1), CHUNK_BYTES)]
     assert got == want
+
+
+pulls = st.builds(ps_pb2.PullChunk, round=u64, block_id=u32, total_bytes=u64, offset=u64, data=st.binary(max_size=300))
+
+
+def pull_fields(chunk) -> tuple:
+    return chunk.round, chunk.block_id, chunk.total_bytes, chunk.offset, bytes(chunk.data)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pulls, st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=4),
+       st.integers(0, 400), st.binary(max_size=12))
+def test_a_worker_reads_any_result_bytes_as_protobuf_does(chunk, edits, cut, extra) -> None:
+    """Results as the shard sends them take the fast path; edited ones (a field 6, which a
+    PullChunk lacks, a RoundError, garbage) read as protobuf reads them, or fail as it fails."""
+    raw = bytearray(ps_pb2.ExchangeResponse(pull=chunk).SerializeToString())
+    sent = bytes(raw)
+    for at, value in edits:
+        if raw:
+            raw[at % len(raw)] = value
+    raw = bytes(raw[:cut] if cut < len(raw) else raw) + extra
+    assert pull_fields(chunkframes.read_chunk(sent, chunkframes.PULL_FIELD)) == pull_fields(chunk)
+    frame = chunkframes.read_chunk(raw, chunkframes.PULL_FIELD)
+    try:
+        parsed = ps_pb2.ExchangeResponse.FromString(raw)
+    except Exception:  # noqa: BLE001 - any protobuf refusal: the fast path must not accept it
+        assert frame is None
+        with pytest.raises(Exception):  # noqa: B017 - the stub's deserializer raised protobuf's error too
+            read_result(raw)
+        return
+    result = read_result(raw)
+    if frame is not None:
+        assert parsed.WhichOneof("kind") == "pull" and not frame.restore
+        assert pull_fields(frame) == pull_fields(result) == pull_fields(parsed.pull)
+    else:
+        assert result == parsed
+
+
+def test_a_round_error_reaches_the_worker_as_protobuf_reads_it() -> None:
+    error = ps_pb2.ExchangeResponse(error=ps_pb2.RoundError(message="gone", missing_nodes=["n1"]))
+    assert read_result(error.SerializeToString()) == error

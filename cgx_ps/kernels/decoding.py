@@ -124,6 +124,13 @@ def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulat
             target[:] = values
         return _scaled(out, scale)
     meta, packed = split_maxmin_body(body, h.numel, h.bucket_size)
+    if not meta.flags.aligned:
+        # a payload viewed inside a received message (the worker's results: client.read_result)
+        # starts anywhere: the metadata (8 bytes a bucket) is copied to where float32 loads
+        # belong, read-only as a payload's is: the kernels are compiled (and cached) for the
+        # array types a payload of its own gives, and another type would compile anew (seconds)
+        meta = meta.copy()
+        meta.flags.writeable = False
     _validate_meta(meta, h.bits)
     if impl == "reference":
         m = torch.from_numpy(meta.copy()).view(-1, 2)

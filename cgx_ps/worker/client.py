@@ -5,7 +5,8 @@
     result = await client.exchange(block_id, round, payload)   # push, then await the aggregate
 
 Pushes go out as 1 MiB chunks over one stream, serialized by hand (chunkframes.py); results come
-back on the same stream and are matched to waiting callers by (block, round).
+back on the same stream, read by hand too (``read_result``: the data a view of the received bytes,
+not two protobuf copies), and are matched to waiting callers by (block, round).
 
 Recovery (recovery.py decides, supervisor.py acts). A push is kept until its result arrives, and
 so is the last result of each block. When the stream breaks (the shard died, is restarting, or
@@ -33,23 +34,32 @@ import grpc
 from .. import __version__, timeline
 from ..layout import layout_hash
 from ..security import ChannelSecurity
-from ..chunkframes import PUSH_FIELD, chunk_frames
+from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, chunk_frames, read_chunk
 from ..transport import CHUNK_BYTES
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
 from .supervisor import ConnectionSupervisor
 
-__all__ = ["ShardClient"]
+__all__ = ["Result", "ShardClient", "read_result"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+Result = bytes | memoryview  # a block's aggregate: a view of the message it came in, or its chunks joined
 _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is safe)
 
 # What writing to a stream that has ended raises (the status itself comes to the reader).
 _WRITE_ERRORS = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 # the method path the generated stub calls, from the .proto
 _EXCHANGE = f"/{ps_pb2.DESCRIPTOR.services_by_name['ParameterServer'].full_name}/Exchange"
+
+
+def read_result(raw: bytes) -> ChunkFrame | ps_pb2.ExchangeResponse:
+    """The Exchange stream's response deserializer: a result chunk as our shards send it, read
+    without protobuf (``chunkframes.read_chunk``); anything else (a RoundError) parsed by protobuf,
+    which raises for bytes it refuses, as the generated stub's deserializer does."""
+    frame = read_chunk(raw, PULL_FIELD)
+    return frame if frame is not None else ps_pb2.ExchangeResponse.FromString(raw)
 
 
 @dataclass(eq=False)
@@ -80,12 +90,12 @@ class ShardClient(ConnectionSupervisor):
         self._call = None
         self._reader: asyncio.Task | None = None
         self._write_lock = asyncio.Lock()
-        self._waiting: dict[tuple[int, int], asyncio.Future[bytes]] = {}
-        self._incoming: dict[tuple[int, int], list[bytes]] = {}
+        self._waiting: dict[tuple[int, int], asyncio.Future[Result]] = {}
+        self._incoming: dict[tuple[int, int], list[Result]] = {}
         self._error: CgxPsError | None = None
         # recovery: what a new stream must carry, and the state of the current one
         self._unanswered: dict[tuple[int, int], _Unanswered] = {}  # pushed, no result yet; oldest first
-        self._results: dict[int, tuple[int, bytes]] = {}  # block -> (round, its result): for restores
+        self._results: dict[int, tuple[int, Result]] = {}  # block -> (round, its result): for restores
         self._generation = 0  # of the current stream: the end of an older one is old news
         self._ready = asyncio.Event()  # the current stream is open and carries every unanswered push
         self._broken = asyncio.Event()  # the current stream ended in a way recovery may repair
@@ -139,9 +149,8 @@ class ShardClient(ConnectionSupervisor):
 
     def _exchange_call(self):
         """An Exchange stream that takes serialized requests (pushes are framed by hand:
-        chunkframes.py); responses are parsed as the generated stub parses them."""
-        method = self._channel.stream_stream(_EXCHANGE, request_serializer=None,
-                                             response_deserializer=ps_pb2.ExchangeResponse.FromString)
+        chunkframes.py) and reads result chunks by hand (``read_result``)."""
+        method = self._channel.stream_stream(_EXCHANGE, request_serializer=None, response_deserializer=read_result)
         return method(metadata=self._metadata)
 
     async def _open_stream(self) -> None:
@@ -260,8 +269,9 @@ class ShardClient(ConnectionSupervisor):
 
     # ---- push / pull ----------------------------------------------------------------------------
 
-    async def exchange(self, block_id: int, round_: int, payload: bytes) -> bytes:
-        """Push one block for a round and wait for the aggregate of all nodes."""
+    async def exchange(self, block_id: int, round_: int, payload: bytes) -> Result:
+        """Push one block for a round and wait for the aggregate of all nodes (a view of the
+        received message when it came in one chunk: ``read_result``)."""
         future = self.expect(block_id, round_)
         with timeline.span("push", round_, timeline.block_track(block_id), block=block_id, bytes=len(payload)):
             await self.push(block_id, round_, payload)
@@ -270,7 +280,7 @@ class ShardClient(ConnectionSupervisor):
         timeline.pulled(pushed, block_id, round_)
         return result
 
-    def expect(self, block_id: int, round_: int) -> asyncio.Future[bytes]:
+    def expect(self, block_id: int, round_: int) -> asyncio.Future[Result]:
         """Register interest in a result before pushing (so an early result is never missed)."""
         if self._error is not None:
             raise self._error
@@ -304,6 +314,9 @@ class ShardClient(ConnectionSupervisor):
         code, details = None, ""
         try:
             async for response in call:
+                if isinstance(response, ChunkFrame):
+                    self._take(response)
+                    continue
                 if response.WhichOneof("kind") == "error":
                     e = response.error
                     self._fail_all(RoundFailedError(self.address, e.message, tuple(e.missing_nodes)))
@@ -323,7 +336,7 @@ class ShardClient(ConnectionSupervisor):
             case Fail(code, details):
                 self._fail_all(ShardRejectedError(self.address, code.name, details))
 
-    def _take(self, chunk: ps_pb2.PullChunk) -> None:
+    def _take(self, chunk: ChunkFrame | ps_pb2.PullChunk) -> None:
         key = (chunk.block_id, chunk.round)
         if chunk.offset == 0:
             timeline.note(chunk.block_id, chunk.round)

@@ -134,7 +134,7 @@ class CommEngine:
         """Run blocking work (a codec kernel) on a codec thread."""
         return await self.loop.run_in_executor(self.executor, fn, *args)
 
-    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes | memoryview:
         """Push a block's payload for a round to its shard; returns the aggregate of all nodes."""
         return await self.clients[shard].exchange(block_id, round_, payload)
 
@@ -232,7 +232,7 @@ class EngineShare:
     async def in_thread(self, fn: Callable, *args):
         return await self.engine.in_thread(fn, *args)
 
-    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes | memoryview:
         return await self.engine.push_pull(shard, self.offset + block_id, round_, payload)
 
     def shard_error(self, shard: int) -> CgxPsError | None:
