@@ -215,6 +215,34 @@ def hook_auto_probe_run(rank: int, steps: int = 7) -> dict:
             "tuning": [d.as_dict() for d in state.tuning_history]}
 
 
+def hook_auto_scaled_run(rank: int) -> dict:
+    """Real auto mode in the hook with bucket views, its model's choice replaced by "do not
+    compress" (rank 0 decides after step 0, every rank applies it at step 1's first gradient):
+    steps 1-4 go through DDP's allreduce. Step 3 accumulates two backward passes (no_sync), step
+    4 keeps the gradients in DDP's bucket (zero_grad(set_to_none=False)). Records each step's
+    parameters before it, path and early hand-overs."""
+    model = _model()
+    ddp = _ddp(model, gradient_as_bucket_view=True)
+    state = cgx.DDPHookState(ddp, compression="auto:1000", block_bytes=BLOCK_BYTES)
+    ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+    state.open().tuner.modes.choose = lambda current, figures: (False, "test: uncompressed")
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    parts = [1, 1, 1, 2, 1]
+    before, paths, early = [], [], []
+    for step, accumulate in enumerate(parts):
+        before.append(_snapshot(model))
+        opt.zero_grad(set_to_none=step != 4)
+        for part in range(accumulate):
+            with contextlib.nullcontext() if part == accumulate - 1 else ddp.no_sync():
+                _loss(ddp, named, rank, step, part).backward()
+        opt.step()
+        paths.append(state.stats.path)
+        early.append(state.stats.early_gradients)
+    return {"before": before, "final": _snapshot(model), "parts": parts, "paths": paths, "early": early,
+            "tuning": [d.as_dict() for d in state.tuning_history]}
+
+
 def _hooked_bucket_views(model: torch.nn.Module) -> tuple[DDP, cgx.DDPHookState]:
     """DDP with bucket views and the hook, fp32 (exact expectations): early hand-over from step 2."""
     ddp = _ddp(model, gradient_as_bucket_view=True)
@@ -489,6 +517,7 @@ ON_REQUEST = {
     "optimizer_auto_group": optimizer_auto_group_run,
     "optimizer_allreduce_stall": optimizer_allreduce_stall_run,
     "hook_auto_probe": hook_auto_probe_run,
+    "hook_auto_scaled": hook_auto_scaled_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
 }
 
