@@ -24,6 +24,11 @@ over the timed steps) and ``host_cpu_s_per_step`` (the same plus the
 processes named in ``CGX_PS_BENCH_HOST_PIDS``, the colocated cgx-ps shards:
 what one host spends per step; equal to ``cpu_s_per_step`` for DDP).
 
+``--hook allreduce`` registers torch's own ``default_hooks.allreduce_hook``: DDP's allreduce as a
+Python comm hook (divide, all_reduce, ``future.then``), the peer that shows what any Python hook
+costs over DDP's built-in path. ``thread_cpu_s_per_step`` splits ``cpu_s_per_step`` by thread
+(``procstat.own_threads_cpu_seconds``: the training thread is "MainThread").
+
 ``--hook cgx`` registers the cgx-ps DDP communication hook (``cgx.DDPHookState(ddp,
 compression=--compression, block_bytes=--block-mb)`` with ``cgx.ddp_comm_hook``): DDP's own
 bucketing and overlap, with every bucket averaged through the cgx-ps shards in CGX_PS_SERVERS
@@ -57,7 +62,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/ddp_step.py
 from benchmarks.workload import (Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training,  # noqa: E402
                                  training_parser)
 
-HOOKS = ("none", "fp16", "powersgd", "cgx")
+HOOKS = ("none", "allreduce", "fp16", "powersgd", "cgx")
 # The built-in powerSGD_hook chains futures with ``.then`` and calls ``.wait()`` on a
 # new all_reduce *inside* the callbacks.  Gloo runs future callbacks on its worker
 # threads (2 per process group), so two buckets in flight can block both workers
@@ -77,6 +82,9 @@ def register_hook(ddp: nn.parallel.DistributedDataParallel, hook: str, seed: int
         state = cgx.DDPHookState(ddp, compression=compression, block_bytes=int(block_mb * (1 << 20)))
         ddp.register_comm_hook(state, cgx.ddp_comm_hook)
         return state
+    if hook == "allreduce":  # what DDP does without a hook, as a Python hook: the cost of any comm hook
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return None
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
@@ -103,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP bucket size in MiB (default: DDP's 25; for powersgd %d, see POWERSGD_BUCKET_CAP_MB)"
                    % POWERSGD_BUCKET_CAP_MB)
+    p.add_argument("--bucket-view", choices=("default", "on", "off"), default="default",
+                   help="DDP's gradient_as_bucket_view (default: on for --hook cgx, DDP's off otherwise)")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
     return p.parse_args(argv)
 
@@ -139,8 +149,8 @@ def main(argv=None) -> int:
     if args.hook == "powersgd" and args.bucket_cap_mb is None:
         args.bucket_cap_mb = POWERSGD_BUCKET_CAP_MB
     ddp_kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
-    if args.hook == "cgx":  # the hook decodes into the bucket; as views, .grad is the bucket: no copy back
-        ddp_kw["gradient_as_bucket_view"] = True
+    if args.bucket_view == "on" or (args.bucket_view == "default" and args.hook == "cgx"):
+        ddp_kw["gradient_as_bucket_view"] = True  # the hook decodes into the bucket; .grad is the bucket: no copy back
     net = nn.parallel.DistributedDataParallel(model, **ddp_kw) if distributed else model
     hook_state = (register_hook(net, args.hook, args.seed, args.powersgd_rank, args.compression, args.block_mb)                  if distributed else None)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr)
@@ -171,6 +181,7 @@ def main(argv=None) -> int:
         "hook": args.hook if distributed else None,
         "batch_size": args.batch_size,
         "bucket_cap_mb": args.bucket_cap_mb if distributed else None,
+        "gradient_as_bucket_view": bool(ddp_kw.get("gradient_as_bucket_view")) if distributed else None,
         "threads": args.threads,
         "steps": args.steps,
         "warmup": args.warmup,

@@ -8,12 +8,13 @@ that of the shards colocated on its host (``HostCpu``) and the bytes of its inte
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["HOST_PIDS_ENV", "HostCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds", "resident_mb",
-           "thread_cpu_seconds"]
+__all__ = ["HOST_PIDS_ENV", "HostCpu", "iface_bytes", "machine_cpu_seconds", "own_threads_cpu_seconds",
+           "proc_cpu_seconds", "resident_mb", "thread_cpu_seconds"]
 
 # pids of the cgx-ps shards on a worker's host (shards.run_cgx sets it): HostCpu adds their CPU
 # to the host's per step
@@ -51,6 +52,25 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         group = "event loop" if task.name == str(pid) else "kernel threads" if comm == "python" else "gRPC threads"
         groups[group] += seconds
     return groups
+
+
+def own_threads_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of this process's threads by name, summed over threads of one name: Python's
+    name where a Python thread runs there ("MainThread", "cgx-comm", "cgx-codec_0"), else the OS
+    name the thread gave itself (gloo's, gRPC's, torch's pools). Where a step's CPU goes, thread by
+    thread (Python does not name its OS threads, so /proc alone cannot tell them apart)."""
+    named = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        seconds = _stat_cpu_seconds(task / "stat")
+        if seconds is not None:
+            name = named.get(int(task.name), comm)
+            out[name] = out.get(name, 0.0) + seconds
+    return out
 
 
 def resident_mb(pid: int) -> float:
@@ -94,19 +114,25 @@ class HostCpu:
         raw = (os.environ if env is None else env).get(HOST_PIDS_ENV, "")
         self.pids = [int(p) for p in raw.split(",") if p.strip()]
         self._start: tuple[float, list[float | None]] | None = None
+        self._threads_start: dict[str, float] = {}
         self.own_s: float | None = None
         self.others_s: float | None = None
+        self.threads_s: dict[str, float] = {}  # own CPU by thread name (own_threads_cpu_seconds)
 
     def _sample(self) -> tuple[float, list[float | None]]:
         return time.process_time(), [proc_cpu_seconds(p) for p in self.pids]
 
     def start(self) -> None:
+        self._threads_start = own_threads_cpu_seconds()
         self._start = self._sample()
 
     def stop(self) -> None:
         if self._start is None:
             return
         own, others = self._sample()
+        # a thread started meanwhile counts from 0; one ended meanwhile is missing here (not in own_s)
+        self.threads_s = {name: s - self._threads_start.get(name, 0.0)
+                          for name, s in own_threads_cpu_seconds().items()}
         self.own_s = own - self._start[0]
         pairs = list(zip(self._start[1], others))
         # a colocated process that is gone cannot be accounted for: no host figure then
@@ -114,9 +140,11 @@ class HostCpu:
 
     def per_step(self, steps: int) -> dict[str, float | None]:
         if self.own_s is None or steps <= 0:
-            return {"cpu_s_per_step": None, "colocated_cpu_s_per_step": None, "host_cpu_s_per_step": None}
+            return {"cpu_s_per_step": None, "colocated_cpu_s_per_step": None, "host_cpu_s_per_step": None,
+                    "thread_cpu_s_per_step": None}
         own = self.own_s / steps
         others = None if self.others_s is None else self.others_s / steps
+        threads = {name: s / steps for name, s in sorted(self.threads_s.items(), key=lambda kv: -kv[1]) if s > 0}
         return {"cpu_s_per_step": own, "colocated_cpu_s_per_step": others,
-                "host_cpu_s_per_step": None if others is None else own + others}
+                "host_cpu_s_per_step": None if others is None else own + others, "thread_cpu_s_per_step": threads}
 
