@@ -36,7 +36,8 @@ bucketing and overlap, with every bucket averaged through the cgx-ps shards in C
 cgx-ps env as well as the torch.distributed one (``cgx.init()`` runs first), and adds cgx_step.py's
 ``exposed_comm_s`` (median over the timed steps of ``DDPHookState.stats.exposed_comm_s``: from the
 last bucket handed over to the last block decoded) and ``bytes_pushed_per_step`` /
-``fp32_bytes_per_step``.
+``fp32_bytes_per_step``, and ``timed_paths``: how each timed step was averaged ("allreduce": DDP's,
+auto mode; "shards"; "compressed"), to split ``step_cpu_s`` by path.
 """
 
 
@@ -163,11 +164,12 @@ def main(argv=None) -> int:
     if distributed:
         dist.barrier()
 
-    exposed, moved = [], {"pushed": 0, "fp32": 0}  # --hook cgx only
+    exposed, paths, moved = [], [], {"pushed": 0, "fp32": 0}  # --hook cgx only
 
     def hook_stats() -> None:
         if args.hook == "cgx":  # the step ended in the last bucket's future, which backward() waited for
             exposed.append(hook_state.stats.exposed_comm_s)
+            paths.append(hook_state.stats.path if not hook_state.stats.compressed else "compressed")
             moved["pushed"] += hook_state.stats.bytes_pushed
             moved["fp32"] += hook_state.stats.fp32_bytes
 
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
                        "exposed_comm_s": statistics.median(exposed) if exposed else None,
                        "bytes_pushed_per_step": moved["pushed"] / max(args.steps, 1),
                        "fp32_bytes_per_step": moved["fp32"] / max(args.steps, 1),
-                       "tuning": [d.as_dict() for d in hook_state.tuning_history]})
+                       "tuning": [d.as_dict() for d in hook_state.tuning_history],
+                       "timed_paths": paths})
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -95,10 +95,30 @@ def run_once(cluster: LocalCluster, config: Config, common: list[str]) -> dict:
         for name, s in (r.get("thread_cpu_s_per_step") or {}).items():
             key = name.rstrip("0123456789_") or name  # one row per pool ("cgx-codec_0", "cgx-codec_1")
             threads[key] = threads.get(key, 0.0) + s / len(results)
-    return {"cpu_s": statistics.mean(r["cpu_s_per_step"] for r in results),
+    return {"cpu_s": statistics.mean(r["cpu_s_per_step"] for r in results), "by_path": cpu_by_path(results),
             "step_s": max(r["median_step_s"] for r in results), "decisions": decisions,
             "counted": not (config.held_uncompressed and any(decisions)), "threads": threads,
             "eval_loss": results[0]["eval_loss"]}
+
+
+def cpu_by_path(results: list[dict]) -> dict[str, dict[str, float]]:
+    """The timed steps' CPU seconds by how each was averaged (``timed_paths``: "allreduce",
+    "compressed", "shards"): per path the steps' count and median, and their share of the run's
+    mean (``mean_share``: sum / all timed steps), mean of the ranks. Empty without per-step paths
+    (no cgx hook, or an older ddp_step.py)."""
+    per_rank = []
+    for r in results:
+        paths, cpu = r.get("timed_paths"), r.get("step_cpu_s")
+        if not paths or not cpu:
+            return {}
+        timed = cpu[len(cpu) - len(paths):]
+        groups: dict[str, list[float]] = {}
+        for path, seconds in zip(paths, timed):
+            groups.setdefault(path, []).append(seconds)
+        per_rank.append({p: {"steps": len(v), "median": statistics.median(v), "mean_share": sum(v) / len(timed)}
+                         for p, v in groups.items()})
+    return {p: {k: statistics.mean(g[p][k] for g in per_rank) for k in ("steps", "median", "mean_share")}
+            for p in per_rank[0] if all(p in g for g in per_rank)}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -110,7 +130,8 @@ def summarize(runs: list[dict]) -> dict:
         r["threads"].get(n, 0.0) for r in ok))
     return {"runs": len(runs), "counted": len(ok), "cpu_s": statistics.median(r["cpu_s"] for r in ok),
             "cpu_s_all": [round(r["cpu_s"], 4) for r in ok], "step_s": statistics.median(r["step_s"] for r in ok),
-            "threads": {n: statistics.median(r["threads"].get(n, 0.0) for r in ok) for n in names}}
+            "threads": {n: statistics.median(r["threads"].get(n, 0.0) for r in ok) for n in names},
+            "by_path": [r["by_path"] for r in ok]}
 
 
 def main() -> None:
@@ -155,6 +176,12 @@ def main() -> None:
         top = ", ".join(f"{n} {v:.4f}" for n, v in list(s["threads"].items())[:4])
         print(f"| {label} | {s['cpu_s']:.4f} | {s['cpu_s'] / ddp:.3f}x | {s['step_s']:.3f} | "
               f"{s['counted']} of {s['runs']} | {top} |")
+    for label, s in summary.items():  # auto mode's steps by path: what its compressed tries and decisions cost
+        for i, by_path in enumerate(s.get("by_path", [])):
+            if len(by_path) > 1:
+                print(f"{label} run {i}: " + "; ".join(
+                    f"{p}: {v['steps']:.0f} steps, median {v['median']:.4f} CPU s, {v['mean_share']:.4f} of the mean"
+                    for p, v in by_path.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
 
