@@ -20,6 +20,8 @@ a time, the configurations interleaved in a rotated order each round. Configurat
   compress is reported, not counted;
 - ``cgx-auto-deciding``: ``compression="auto:<--interval>"``: real auto mode deciding every
   ``--interval`` steps (its probes, and any compressed tries its model finds plausible);
+- ``cgx-4bit``: the cgx hook at 4 bits, every step compressed (blocks in place, early hand-over):
+  what auto mode's compressed steps would cost in place;
 - ``--baseline-tree DIR`` adds ``cgx-auto-baseline`` and ``cgx-auto-deciding-baseline``: the same
   from another checkout (``git archive <commit> | tar -x -C DIR``), interleaved with the rest:
   before and after in the same run.
@@ -73,6 +75,7 @@ def configurations(steps: int, warmup: int, baseline: Path | None, interval: int
         "allreduce-hook": Config(ROOT, ["--hook", "allreduce", "--bucket-view", "on"]),  # torch's Python hook
         "cgx-auto": Config(ROOT, held, held_uncompressed=True),
         "cgx-auto-deciding": Config(ROOT, deciding),
+        "cgx-4bit": Config(ROOT, ["--hook", "cgx", "--compression", "4bit"]),  # compressed, blocks in place
     }
     if baseline is not None:
         out["cgx-auto-baseline"] = Config(baseline, held, held_uncompressed=True)
@@ -142,7 +145,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--configs", default="ddp,allreduce-hook,cgx-auto",
                    help="comma-separated, the first is the yardstick: ddp, ddp-view, allreduce-hook, cgx-auto, "
-                   "cgx-auto-deciding, and with --baseline-tree cgx-auto-baseline, cgx-auto-deciding-baseline")
+                   "cgx-auto-deciding, cgx-4bit, and with --baseline-tree cgx-auto-baseline, "
+                   "cgx-auto-deciding-baseline")
     p.add_argument("--interval", type=int, default=25, help="cgx-auto-deciding: auto mode's decision interval")
     p.add_argument("--baseline-tree", type=Path, default=None, help="another checkout's cgx hook, interleaved")
     p.add_argument("--json", default=None)

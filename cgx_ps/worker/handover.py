@@ -13,19 +13,19 @@ there and skips its copy, and the average is decoded into that place.
 Auto mode's uncompressed steps (DDP's own allreduce, ``ddp_hook.py``) take the same way in: with a
 Python comm hook registered, DDP copies each gradient into its bucket without dividing it (its
 built-in allreduce divides while copying), so the hook had to make a pass of its own over every
-bucket to divide it: ~9 ms per step on mlp17m's 68 MB, on the training thread, that torch's
-``allreduce_hook`` pays too. The hand-over instead divides each gradient by the group's size
-straight into its place in DDP's bucket (one pass, as DDP's copy is) and the hook divides only
-what did not come that way (``early_action``).
+bucket to divide it, on the training thread, as torch's ``allreduce_hook`` does (4-9 ms per step
+for mlp17m's 68 MB on the 2-core benchmark machine, BENCHMARKS.md). The hand-over instead divides
+each gradient by the group's size straight into its place in DDP's bucket (one pass, as DDP's
+copy is) and the hook divides only what did not come that way (``early_action``).
 
 Only where that is safe (``early_handover``): the hook's state holds the DDP model itself, built
 with ``gradient_as_bucket_view=True``, no ``find_unused_parameters`` or ``static_graph``, and
 either blocks in place or steps that may go through DDP's allreduce. And only on a backward DDP
-reduces: a forward hook on the DDP model arms the hand-over when
-that forward armed DDP's reducer (grad enabled, not in ``no_sync()``: what ``_post_forward`` checks),
-and the step's last bucket disarms it, as it ends the reducer's backward. Any other backward (a
-gradient probe through ``ddp.module``, a ``no_sync()`` step, validation with gradients) is left
-to autograd: local gradients, nothing pushed, as with plain DDP.
+reduces: a forward hook on the DDP model arms the hand-over when that forward armed DDP's
+reducer (grad enabled, not in ``no_sync()``: what ``_post_forward`` checks), and the step's last
+bucket disarms it, as it ends the reducer's backward. Any other backward (a gradient probe
+through ``ddp.module``, a ``no_sync()`` step, validation with gradients) is left to autograd:
+local gradients, nothing pushed, as with plain DDP.
 
 The hooks hold the hand-over weakly and are removed when it is dropped (with its state) or when
 its session ends (``cgx_ps.worker.shutdown()``); the hand-over holds the DDP model weakly, as DDP's
