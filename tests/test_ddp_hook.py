@@ -286,23 +286,26 @@ def test_hook_auto_mode_probes_ddps_allreduce_on_every_rank_at_the_same_step(clu
     assert_same(runs[0]["final"], runs[1]["final"], "hook auto: rank 0 vs rank 1")
 
 
-def test_hook_auto_mode_divides_gradients_into_ddps_bucket_as_they_arrive(cluster, tmp_path):
-    """Auto mode's steps through DDP's allreduce, with bucket views: each gradient is divided into
-    its place in DDP's bucket as autograd finishes it (DDP's fused copy), and the hook divides only
-    what did not come that way. Before, DDP copied every gradient into its bucket undivided and the
-    hook divided the whole bucket again: a second pass over every gradient per step."""
+def test_hook_auto_mode_takes_gradients_from_autograd_on_both_paths(cluster, tmp_path):
+    """Auto mode with bucket views. Steps through DDP's allreduce: each gradient is divided into its
+    place in DDP's bucket as autograd finishes it (DDP's fused copy), and the hook divides only what
+    did not come that way; before, DDP copied every gradient into its bucket undivided and the hook
+    divided the whole bucket again (a second pass per step). Compressed steps: blocks in place and
+    the early hand-over, as at a fixed bit width; before, auto mode copied them through the block
+    buffers (its tuner reads no gradients, unlike adaptive bits')."""
     results = run_ddp_workers(cluster, tmp_path, "--scenarios", "hook_auto_scaled")
     runs = [r["hook_auto_scaled"] for r in results]
     assert_same(runs[0]["final"], runs[1]["final"], "auto, divided early: rank 0 vs rank 1")
     params = len(runs[0]["final"])
     for run in runs:
-        assert [d["compress"] for d in run["tuning"]] == [False], run["tuning"]
-        assert run["paths"] == ["shards"] + ["allreduce"] * 4, run["paths"]
+        assert [d["compress"] for d in run["tuning"]] == [False, True], run["tuning"]
+        assert run["paths"] == ["shards"] + ["allreduce"] * 3 + ["shards"] * 2, run["paths"]
         # from the step after DDP settles its buckets (step 1); not where .grad is the bucket already
-        assert run["early"] == [0, 0, params, params, 0], run["early"]
+        assert run["early"] == [0, 0, params, 0, params, params], run["early"]
+        assert all(0 < run["in_place"][s] < run["blocks"] for s in (0, 4, 5)), run["in_place"]
     run = runs[0]
     after = [*run["before"][1:], run["final"]]
-    for step in range(1, 5):  # exactly the average of the known gradients (no_sync parts summed first)
+    for step in range(1, 4):  # exactly the average of the known gradients (no_sync parts summed first)
         for name, p in run["before"][step].items():
             grads = [sum(rank_gradient(name, p, r, step, part) for part in range(run["parts"][step]))
                      for r in range(WORLD)]

@@ -55,7 +55,7 @@ def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_gr
     DDP calls the hook for every parameter as its gradient arrives (not ``find_unused_parameters``,
     whose unused ones DDP fills in itself, nor ``static_graph``, which delays the first step's
     hooks), and where a step can use them (``early_action``): blocks may work in place (no
-    intra-node reduction, no tuner), or steps may go through DDP's allreduce (auto mode)."""
+    intra-node reduction, no adaptive bits), or steps may go through DDP's allreduce (auto mode)."""
     return is_ddp and bucket_view and not find_unused and not static_graph and (in_place or may_allreduce)
 
 
