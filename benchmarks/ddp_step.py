@@ -24,6 +24,11 @@ over the timed steps) and ``host_cpu_s_per_step`` (the same plus the
 processes named in ``CGX_PS_BENCH_HOST_PIDS``, the colocated cgx-ps shards:
 what one host spends per step; equal to ``cpu_s_per_step`` for DDP).
 
+``--hook allreduce`` registers torch's own ``default_hooks.allreduce_hook``: DDP's allreduce as a
+Python comm hook (divide, all_reduce, ``future.then``), the peer that shows what any Python hook
+costs over DDP's built-in path. ``thread_cpu_s_per_step`` splits ``cpu_s_per_step`` by thread
+role (``procstat.ThreadCpu``: training, communication, codec, other).
+
 ``--hook cgx`` registers the cgx-ps DDP communication hook (``cgx.DDPHookState(ddp,
 compression=--compression, block_bytes=--block-mb)`` with ``cgx.ddp_comm_hook``): DDP's own
 bucketing and overlap, with every bucket averaged through the cgx-ps shards in CGX_PS_SERVERS
@@ -31,7 +36,8 @@ bucketing and overlap, with every bucket averaged through the cgx-ps shards in C
 cgx-ps env as well as the torch.distributed one (``cgx.init()`` runs first), and adds cgx_step.py's
 ``exposed_comm_s`` (median over the timed steps of ``DDPHookState.stats.exposed_comm_s``: from the
 last bucket handed over to the last block decoded) and ``bytes_pushed_per_step`` /
-``fp32_bytes_per_step``.
+``fp32_bytes_per_step``, and ``timed_paths``: how each timed step was averaged ("allreduce": DDP's,
+auto mode; "shards"; "compressed"), to split ``step_cpu_s`` by path.
 """
 
 
@@ -57,7 +63,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/ddp_step.py
 from benchmarks.workload import (Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training,  # noqa: E402
                                  training_parser)
 
-HOOKS = ("none", "fp16", "powersgd", "cgx")
+HOOKS = ("none", "allreduce", "fp16", "powersgd", "cgx")
 # The built-in powerSGD_hook chains futures with ``.then`` and calls ``.wait()`` on a
 # new all_reduce *inside* the callbacks.  Gloo runs future callbacks on its worker
 # threads (2 per process group), so two buckets in flight can block both workers
@@ -77,6 +83,9 @@ def register_hook(ddp: nn.parallel.DistributedDataParallel, hook: str, seed: int
         state = cgx.DDPHookState(ddp, compression=compression, block_bytes=int(block_mb * (1 << 20)))
         ddp.register_comm_hook(state, cgx.ddp_comm_hook)
         return state
+    if hook == "allreduce":  # what DDP does without a hook, as a Python hook: the cost of any comm hook
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return None
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
@@ -103,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP bucket size in MiB (default: DDP's 25; for powersgd %d, see POWERSGD_BUCKET_CAP_MB)"
                    % POWERSGD_BUCKET_CAP_MB)
+    p.add_argument("--bucket-view", choices=("default", "on", "off"), default="default",
+                   help="DDP's gradient_as_bucket_view (default: on for --hook cgx, DDP's off otherwise)")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
     return p.parse_args(argv)
 
@@ -139,8 +150,8 @@ def main(argv=None) -> int:
     if args.hook == "powersgd" and args.bucket_cap_mb is None:
         args.bucket_cap_mb = POWERSGD_BUCKET_CAP_MB
     ddp_kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
-    if args.hook == "cgx":  # the hook decodes into the bucket; as views, .grad is the bucket: no copy back
-        ddp_kw["gradient_as_bucket_view"] = True
+    if args.bucket_view == "on" or (args.bucket_view == "default" and args.hook == "cgx"):
+        ddp_kw["gradient_as_bucket_view"] = True  # the hook decodes into the bucket; .grad is the bucket: no copy back
     net = nn.parallel.DistributedDataParallel(model, **ddp_kw) if distributed else model
     hook_state = (register_hook(net, args.hook, args.seed, args.powersgd_rank, args.compression, args.block_mb)                  if distributed else None)
     opt = torch.optim.SGD(net.parameters(), lr=args.lr)
@@ -153,11 +164,12 @@ def main(argv=None) -> int:
     if distributed:
         dist.barrier()
 
-    exposed, moved = [], {"pushed": 0, "fp32": 0}  # --hook cgx only
+    exposed, paths, moved = [], [], {"pushed": 0, "fp32": 0}  # --hook cgx only
 
     def hook_stats() -> None:
         if args.hook == "cgx":  # the step ended in the last bucket's future, which backward() waited for
             exposed.append(hook_state.stats.exposed_comm_s)
+            paths.append(hook_state.stats.path if not hook_state.stats.compressed else "compressed")
             moved["pushed"] += hook_state.stats.bytes_pushed
             moved["fp32"] += hook_state.stats.fp32_bytes
 
@@ -171,6 +183,7 @@ def main(argv=None) -> int:
         "hook": args.hook if distributed else None,
         "batch_size": args.batch_size,
         "bucket_cap_mb": args.bucket_cap_mb if distributed else None,
+        "gradient_as_bucket_view": bool(ddp_kw.get("gradient_as_bucket_view")) if distributed else None,
         "threads": args.threads,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -187,7 +200,8 @@ def main(argv=None) -> int:
                        "exposed_comm_s": statistics.median(exposed) if exposed else None,
                        "bytes_pushed_per_step": moved["pushed"] / max(args.steps, 1),
                        "fp32_bytes_per_step": moved["fp32"] / max(args.steps, 1),
-                       "tuning": [d.as_dict() for d in hook_state.tuning_history]})
+                       "tuning": [d.as_dict() for d in hook_state.tuning_history],
+                       "timed_paths": paths})
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

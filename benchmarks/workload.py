@@ -101,9 +101,10 @@ def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence
                    warmup: int, iface: str | None, after_timed_step: Callable[[], None] = lambda: None) -> dict:
     """Train one step per batch and time each; the steps after ``warmup`` are measured: median and
     mean step time, bytes through ``iface``, CPU seconds (``HostCpu``) and CPU seconds and page
-    faults per thread role (``ThreadCpu``) per timed step.
+    faults per thread role (``ThreadCpu``) per timed step. ``step_cpu_s``: every step's CPU
+    seconds (this process, all threads; warm-up included).
     ``after_timed_step`` runs after each timed step (to read a system's own per-step stats)."""
-    times, loss = [], float("nan")
+    times, cpu_times, loss = [], [], float("nan")
     counters0 = None
     cpu, threads = HostCpu(), ThreadCpu()
     for step, (x, y) in enumerate(batches):
@@ -111,12 +112,13 @@ def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence
             counters0 = iface_bytes(iface)
             cpu.start()
             threads.start()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         loss_t = F.cross_entropy(net(x), y)
         loss_t.backward()  # DDP: returns once every gradient bucket is all-reduced
         opt.step()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         loss = loss_t.item()
         if step >= warmup:
             after_timed_step()
@@ -129,7 +131,7 @@ def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence
     if counters0 and counters1 and steps:
         rx = (counters1[0] - counters0[0]) / steps
         tx = (counters1[1] - counters0[1]) / steps
-    return {"step_times_s": times, "median_step_s": statistics.median(timed) if timed else None,
+    return {"step_times_s": times, "step_cpu_s": cpu_times, "median_step_s": statistics.median(timed) if timed else None,
             "mean_step_s": statistics.mean(timed) if timed else None, "train_loss": loss,
             "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, **cpu.per_step(steps), **threads.per_step(steps)}
 

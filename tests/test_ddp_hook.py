@@ -286,16 +286,49 @@ def test_hook_auto_mode_probes_ddps_allreduce_on_every_rank_at_the_same_step(clu
     assert_same(runs[0]["final"], runs[1]["final"], "hook auto: rank 0 vs rank 1")
 
 
+def test_hook_auto_mode_takes_gradients_from_autograd_on_both_paths(cluster, tmp_path):
+    """Auto mode with bucket views. Steps through DDP's allreduce: each gradient is divided into its
+    place in DDP's bucket as autograd finishes it (DDP's fused copy), and the hook divides only what
+    did not come that way; before, DDP copied every gradient into its bucket undivided and the hook
+    divided the whole bucket again (a second pass per step). Compressed steps: blocks in place and
+    the early hand-over, as at a fixed bit width; before, auto mode copied them through the block
+    buffers (its tuner reads no gradients, unlike adaptive bits')."""
+    results = run_ddp_workers(cluster, tmp_path, "--scenarios", "hook_auto_scaled")
+    runs = [r["hook_auto_scaled"] for r in results]
+    assert_same(runs[0]["final"], runs[1]["final"], "auto, divided early: rank 0 vs rank 1")
+    params = len(runs[0]["final"])
+    for run in runs:
+        assert [d["compress"] for d in run["tuning"]] == [False, True], run["tuning"]
+        assert run["paths"] == ["shards"] + ["allreduce"] * 3 + ["shards"] * 2, run["paths"]
+        # from the step after DDP settles its buckets (step 1); not where .grad is the bucket already
+        assert run["early"] == [0, 0, params, 0, params, params], run["early"]
+        assert all(0 < run["in_place"][s] < run["blocks"] for s in (0, 4, 5)), run["in_place"]
+    run = runs[0]
+    after = [*run["before"][1:], run["final"]]
+    for step in range(1, 4):  # exactly the average of the known gradients (no_sync parts summed first)
+        for name, p in run["before"][step].items():
+            grads = [sum(rank_gradient(name, p, r, step, part) for part in range(run["parts"][step]))
+                     for r in range(WORLD)]
+            assert torch.equal(after[step][name], p - sum(g / WORLD for g in grads)), (step, name)
+
+
 def test_early_handover_only_where_ddp_calls_the_hook_for_every_gradient_in_its_bucket_views():
-    from cgx_ps.worker.handover import early_handover
+    from cgx_ps.worker.handover import early_action, early_handover
 
     assert early_handover(True, True, False, False, True)
-    for flags in [(False, True, False, False, True),  # the state holds the wrapped model, not DDP
-                  (True, False, False, False, True),  # .grad is not DDP's bucket: DDP copies back anyway
-                  (True, True, True, False, True),  # unused parameters: DDP fills them in itself
-                  (True, True, False, True, True),  # static_graph: the first step's hooks come late
-                  (True, True, False, False, False)]:  # intra-node or tuner: blocks in the block buffers
+    assert early_handover(True, True, False, False, False, True)  # auto mode: its steps through DDP's allreduce
+    for flags in [(False, True, False, False, True, True),  # the state holds the wrapped model, not DDP
+                  (True, False, False, False, True, True),  # .grad is not DDP's bucket: DDP copies back anyway
+                  (True, True, True, False, True, True),  # unused parameters: DDP fills them in itself
+                  (True, True, False, True, True, True),  # static_graph: the first step's hooks come late
+                  (True, True, False, False, False, False)]:  # blocks in the block buffers, never DDP's allreduce
         assert not early_handover(*flags), flags
+    # per gradient: divided into the bucket on a step through DDP's allreduce, blocks started on a
+    # step to the shards where blocks work in place, else left to DDP
+    assert early_action(allreduce_step=True, in_place=False, requires_grad=False) == "scale"
+    assert early_action(allreduce_step=False, in_place=True, requires_grad=False) == "submit"
+    assert early_action(allreduce_step=False, in_place=False, requires_grad=False) is None
+    assert early_action(allreduce_step=True, in_place=True, requires_grad=True) is None  # create_graph
 
 
 def test_bad_state_options_are_named_before_any_training():

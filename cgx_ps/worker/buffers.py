@@ -41,14 +41,15 @@ def work_in_place(intranode: bool, tuned: bool) -> InPlace:
     """Decide once per pipeline whether a block may work on the front end's memory.
 
     Not with intra-node reduction: the node's ranks reduce through their block buffers (shared
-    memory, CUDA IPC), so gradients must be in them. Not with a tuner (adaptive bits, auto mode):
-    it reads each step's averaged gradients from the block buffers (``tensor``) after the step,
-    when a DDP bucket already holds the next step's gradients. Everything else (error feedback,
-    warm-up, uncompressed tensors, checkpoints) works on any float32 memory."""
+    memory, CUDA IPC), so gradients must be in them. Not with a tuner that reads gradients
+    (``tuned``: adaptive bits): it reads each step's averaged gradients from the block buffers
+    (``tensor``) after the step, when a DDP bucket already holds the next step's gradients (auto
+    mode's tuner reads only step figures). Everything else (error feedback, warm-up, uncompressed
+    tensors, checkpoints) works on any float32 memory."""
     if intranode:
         return InPlace(False, "intra-node reduction reads every local rank's gradients from its block buffers")
     if tuned:
-        return InPlace(False, "the tuner (adaptive/auto) reads the averaged gradients from the block buffers")
+        return InPlace(False, "the tuner (adaptive bits) reads the averaged gradients from the block buffers")
     return InPlace(True, "")
 
 

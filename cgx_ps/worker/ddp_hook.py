@@ -49,7 +49,11 @@ skips the same step everywhere.
 Auto mode (``compression="auto"``) never makes DDP slower than DDP: the steps it sends
 uncompressed go through DDP's own allreduce on the DDP model's process group (as torch's
 ``allreduce_hook``: divide, sum), not through the shards' fp32 path, so on a link fast enough
-that compression does not pay the hook costs what DDP costs. Which path a step takes is
+that compression does not pay the hook costs what DDP costs. DDP divides while it copies a
+gradient into its bucket only when no comm hook is registered; with one (torch's
+``allreduce_hook`` too) it copies undivided and the hook makes another pass to divide. With bucket
+views the early hand-over divides each gradient into its place in the bucket instead (DDP's one
+pass; ``handover.py``), so those steps cost what plain DDP's do. Which path a step takes is
 ``uncompressed_path``; every rank applies auto mode's decisions at the same step boundary, so
 every rank takes the same one. ``uncompressed_via="shards"`` keeps every step on the shards.
 Auto mode's model judges that path as the optimizer's does, by timing an all_reduce on the same
@@ -100,8 +104,8 @@ class DDPHookState:
         the DDP wrapper) or "shards" (fp32 through the shards).
 
     Fastest: give it the DDP wrapper built with ``gradient_as_bucket_view=True`` and keep torch's
-    ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket
-    (``handover.py``). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a tensor
+    ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket, and
+    on auto mode's steps through DDP's allreduce divided into it as DDP itself would (``handover.py``). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a tensor
     across buckets, and a block starts as soon as its tensors' gradients have arrived.
     """
 
@@ -192,9 +196,8 @@ class DDPHookState:
             driver.abort()
             self._early.disarm()
             raise
-        group = self._group()
-        if uncompressed_path(pipe.compress, self.uncompressed_via, group is not None) == "allreduce":
-            return self._allreduce(bucket, driver, group)
+        if self._allreduce_size() is not None:
+            return self._allreduce(bucket, driver)
         gradients = self._gradients
         try:
             names = self._names(bucket.parameters())
@@ -207,7 +210,7 @@ class DDPHookState:
             if last:
                 driver.submit_rest(gradients.source, gradients.target)  # tensors no bucket held: zeros
                 early = gradients.forget()
-                self._early.install_once(driver, self._params)
+                self._early.install_once(driver, self._params, self._allreduce_size, self._may_allreduce())
         except BaseException:
             driver.abort()
             gradients.forget()
@@ -234,6 +237,18 @@ class DDPHookState:
         model's, else the default one (None: the shards)."""
         return collective_group(self.module.process_group if is_ddp(self.module) else None, self.uncompressed_via)
 
+    def _allreduce_size(self) -> int | None:
+        """This step goes through DDP's allreduce (``uncompressed_path``, decided at its first
+        gradient): the size of the group, which divides it; else None (the shards)."""
+        group = self._group()
+        if uncompressed_path(self._opened().pipe.compress, self.uncompressed_via, group is not None) != "allreduce":
+            return None
+        return dist.get_world_size(group)
+
+    def _may_allreduce(self) -> bool:
+        """Whether any step may go through DDP's allreduce: auto mode, with a group to use."""
+        return self._opened().options.compression.auto and self._group() is not None
+
     def _probe_allreduce(self, nbytes: int) -> float | None:
         """For auto mode's model: the all_reduce rate on the group DDP's allreduce uses, or None
         (uncompressed steps go through the shards). The tuner calls it on every rank at the same
@@ -242,15 +257,32 @@ class DDPHookState:
         group = self._group()
         return allreduce_rate(group, nbytes) if group is not None else None
 
-    def _allreduce(self, bucket: torch.distributed.GradBucket, driver: StepDriver,
-                   group) -> torch.futures.Future[torch.Tensor]:
+    def _allreduce(self, bucket: torch.distributed.GradBucket, driver: StepDriver) -> torch.futures.Future[torch.Tensor]:
         """The bucket averaged by DDP's own allreduce, as torch's ``allreduce_hook`` does it
-        (divide, then sum; every rank gets the same bytes). The last bucket ends the step."""
-        buffer = bucket.buffer()
-        buffer.div_(dist.get_world_size(group))
-        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        (divide, then sum; every rank gets the same bytes), except that gradients the early
+        hand-over already divided into the bucket are not divided again (``handover.py``). The
+        last bucket ends the step."""
+        group, gradients = self._group(), self._gradients
+        size = dist.get_world_size(group)
+        try:
+            if self._early.installed:
+                grads = dict(zip(self._names(bucket.parameters()), bucket.gradients()))  # views into the bucket
+                self._early.learn(grads)
+                for name, grad in grads.items():
+                    if not gradients.was_scaled(name):
+                        grad.div_(size)
+            else:
+                bucket.buffer().div_(size)
+            future = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+        except BaseException:
+            driver.abort()
+            gradients.forget()
+            self._early.disarm()
+            raise
         if not bucket.is_last():
             return future.then(lambda done: done.value()[0])
+        early = gradients.forget()
+        self._early.install_once(driver, self._params, self._allreduce_size, True)  # a first step through it
         waiting_since = time.perf_counter()
 
         def step_done(done: torch.futures.Future) -> torch.Tensor:
@@ -259,7 +291,7 @@ class DDPHookState:
             except BaseException:
                 driver.abort()  # the next bucket starts a new step
                 raise
-            driver.finish_elsewhere(waiting_since)
+            driver.finish_elsewhere(waiting_since).early_gradients = early
             return averaged
 
         return future.then(step_done)

@@ -118,8 +118,9 @@ class StepDriver:
         self.tuner = Tuner(pipe, compression, uncompressed_probe) if compression.adaptive or compression.auto else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block
-        # buffers, unless the node reduces through its buffers or a tuner reads them
-        self.in_place = pipe.in_place(tuned=self.tuner is not None)
+        # buffers, unless the node reduces through its buffers or adaptive bits' tuner reads them
+        # (auto mode reads only step figures: its compressed steps work in place too)
+        self.in_place = pipe.in_place(tuned=compression.adaptive)
         self._lock = threading.Lock()  # gradients may arrive on several autograd threads
         self._first: float | None = None  # this step's first gradient
         self._last = 0.0  # and its latest

@@ -10,13 +10,22 @@ reducer sees the gradient, starts the gradient's blocks at once (encoded from au
 as the optimizer does) and points ``.grad`` at the gradient's place in DDP's bucket: DDP finds it
 there and skips its copy, and the average is decoded into that place.
 
+Auto mode's uncompressed steps (DDP's own allreduce, ``ddp_hook.py``) take the same way in: with a
+Python comm hook registered, DDP copies each gradient into its bucket without dividing it (its
+built-in allreduce divides while copying), so the hook had to make a pass of its own over every
+bucket to divide it, on the training thread, as torch's ``allreduce_hook`` does (4-9 ms per step
+for mlp17m's 68 MB on the 2-core benchmark machine, BENCHMARKS.md). The hand-over instead divides
+each gradient by the group's size straight into its place in DDP's bucket (one pass, as DDP's
+copy is) and the hook divides only what did not come that way (``early_action``).
+
 Only where that is safe (``early_handover``): the hook's state holds the DDP model itself, built
-with ``gradient_as_bucket_view=True``, no ``find_unused_parameters`` or ``static_graph``, blocks in
-place. And only on a backward DDP reduces: a forward hook on the DDP model arms the hand-over when
-that forward armed DDP's reducer (grad enabled, not in ``no_sync()``: what ``_post_forward`` checks),
-and the step's last bucket disarms it, as it ends the reducer's backward. Any other backward (a
-gradient probe through ``ddp.module``, a ``no_sync()`` step, validation with gradients) is left
-to autograd: local gradients, nothing pushed, as with plain DDP.
+with ``gradient_as_bucket_view=True``, no ``find_unused_parameters`` or ``static_graph``, and
+either blocks in place or steps that may go through DDP's allreduce. And only on a backward DDP
+reduces: a forward hook on the DDP model arms the hand-over when that forward armed DDP's
+reducer (grad enabled, not in ``no_sync()``: what ``_post_forward`` checks), and the step's last
+bucket disarms it, as it ends the reducer's backward. Any other backward (a gradient probe
+through ``ddp.module``, a ``no_sync()`` step, validation with gradients) is left to autograd:
+local gradients, nothing pushed, as with plain DDP.
 
 The hooks hold the hand-over weakly and are removed when it is dropped (with its state) or when
 its session ends (``cgx_ps.worker.shutdown()``); the hand-over holds the DDP model weakly, as DDP's
@@ -35,17 +44,33 @@ import torch
 if TYPE_CHECKING:
     from .frontend import StepDriver
 
-__all__ = ["EarlyHandover", "StepGradients", "buckets_settled", "early_handover", "hands_over", "is_ddp"]
+__all__ = ["EarlyHandover", "StepGradients", "buckets_settled", "early_action", "early_handover", "hands_over",
+           "is_ddp"]
 
 
 def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_graph: bool,
-                   in_place: bool) -> bool:
-    """Whether gradients go to the pipeline as autograd finishes them, straight into DDP's bucket
+                   in_place: bool, may_allreduce: bool = False) -> bool:
+    """Whether gradients are taken from autograd as it finishes them, straight into DDP's bucket
     (module doc): only where DDP's bucket views are ``.grad`` (``gradient_as_bucket_view``) and
     DDP calls the hook for every parameter as its gradient arrives (not ``find_unused_parameters``,
     whose unused ones DDP fills in itself, nor ``static_graph``, which delays the first step's
-    hooks), and where blocks may work in place (no intra-node reduction, no tuner)."""
-    return is_ddp and bucket_view and not find_unused and not static_graph and in_place
+    hooks), and where a step can use them (``early_action``): blocks may work in place (no
+    intra-node reduction, no adaptive bits), or steps may go through DDP's allreduce (auto mode)."""
+    return is_ddp and bucket_view and not find_unused and not static_graph and (in_place or may_allreduce)
+
+
+def early_action(allreduce_step: bool, in_place: bool, requires_grad: bool) -> str | None:
+    """What the hand-over does with a gradient autograd just finished on a step DDP reduces:
+    "scale" (a step through DDP's allreduce: divide it by the group's size into its place in
+    DDP's bucket, DDP's own fused copy), "submit" (a step to the shards with blocks in place:
+    start its blocks from autograd's tensor), or None (leave it to DDP: it copies, the hook
+    divides or encodes from its bucket). A gradient that itself requires grad (``create_graph``)
+    is left to DDP too: written through ``out=`` it would lose its graph."""
+    if requires_grad:
+        return None
+    if allreduce_step:
+        return "scale"
+    return "submit" if in_place else None
 
 
 def hands_over(armed: bool, session_open: bool, settled: bool) -> bool:
@@ -78,6 +103,7 @@ class StepGradients:
         self._sources: dict[str, torch.Tensor] = {}
         self._targets: dict[str, torch.Tensor] = {}
         self._early: set[str] = set()  # handed over early: its source is autograd's tensor
+        self._scaled: set[str] = set()  # divided into DDP's bucket early (a step through DDP's allreduce)
 
     def source(self, name: str) -> torch.Tensor | None:
         return self._sources.get(name)
@@ -98,6 +124,15 @@ class StepGradients:
             self._sources[name], self._targets[name] = grad, place
             self._early.add(name)
 
+    def scaled(self, name: str) -> None:
+        with self._lock:
+            self._scaled.add(name)
+
+    def was_scaled(self, name: str) -> bool:
+        """Whether this step's gradient of ``name`` is in DDP's bucket divided already."""
+        with self._lock:
+            return name in self._scaled
+
     def release(self, driver: StepDriver, blocks: list[int]) -> None:
         """Let go of autograd's tensors whose blocks are all submitted (each holds its gradient
         until it is encoded): handed over early, they would otherwise live to the step's end."""
@@ -111,8 +146,8 @@ class StepGradients:
     def forget(self) -> int:
         """The step is over (or failed): drop everything; how many were handed over early."""
         with self._lock:
-            early = len(self._early)
-            self._sources, self._targets, self._early = {}, {}, set()
+            early = len(self._early) + len(self._scaled)
+            self._sources, self._targets, self._early, self._scaled = {}, {}, set(), set()
         return early
 
 
@@ -128,6 +163,7 @@ class EarlyHandover:
         self._handles: list | None = None  # None: not installed yet; []: decided against, or removed
         self._driver: StepDriver | None = None
         self._name_of: Callable[[torch.Tensor], str | None] = lambda _: None
+        self._allreduce_size: Callable[[], int | None] = lambda: None  # install_once
         self._armed = False  # the last DDP forward armed DDP's reducer, and its backward is not over
         self._session_open = True
 
@@ -142,17 +178,21 @@ class EarlyHandover:
         if self._handles and module is not None and buckets_settled(module):
             self._views.update(grads)
 
-    def install_once(self, driver: StepDriver, params: dict[str, torch.Tensor]) -> None:
-        """At the end of the first step: hook every parameter if ``early_handover`` allows it."""
+    def install_once(self, driver: StepDriver, params: dict[str, torch.Tensor],
+                     allreduce_size: Callable[[], int | None], may_allreduce: bool) -> None:
+        """At the end of the first step: hook every parameter if ``early_handover`` allows it.
+        ``allreduce_size()``: once a step's first gradient has arrived, the size of the group if
+        DDP's allreduce averages that step, else None; ``may_allreduce``: whether any step may."""
         if self._handles is not None:
             return
         ddp = self._module()
         self._handles = []
         if ddp is None or not early_handover(is_ddp(ddp), getattr(ddp, "gradient_as_bucket_view", False),
                                              getattr(ddp, "find_unused_parameters", True),
-                                             getattr(ddp, "static_graph", True), driver.in_place.allowed):
+                                             getattr(ddp, "static_graph", True), driver.in_place.allowed,
+                                             may_allreduce):
             return
-        self._driver = driver
+        self._driver, self._allreduce_size = driver, allreduce_size
         name_of = {id(t): n for n, t in params.items()}
         self._name_of = lambda p: name_of.get(id(p))
         gradient_done = _weakly(self._gradient_done)
@@ -181,7 +221,8 @@ class EarlyHandover:
 
     def _gradient_done(self, param: torch.Tensor) -> None:
         """Autograd accumulated ``param``'s gradient (DDP's reducer has not seen it yet): start
-        its blocks and point ``.grad`` at its place in DDP's bucket, so DDP does not copy it."""
+        its blocks, or divide it into its place (``early_action``), and point ``.grad`` at its
+        place in DDP's bucket, so DDP does not copy it."""
         ddp = self._module()
         if ddp is None or not hands_over(self._armed, self._session_open, buckets_settled(ddp)):
             return  # a backward DDP does not reduce, or buckets not settled yet: as without this
@@ -193,10 +234,17 @@ class EarlyHandover:
             return
         driver, gradients = self._driver, self.gradients
         try:
-            driver.gradient_arrived()
-            gradients.early(name, grad, view)
-            param.grad = view  # DDP finds the gradient in its bucket view: no copy
-            gradients.release(driver, driver.submit_ready([name], gradients.source, gradients.target))
+            driver.gradient_arrived()  # the step's first gradient: auto mode's decision applies now
+            size = self._allreduce_size()
+            action = early_action(size is not None, driver.in_place.allowed, grad.requires_grad)
+            if action == "scale":
+                torch.div(grad, size, out=view)  # what DDP's copy and the hook's division would give
+                gradients.scaled(name)
+                param.grad = view
+            elif action == "submit":
+                gradients.early(name, grad, view)
+                param.grad = view  # DDP finds the gradient in its bucket view: no copy
+                gradients.release(driver, driver.submit_ready([name], gradients.source, gradients.target))
         except BaseException:
             driver.abort()
             gradients.forget()

@@ -14,7 +14,7 @@ A block that is a slice of one float32 ``.grad`` (every block of a large tensor)
 straight from ``.grad`` and its average decoded straight back into it: no copy in or out,
 whether ``zero_grad()`` keeps the gradients or sets them to None (torch's default). Blocks that
 pack several small tensors, non-float32 gradients (upcast), and every block when the node's
-local ranks reduce together or adaptive/auto compression reads the block buffers, go through
+local ranks reduce together or adaptive compression reads the block buffers, go through
 the pipeline's flat float32 buffers instead (``buffers.work_in_place``). Between backward and
 ``step()`` the gradients belong to the pipeline: change them only after ``synchronize()``; a
 step that raised may leave them partly averaged, so compute them again before retrying.

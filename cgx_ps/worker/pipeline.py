@@ -158,7 +158,8 @@ class BlockPipeline:
 
     def in_place(self, tuned: bool) -> InPlace:
         """Whether ``submit(..., in_place=True)`` may work on the front end's memory
-        (``buffers.work_in_place``); ``tuned``: a tuner reads the block buffers after each step."""
+        (``buffers.work_in_place``); ``tuned``: a tuner reads the block buffers after each step
+        (adaptive bits)."""
         return work_in_place(self._reducer is not None, tuned)
 
     def submit(self, block_id: int, grad_of: TensorOf, in_place: bool = False,

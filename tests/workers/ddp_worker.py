@@ -215,6 +215,38 @@ def hook_auto_probe_run(rank: int, steps: int = 7) -> dict:
             "tuning": [d.as_dict() for d in state.tuning_history]}
 
 
+def hook_auto_scaled_run(rank: int) -> dict:
+    """Real auto mode in the hook with bucket views (``auto:4``: decisions after steps 0 and 3),
+    its model's choices replaced by "do not compress", then "compress" (rank 0 decides, every
+    rank applies it at the next step's first gradient): steps 1-3 go through DDP's allreduce,
+    steps 4-5 to the shards. Step 2 accumulates two backward passes (no_sync), step 3 keeps the
+    gradients in DDP's bucket (zero_grad(set_to_none=False)). Records each step's parameters
+    before it, path, early hand-overs and blocks in place."""
+    model = _model()
+    ddp = _ddp(model, gradient_as_bucket_view=True)
+    state = cgx.DDPHookState(ddp, compression="auto:4", block_bytes=BLOCK_BYTES)
+    ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+    choices = iter([False, True])
+    state.open().tuner.modes.choose = lambda current, figures: (next(choices), "test")
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    parts = [1, 1, 2, 1, 1, 1]
+    before, paths, early, in_place = [], [], [], []
+    for step, accumulate in enumerate(parts):
+        before.append(_snapshot(model))
+        opt.zero_grad(set_to_none=step != 3)
+        for part in range(accumulate):
+            with contextlib.nullcontext() if part == accumulate - 1 else ddp.no_sync():
+                _loss(ddp, named, rank, step, part).backward()
+        opt.step()
+        paths.append(state.stats.path)
+        early.append(state.stats.early_gradients)
+        in_place.append(state.stats.in_place_blocks)
+    return {"before": before, "final": _snapshot(model), "parts": parts, "paths": paths, "early": early,
+            "in_place": in_place, "blocks": len(state.layout.blocks),
+            "tuning": [d.as_dict() for d in state.tuning_history]}
+
+
 def _hooked_bucket_views(model: torch.nn.Module) -> tuple[DDP, cgx.DDPHookState]:
     """DDP with bucket views and the hook, fp32 (exact expectations): early hand-over from step 2."""
     ddp = _ddp(model, gradient_as_bucket_view=True)
@@ -489,6 +521,7 @@ ON_REQUEST = {
     "optimizer_auto_group": optimizer_auto_group_run,
     "optimizer_allreduce_stall": optimizer_allreduce_stall_run,
     "hook_auto_probe": hook_auto_probe_run,
+    "hook_auto_scaled": hook_auto_scaled_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
 }
 
