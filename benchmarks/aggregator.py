@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -111,39 +110,27 @@ def main() -> None:
     if args.child:
         asyncio.run(child(args.nodes, args.mb, args.threads))
         return
+    # the parent alone imports from this checkout's benchmarks/ (appended: a child must import its tree's cgx_ps)
+    sys.path.append(str(HERE))
+    from benchmarks.trees import TreeChildren, paired_ratio
+
     trees = [Path(t).resolve() for t in args.trees] + [HERE]
-    procs = []
-    for tree in trees:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        proc = subprocess.Popen([sys.executable, __file__, "--child", "--nodes", str(args.nodes), "--mb", str(args.mb),
-                                 "--threads", str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, env=env)
-        procs.append(proc)
-        imported = Path(proc.stdout.readline().strip())
-        if not imported.is_relative_to(tree):
-            raise SystemExit(f"{tree}: the child imported {imported}")
     cpu: list[list[float]] = [[] for _ in trees]
     loop_ms: list[list[float]] = [[] for _ in trees]
     load = os.getloadavg()[0]
-    try:
-        for r in range(args.rounds + 2):
-            for k in [*range(r % len(trees), len(trees)), *range(r % len(trees))]:
-                procs[k].stdin.write("round\n")
-                procs[k].stdin.flush()
-                total, main_thread = map(float, procs[k].stdout.readline().split())
-                if r >= 2:
-                    cpu[k].append(total)
-                    loop_ms[k].append(main_thread)
-    finally:
-        for proc in procs:
-            proc.stdin.close()
-            proc.wait()
+    with TreeChildren(trees, [__file__, "--child", "--nodes", str(args.nodes), "--mb", str(args.mb),
+                              "--threads", str(args.threads)]) as children:
+        for counted, k, answer in children.rounds(args.rounds):
+            total, main_thread = map(float, answer.split())
+            if counted:
+                cpu[k].append(total)
+                loop_ms[k].append(main_thread)
     print(f"{args.nodes} nodes x {args.mb:g} MB, 4-bit, {args.threads} executor threads, {args.rounds} rounds "
           f"alternated; load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
     print("| code | CPU per round, median (min) | of which the event loop | × first, median of paired ratios |")
     print("|---|---:|---:|---:|")
     for k, tree in enumerate(trees):
-        paired = statistics.median(b / x for b, x in zip(cpu[0], cpu[k]))
+        paired = paired_ratio(cpu[0], cpu[k])
         print(f"| {tree} | {statistics.median(cpu[k]):.1f} ms ({min(cpu[k]):.1f}) | "
               f"{statistics.median(loop_ms[k]):.1f} ms | {paired:.2f} |")
 

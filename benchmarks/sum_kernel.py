@@ -29,7 +29,6 @@ import argparse
 import hashlib
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -209,34 +208,21 @@ def main() -> None:
     if args.child:
         child(args.nodes, args.mb, args.bits, not args.nearest)
         return
+    # the parent alone imports from this checkout's benchmarks/ (appended: a child must import its tree's cgx_ps)
+    sys.path.append(str(HERE))
+    from benchmarks.trees import TreeChildren, paired_ratio
+
     trees = [Path(t).resolve() for t in args.trees] + [HERE]
-    procs = []
-    for tree in trees:
-        # started in the tree: `python -c/-m` would put the working directory ahead of PYTHONPATH
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        proc = subprocess.Popen([sys.executable, __file__, "--child", "--nodes", str(args.nodes), "--mb", str(args.mb),
-                                 "--bits", str(args.bits), *(["--nearest"] if args.nearest else [])],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tree)
-        procs.append(proc)
-        imported = Path(proc.stdout.readline().strip())
-        if not imported.is_relative_to(tree):
-            raise SystemExit(f"{tree}: the child imported {imported}")
     cpu: list[list[float]] = [[] for _ in trees]
     digests: list[list[str]] = [[] for _ in trees]
     load = os.getloadavg()[0]
-    try:
-        for r in range(args.rounds + 2):
-            for k in [*range(r % len(trees), len(trees)), *range(r % len(trees))]:
-                procs[k].stdin.write("round\n")
-                procs[k].stdin.flush()
-                spent, digest = procs[k].stdout.readline().split()
-                digests[k].append(digest)
-                if r >= 2:
-                    cpu[k].append(float(spent))
-    finally:
-        for proc in procs:
-            proc.stdin.close()
-            proc.wait()
+    with TreeChildren(trees, [__file__, "--child", "--nodes", str(args.nodes), "--mb", str(args.mb),
+                              "--bits", str(args.bits), *(["--nearest"] if args.nearest else [])]) as children:
+        for counted, k, answer in children.rounds(args.rounds):
+            spent, digest = answer.split()
+            digests[k].append(digest)
+            if counted:
+                cpu[k].append(float(spent))
     rounding = "nearest" if args.nearest else "stochastic"
     print(f"{args.nodes} bodies per block, {args.mb:g} MB fp32 per node, {args.bits}-bit, {rounding} re-encode, "
           f"one thread, {args.rounds} rounds alternated; load average {load:.2f} before, "
@@ -244,7 +230,7 @@ def main() -> None:
     print("| code | kernel CPU per round, median (min) | × first, median of paired ratios | same bytes as first |")
     print("|---|---:|---:|---|")
     for k, tree in enumerate(trees):
-        paired = statistics.median(b / x for b, x in zip(cpu[0], cpu[k]))
+        paired = paired_ratio(cpu[0], cpu[k])
         print(f"| {tree} | {statistics.median(cpu[k]):.1f} ms ({min(cpu[k]):.1f}) | {paired:.2f} | "
               f"{'yes' if digests[k] == digests[0] else 'NO'} |")
 
