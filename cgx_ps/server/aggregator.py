@@ -221,7 +221,7 @@ class Aggregator:
             loop = asyncio.get_running_loop()
             first = not block.pushed
             arrived = time.monotonic()
-            # A push that is only checked and copied is kept right here; any other takes one hop
+            # A push that is only checked (then kept where it arrived) is kept right here; any other takes one hop
             # to a kernel thread, where the push completing the round is summed and encoded too
             # (module doc, threads.keeps_on_loop)
             try:

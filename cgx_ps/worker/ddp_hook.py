@@ -105,8 +105,9 @@ class DDPHookState:
 
     Fastest: give it the DDP wrapper built with ``gradient_as_bucket_view=True`` and keep torch's
     ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket, and
-    on auto mode's steps through DDP's allreduce divided into it as DDP itself would (``handover.py``). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a tensor
-    across buckets, and a block starts as soon as its tensors' gradients have arrived.
+    on auto mode's steps through DDP's allreduce divided into it as DDP itself would
+    (``handover.py``). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a
+    tensor across buckets, and a block starts as soon as its tensors' gradients have arrived.
     """
 
     def __init__(self, module: torch.nn.Module, compression: str | Compression | None = "4bit", *,
@@ -196,8 +197,9 @@ class DDPHookState:
             driver.abort()
             self._early.disarm()
             raise
-        if self._allreduce_size() is not None:
-            return self._allreduce(bucket, driver)
+        size = self._allreduce_size()
+        if size is not None:
+            return self._allreduce(bucket, driver, size)
         gradients = self._gradients
         try:
             names = self._names(bucket.parameters())
@@ -257,13 +259,13 @@ class DDPHookState:
         group = self._group()
         return allreduce_rate(group, nbytes) if group is not None else None
 
-    def _allreduce(self, bucket: torch.distributed.GradBucket, driver: StepDriver) -> torch.futures.Future[torch.Tensor]:
+    def _allreduce(self, bucket: torch.distributed.GradBucket, driver: StepDriver,
+                   size: int) -> torch.futures.Future[torch.Tensor]:
         """The bucket averaged by DDP's own allreduce, as torch's ``allreduce_hook`` does it
         (divide, then sum; every rank gets the same bytes), except that gradients the early
         hand-over already divided into the bucket are not divided again (``handover.py``). The
-        last bucket ends the step."""
+        last bucket ends the step. ``size``: the group's (``_allreduce_size``)."""
         group, gradients = self._group(), self._gradients
-        size = dist.get_world_size(group)
         try:
             if self._early.installed:
                 grads = dict(zip(self._names(bucket.parameters()), bucket.gradients()))  # views into the bucket
