@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 import types
 
 import pytest
@@ -17,6 +19,7 @@ from cgx_ps.kernels import Codec
 from cgx_ps.kernels import cuda as cuda_codec
 from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker import intranode
+from cgx_ps.worker.engine import CommEngine
 from cgx_ps.worker.gpu_setup import (TransportChoice, compile_cuda_codecs, decide_transport, kernel_devices,
                                      peer_access_table)
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
@@ -131,4 +134,24 @@ def test_nvrtc_failures_fail_the_setup_not_the_first_step(monkeypatch, fresh_ker
     with pytest.raises(ConfigError, match=r"cuda:0: ImportError: the CUDA codecs need CuPy: pip install "
                                           r"'cgx-ps\[cuda12\]'"):
         _pipeline_on(GPU0)
+
+
+def test_close_waits_for_running_codec_calls_and_drops_queued_ones():
+    """shutdown() unmaps the local ranks' buffers right after closing the engine: a codec call
+    still reading one then would fault, so close() returns only once the running call is done."""
+    engine = CommEngine(WorkerConfig.from_env(CONFIG), node_id="n0", num_nodes=1, codec_threads=1)
+    started, finished, queued_ran = threading.Event(), threading.Event(), threading.Event()
+
+    def running() -> None:
+        started.set()
+        time.sleep(0.3)
+        finished.set()
+
+    engine.submit(engine.in_thread(running))
+    engine.submit(engine.in_thread(queued_ran.set))  # behind it on the one codec thread
+    assert started.wait(10)
+    engine.close()
+    assert finished.is_set()
+    time.sleep(0.05)
+    assert not queued_ran.is_set()
 

@@ -73,13 +73,14 @@ class PeerBuffer:
         torch.cuda.current_stream(self.device).wait_event(self.events[block_id])
 
     def close(self) -> None:
-        """Unmap, in the context the mapping was opened in (after our last read of it)."""
+        """Unmap, in the context the mapping was opened in (after our last read of it: on any
+        stream of ours, the codec threads' included, hence the whole device is synchronized)."""
         if not self.base:
             return
         import cupy
 
         with torch.cuda.device(self.device), cupy.cuda.Device(self.device.index):
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
             self.data, self.events = torch.empty(0), []
             base, self.base = self.base, 0
             _cupy_runtime().ipcCloseMemHandle(base)
