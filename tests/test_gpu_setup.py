@@ -6,6 +6,8 @@ unmapped. What only a GPU can confirm is listed in GPU-REVIEW's successor."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import sys
 import threading
@@ -19,11 +21,14 @@ from cgx_ps.kernels import Codec
 from cgx_ps.kernels import cuda as cuda_codec
 from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker import intranode
+from cgx_ps.worker.blockexchange import BlockExchange
+from cgx_ps.worker.codec_streams import CodecStreams
 from cgx_ps.worker.engine import CommEngine
 from cgx_ps.worker.gpu_setup import (TransportChoice, compile_cuda_codecs, decide_transport, kernel_devices,
                                      peer_access_table)
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 from cgx_ps.worker.pipeline import BlockPipeline
+from cgx_ps.worker.stepstats import CommSpan
 
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
 CONFIG = {"CGX_PS_SERVERS": "127.0.0.1:1"}
@@ -155,3 +160,53 @@ def test_close_waits_for_running_codec_calls_and_drops_queued_ones():
     time.sleep(0.05)
     assert not queued_ran.is_set()
 
+
+def test_a_cuda_blocks_codec_calls_run_on_their_threads_stream_after_the_gradient():
+    """Each codec thread has its own stream per device, which waits (on the GPU) for the event the
+    training thread recorded after writing the block, then runs the call: no host wait for
+    backward. CPU blocks' calls are passed through untouched. Fakes stand in for torch's streams."""
+    events: list[tuple] = []
+
+    class FakeStream:
+        def __init__(self, device: torch.device) -> None:
+            self.device, self.thread = device, threading.current_thread().name
+            events.append(("new", self.thread, device))
+
+        def wait_event(self, event) -> None:
+            events.append(("wait", self, event))
+
+    @contextlib.contextmanager
+    def use(stream):
+        events.append(("enter", stream))
+        yield
+        events.append(("exit", stream))
+
+    streams = CodecStreams(FakeStream, use)
+    encode = lambda x: events.append(("encode", x)) or 2 * x  # noqa: E731
+
+    assert streams.wrap(encode, torch.device("cpu"), "ready") is encode
+    assert streams.wrap(encode, GPU0, "ready")(21) == 42
+    s0 = streams.stream(GPU0)
+    assert events == [("new", threading.current_thread().name, GPU0), ("enter", s0), ("wait", s0, "ready"),
+                      ("encode", 21), ("exit", s0)]
+    events.clear()
+    assert streams.wrap(encode, GPU0, None)(1) == 2  # the same stream again; nothing to wait for
+    assert events == [("enter", s0), ("encode", 1), ("exit", s0)]
+    other = []
+    worker = threading.Thread(target=lambda: other.append(streams.stream(GPU0)), name="cgx-codec_1")
+    worker.start()
+    worker.join()
+    assert other[0] is not s0 and other[0].thread == "cgx-codec_1"  # one stream per thread
+    assert streams.stream(GPU1) is not s0  # and per device
+
+    # BlockExchange hands a CUDA block's calls to the engine wrapped, a CPU block's as they are
+    class Engine:
+        async def in_thread(self, fn, *args):
+            return fn(*args)
+
+    engine = Engine()
+    exchange = BlockExchange(engine, None, WorkerConfig.from_env(CONFIG), CommSpan(), False, streams)
+    assert exchange._codec_calls(torch.device("cpu"), None) == engine.in_thread
+    events.clear()
+    assert asyncio.run(exchange._codec_calls(GPU0, "ready")(encode, 5)) == 10
+    assert events == [("enter", s0), ("wait", s0, "ready"), ("encode", 5), ("exit", s0)]
