@@ -210,3 +210,17 @@ def test_a_cuda_blocks_codec_calls_run_on_their_threads_stream_after_the_gradien
     events.clear()
     assert asyncio.run(exchange._codec_calls(GPU0, "ready")(encode, 5)) == 10
     assert events == [("enter", s0), ("wait", s0, "ready"), ("encode", 5), ("exit", s0)]
+
+
+def test_a_peer_buffer_that_is_a_copy_and_not_a_view_of_the_mapping_is_refused():
+    """GPU-REVIEW item 2: ``torch.as_tensor`` on a peer's IPC mapping may copy instead of view
+    (stale sums, silently). The check compares address and device (CPU tensors stand in)."""
+    from cgx_ps.worker.cuda_ipc import _check_mapped
+    from cgx_ps.worker.errors import IntraNodeError
+
+    mapping = torch.zeros(16)
+    _check_mapped(mapping[4:], mapping.data_ptr() + 16, torch.device("cpu"))  # a view at the offset
+    with pytest.raises(IntraNodeError, match=r"came back as a copy .* CGX_PS_INTRANODE=shm"):
+        _check_mapped(mapping[4:].clone(), mapping.data_ptr() + 16, torch.device("cpu"))
+    with pytest.raises(IntraNodeError, match=r"instead of a view of the mapping \(cuda:0"):
+        _check_mapped(mapping[4:], mapping.data_ptr() + 16, GPU0)
