@@ -42,9 +42,12 @@ __all__ = [
     "check_encode_launch",
     "compile_kernels",
     "decode",
+    "decode_args",
     "decode_maxmin_async",
     "encode",
+    "encode_args",
     "encode_maxmin_async",
+    "threads_per_bucket",
     "to_host",
 ]
 
