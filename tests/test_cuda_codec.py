@@ -87,6 +87,100 @@ def test_import_does_not_load_cupy() -> None:
     assert done.stdout.strip() == "False"
 
 
+class _NoCupy:
+    """Stands in for the CuPy module: any use of it fails the test, so a launch check that does
+    not run before the first CuPy call is caught."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"cupy.{name} used before the launch was checked")
+
+
+def _aligned(nbytes: int, offset: int = 0) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` whose first byte is ``offset`` bytes past a 16-byte boundary."""
+    buf = torch.zeros(nbytes + 32, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 16 + offset
+    return buf[start:start + nbytes]
+
+
+def test_launches_with_wrong_sizes_are_refused_before_cupy_is_touched() -> None:
+    """The low-level entry points (benchmarks and the public API call them) check every size, dtype,
+    layout and device the kernels rely on before any CuPy call: a wrong one never reaches the GPU,
+    where it would write out of bounds. With the right sizes, CPU tensors get as far as the device
+    check, so each size check below is the one that refuses."""
+    n, bucket = 1000, 64
+    h = wire.Header(Codec.MAXMIN, 4, 0, n, bucket, 0)
+    full = HEADER_SIZE + h.body_size
+    x, payload, out = torch.zeros(n), _aligned(full), torch.zeros(n)
+    cp = _NoCupy()
+
+    def encode_refused(match: str, **changed) -> None:
+        args = {"x": x, "payload": payload, "header": h, **changed}
+        with pytest.raises(CodecError, match=match):
+            cuda_codec.encode_maxmin_async(cp, args["x"], args["payload"], args["header"], 7)
+
+    def decode_refused(match: str, **changed) -> None:
+        args = {"payload": payload, "header": h, "out": out, **changed}
+        with pytest.raises(CodecError, match=match):
+            cuda_codec.decode_maxmin_async(cp, args["payload"], args["header"], args["out"], True)
+        if "out" not in changed:  # the metadata check reads the same payload
+            with pytest.raises(CodecError, match=match.replace("maxmin_decode", "maxmin_check_meta")):
+                cuda_codec._check_meta(cp, args["payload"], args["header"])
+
+    encode_refused(r"maxmin_encode: input is on cpu, expected a CUDA device")  # every size right
+    encode_refused(r"input has 999 elements, the header needs exactly 1000", x=torch.zeros(n - 1))
+    encode_refused(r"input has 1001 elements", x=torch.zeros(n + 1))
+    encode_refused(r"input dtype is torch.float16, expected torch.float32", x=torch.zeros(n, dtype=torch.float16))
+    encode_refused(r"input must be contiguous", x=torch.zeros(n, 2)[:, 0])
+    encode_refused(rf"payload has {full - 1} elements, the header needs exactly {full}", payload=_aligned(full - 1))
+    encode_refused(rf"payload has {full + 8} elements", payload=_aligned(full + 8))
+    encode_refused(r"payload dtype is torch.int8", payload=_aligned(full).view(torch.int8))
+    encode_refused(r"payload address 0x[0-9a-f]+ is not 16-byte aligned", payload=_aligned(full, offset=4))
+    encode_refused(r"header codec is FP32, expected MAXMIN", header=wire.Header(Codec.FP32, 32, 0, n, 0, 0))
+    encode_refused(r"bits must be in 1..8", header=wire.Header(Codec.MAXMIN, 9, 0, n, bucket, 0))
+    encode_refused(r"bucket_size must be a multiple of 8", header=wire.Header(Codec.MAXMIN, 4, 0, n, 12, 0))
+    encode_refused(r"the header needs exactly", header=wire.Header(Codec.MAXMIN, 4, 0, n + 8, bucket, 0))
+    # a non-finite block's header declares no body at all: the kernel would write the metadata past it
+    encode_refused(r"header has the non-finite flag", payload=_aligned(HEADER_SIZE),
+                   header=wire.Header(Codec.MAXMIN, 4, wire.FLAG_NONFINITE, n, bucket, 0))
+
+    decode_refused(r"maxmin_decode: payload is on cpu, expected a CUDA device")
+    decode_refused(rf"maxmin_decode: payload has {full - 1} elements, the header needs exactly {full}",
+                   payload=_aligned(full - 1))
+    decode_refused(r"payload address 0x[0-9a-f]+ is not 16-byte aligned", payload=_aligned(full, offset=8))
+    decode_refused(r"maxmin_decode: header codec is BF16", header=wire.Header(Codec.BF16, 16, 0, n, 0, 0))
+    decode_refused(r"maxmin_decode: header has the non-finite flag", payload=_aligned(HEADER_SIZE),
+                   header=wire.Header(Codec.MAXMIN, 4, wire.FLAG_NONFINITE, n, bucket, 0))
+    decode_refused(r"output has 999 elements, the header needs exactly 1000", out=torch.zeros(n - 1))
+    decode_refused(r"output dtype is torch.bfloat16", out=torch.zeros(n, dtype=torch.bfloat16))
+    decode_refused(r"output must be contiguous", out=torch.zeros(n, 2)[:, 1])
+    # a header claiming more elements than the output holds: the decode would write past it
+    decode_refused(r"the header needs exactly", header=wire.Header(Codec.MAXMIN, 4, 0, 2 * n, bucket, 0))
+
+
+def test_kernel_arguments_point_into_the_payload_where_the_wire_format_says() -> None:
+    """The kernels take raw device pointers (no DLPack import per call): the metadata starts right
+    after the header, the packed levels after 8 bytes per bucket, and the stochastic key is
+    rng.seed_key's, the CPU kernel's."""
+    from cgx_ps.kernels import rng
+
+    n, bucket = 5003, 1024
+    for flags, key in ((wire.FLAG_STOCHASTIC, rng.seed_key(12_345_678_901)), (0, 0)):
+        h = wire.Header(Codec.MAXMIN, 3, flags, n, bucket, 0)
+        x, payload, status = torch.zeros(n), _aligned(HEADER_SIZE + h.body_size), torch.zeros(2, dtype=torch.int64)
+        args = cuda_codec.encode_args(x, payload, h, 12_345_678_901, status)
+        meta = payload.data_ptr() + HEADER_SIZE
+        assert [int(a) for a in args] == [x.data_ptr(), n, bucket, 3, 128, int(bool(flags)), key, meta,
+                                          meta + 8 * 5, status.data_ptr()]
+        assert [a.dtype.itemsize for a in args] == [8, 8, 4, 4, 4, 4, 4, 8, 8, 8]  # the kernel's parameter widths
+        out = torch.zeros(n)
+        args = cuda_codec.decode_args(payload, h, out, True)
+        assert [int(a) for a in args] == [meta, meta + 8 * 5, n, bucket, 3, 1, out.data_ptr()]
+        assert [a.dtype.itemsize for a in args] == [8, 8, 8, 4, 4, 4, 8]
+    # one thread per group of 8, a power of two up to the whole block of 256
+    assert [cuda_codec.threads_per_bucket(b) for b in (8, 16, 24, 256, 1024, 2048, 4096, 16384)] == \
+        [1, 2, 4, 32, 128, 256, 256, 256]
+
+
 # ---- on a GPU ----------------------------------------------------------------------------------
 
 

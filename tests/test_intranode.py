@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from cgx_ps.worker import ConfigError, IntraNodeError, WorkerConfig
+from cgx_ps.worker.gpu_setup import peer_access_table
 from cgx_ps.worker.intranode import NodeReducer, choose_transport
 from cgx_ps.worker.rendezvous import _HELLO, _RDV_MAGIC, rendezvous_name
 from cgx_ps.worker.segment import _MAGIC, Segment
@@ -149,8 +150,10 @@ def test_cuda_transport_needs_the_model_on_a_gpu():
     with pytest.raises(ConfigError, match="CGX_PS_INTRANODE=cuda needs the model on a GPU"):
         choose_transport("cuda", torch.device("cpu"))
     assert choose_transport("auto", torch.device("cpu")) == "shm"
-    # a GPU model goes over CUDA IPC when CuPy can make the IPC calls, else through host memory
-    assert choose_transport("auto", torch.device("cuda", 0)) == ("cuda" if _cupy_ok() else "shm")
+    # a GPU model goes over CUDA IPC when CuPy can make the IPC calls and the GPUs can map each
+    # other's memory (gpu_setup.decide_transport, tested in test_gpu_setup.py), else through host memory
+    mappable = all(peer_access_table(torch.cuda.device_count()).values())
+    assert choose_transport("auto", torch.device("cuda", 0)) == ("cuda" if _cupy_ok() and mappable else "shm")
     assert choose_transport("shm", torch.device("cuda", 0)) == "shm"  # staging through host memory
 
 

@@ -12,8 +12,11 @@ module imports without CuPy or a GPU). Each is one launch per buffer:
 * ``maxmin_check_meta``: validates every bucket's (min, unit) before a decode writes anything;
 * ``maxmin_decode``: one thread per group of 8 elements, writing or adding float4s.
 
-Tensors reach CuPy zero-copy by DLPack and the kernels run on torch's current stream, so they
-are ordered with the caller's torch work. Every float operation is an explicit round-to-nearest
+The kernels take the tensors' device pointers (checked first: ``check_encode_launch`` and
+``check_decode_launch`` refuse, before any CuPy call, a size, dtype, layout or device that would
+make a kernel write out of bounds) and run on torch's current stream, so they are ordered with
+the caller's torch work; ``compile_kernels`` compiles them up front (a worker does at setup).
+Every float operation is an explicit round-to-nearest
 intrinsic (and NVRTC runs with ``--fmad=false``): no FMA contraction, so the bytes equal the
 reference's. FP32/FP16/BF16 are plain torch casts on the device.
 """
@@ -35,10 +38,17 @@ __all__ = [
     "CUDA_SOURCE",
     "KERNEL_NAMES",
     "NVRTC_OPTIONS",
+    "check_decode_launch",
+    "check_encode_launch",
+    "compile_kernels",
     "decode",
+    "decode_args",
     "decode_maxmin_async",
     "encode",
+    "encode_args",
     "encode_maxmin_async",
+    "threads_per_bucket",
+    "to_host",
 ]
 
 BLOCK = 256  # threads per block of every kernel (BLOCK in the source)
@@ -305,6 +315,10 @@ _INSTALL_HINT = (
 )
 _kernels: dict[str, Any] = {}
 _kernels_lock = threading.Lock()
+# Per codec thread: its CuPy stream wrappers and its status buffers, keyed by (device, torch
+# stream), so a call allocates neither (a torch.full and a fresh ExternalStream cost more host
+# time than a 4 MB block's kernel takes on a large GPU).
+_per_thread = threading.local()
 
 
 def _cupy() -> Any:
@@ -326,17 +340,31 @@ def _kernel(name: str) -> Any:
         return _kernels[name]
 
 
+def compile_kernels(device: torch.device) -> None:
+    """Compile every kernel for ``device`` now (NVRTC, or CuPy's on-disk cache), so that a
+    toolkit, driver or source problem shows when a job is set up, not at its first gradient.
+    Raises ImportError without CuPy, else whatever CuPy raises (``CompileException`` names the
+    NVRTC log)."""
+    cp = _cupy()
+    with cp.cuda.Device(_index(device)):
+        for name in KERNEL_NAMES:
+            _kernel(name).compile()
+
+
 def _grid(items: int, per_block: int) -> tuple[int]:
     return (max(1, min(_MAX_GRID, -(-items // per_block))),)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class _OnTorchStream:
     """CuPy device + torch's current stream for one device, as a context manager."""
 
-    def __init__(self, cp: Any, device: torch.device) -> None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    def __init__(self, cp: Any, index: int, stream_handle: int) -> None:
         self._device = cp.cuda.Device(index)
-        self._stream = cp.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+        self._stream = cp.cuda.ExternalStream(stream_handle, index)
 
     def __enter__(self) -> None:
         self._device.__enter__()
@@ -347,6 +375,126 @@ class _OnTorchStream:
         self._device.__exit__(*exc)
 
 
+class _ThreadState:
+    """What one thread reuses across launches on one (device, stream)."""
+
+    def __init__(self, cp: Any, device: torch.device, stream_handle: int) -> None:
+        self.on_stream = _OnTorchStream(cp, _index(device), stream_handle)
+        # [first NaN/Inf element, first overflowing bucket] of an encode, [first bad bucket] of a
+        # metadata check: refilled with -1 before each launch, on the same stream, so a buffer
+        # is never refilled while a kernel of this thread still writes it
+        self.status = torch.empty(2, dtype=torch.int64, device=device)
+
+
+def _thread_state(cp: Any, device: torch.device) -> _ThreadState:
+    index = _index(device)
+    handle = torch.cuda.current_stream(index).cuda_stream
+    states = getattr(_per_thread, "states", None)
+    if states is None:
+        states = _per_thread.states = {}
+    state = states.get((index, handle))
+    if state is None:
+        state = states[(index, handle)] = _ThreadState(cp, torch.device("cuda", index), handle)
+    return state
+
+
+# ---- launch checks: before any CuPy call, so that a bad call never writes out of bounds ---------
+
+
+def check_encode_launch(x: torch.Tensor, payload: torch.Tensor, header: Header) -> None:
+    """Raise CodecError unless ``maxmin_encode`` may run for ``header`` from ``x`` into
+    ``payload``: a max-min header with valid settings, ``x`` contiguous float32 of ``numel``
+    elements, ``payload`` contiguous uint8 of exactly header + body bytes, 16-byte aligned (the
+    kernel stores the metadata as float2 and whole groups as up to 8-byte words), both on one
+    CUDA device. Reads only shapes, dtypes, pointers and devices."""
+    _check_maxmin_header(header, "maxmin_encode")
+    _check_flat(x, "input", torch.float32, header.numel, "maxmin_encode")
+    _check_flat(payload, "payload", torch.uint8, HEADER_SIZE + header.body_size, "maxmin_encode")
+    _check_aligned(payload, "maxmin_encode")
+    _check_one_cuda_device("maxmin_encode", input=x, payload=payload)
+
+
+def check_decode_launch(payload: torch.Tensor, header: Header, out: torch.Tensor | None) -> None:
+    """Raise CodecError unless ``maxmin_decode`` (``out`` given) or ``maxmin_check_meta`` (None)
+    may read ``payload`` for ``header`` and write ``out``: a max-min header with valid settings,
+    ``payload`` contiguous uint8 of exactly header + body bytes and 16-byte aligned, ``out``
+    contiguous float32 of ``numel`` elements, all on one CUDA device."""
+    entry = "maxmin_decode" if out is not None else "maxmin_check_meta"
+    _check_maxmin_header(header, entry)
+    _check_flat(payload, "payload", torch.uint8, HEADER_SIZE + header.body_size, entry)
+    _check_aligned(payload, entry)
+    if out is None:
+        _check_one_cuda_device(entry, payload=payload)
+        return
+    _check_flat(out, "output", torch.float32, header.numel, entry)
+    _check_one_cuda_device(entry, payload=payload, output=out)
+
+
+def _check_maxmin_header(header: Header, entry: str) -> None:
+    if header.codec != Codec.MAXMIN:
+        raise CodecError(f"{entry}: header codec is {header.codec.name}, expected MAXMIN")
+    if header.non_finite:  # its body_size is 0 whatever numel says: the kernels would run past it
+        raise CodecError(f"{entry}: header has the non-finite flag, expected a block with a body")
+    wire.validate_settings(header.codec, header.bits, header.bucket_size)
+    if header.numel < 0:
+        raise CodecError(f"{entry}: header numel is {header.numel}, expected >= 0")
+
+
+def _check_flat(t: torch.Tensor, name: str, dtype: torch.dtype, numel: int, entry: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise CodecError(f"{entry}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise CodecError(f"{entry}: {name} dtype is {t.dtype}, expected {dtype}")
+    if t.numel() != numel:
+        raise CodecError(f"{entry}: {name} has {t.numel()} elements, the header needs exactly {numel}")
+    if not t.is_contiguous():
+        raise CodecError(f"{entry}: {name} must be contiguous")
+
+
+def _check_aligned(payload: torch.Tensor, entry: str) -> None:
+    if payload.data_ptr() % 16:
+        raise CodecError(f"{entry}: payload address {payload.data_ptr():#x} is not 16-byte aligned")
+
+
+def _check_one_cuda_device(entry: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    for name, device in devices.items():
+        if device.type != "cuda":
+            raise CodecError(f"{entry}: {name} is on {device}, expected a CUDA device")
+    if len(set(devices.values())) > 1:
+        found = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise CodecError(f"{entry}: tensors on different devices ({found})")
+
+
+# ---- kernel arguments: device pointers and sizes, no DLPack import per call ----------------------
+
+
+def encode_args(x: torch.Tensor, payload: torch.Tensor, header: Header, seed: int,
+                status: torch.Tensor) -> tuple:
+    """``maxmin_encode``'s arguments, in the order of its signature (pointers as uint64)."""
+    n, bucket_size, bits = header.numel, header.bucket_size, header.bits
+    nb = wire.num_buckets(n, bucket_size)
+    meta = payload.data_ptr() + HEADER_SIZE
+    key = rng.seed_key(seed) if header.stochastic else 0
+    return (np.uint64(x.data_ptr()), np.int64(n), np.int32(bucket_size), np.int32(bits),
+            np.int32(threads_per_bucket(bucket_size)), np.int32(header.stochastic), np.uint32(key),
+            np.uint64(meta), np.uint64(meta + 8 * nb), np.uint64(status.data_ptr()))
+
+
+def decode_args(payload: torch.Tensor, header: Header, out: torch.Tensor, accumulate: bool) -> tuple:
+    """``maxmin_decode``'s arguments, in the order of its signature (pointers as uint64)."""
+    nb = wire.num_buckets(header.numel, header.bucket_size)
+    meta = payload.data_ptr() + HEADER_SIZE
+    return (np.uint64(meta), np.uint64(meta + 8 * nb), np.int64(header.numel),
+            np.int32(header.bucket_size), np.int32(header.bits), np.int32(accumulate),
+            np.uint64(out.data_ptr()))
+
+
+def threads_per_bucket(bucket_size: int) -> int:
+    """One thread per group of 8 elements, as a power of two up to a whole block."""
+    return min(BLOCK, 1 << max(0, (bucket_size // 8 - 1).bit_length()))
+
+
 # ---- encode ------------------------------------------------------------------------------------
 
 
@@ -355,6 +503,8 @@ def encode(x: torch.Tensor, header: Header, seed: int) -> torch.Tensor:
 
     The header's crc32 field is written as given (0): ``EncodedBlock.to_bytes`` fills it in.
     Raises CodecError on NaN/Inf (naming the first such element) or an overflowing bucket range.
+    The payload is written by work queued on torch's current stream: read it on that stream
+    (``to_host`` does), or make the reading stream wait for this one.
     """
     cp = _cupy() if header.codec == Codec.MAXMIN else None  # first: the likeliest setup error
     if x.device.type != "cuda" or x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
@@ -379,21 +529,17 @@ def encode(x: torch.Tensor, header: Header, seed: int) -> torch.Tensor:
 def encode_maxmin_async(cp: Any, x: torch.Tensor, payload: torch.Tensor, header: Header,
                         seed: int) -> torch.Tensor:
     """Launch ``maxmin_encode`` on torch's current stream; return the int64 status tensor
-    (first NaN/Inf element, first overflowing bucket; -1 = none) without waiting for it."""
-    n, bucket_size, bits = header.numel, header.bucket_size, header.bits
-    nb = wire.num_buckets(n, bucket_size)
-    # Threads per bucket: one per group of 8 elements, as a power of two up to a whole block.
-    tpb = min(BLOCK, 1 << max(0, (bucket_size // 8 - 1).bit_length()))
-    key = rng.seed_key(seed) if header.stochastic else 0
-    status = torch.full((2,), -1, dtype=torch.int64, device=x.device)
-    with _OnTorchStream(cp, x.device):
-        body = cp.from_dlpack(payload)[HEADER_SIZE:]
-        _kernel("maxmin_encode")(
-            _grid(nb, BLOCK // tpb), (BLOCK,),
-            (cp.from_dlpack(x), np.int64(n), np.int32(bucket_size), np.int32(bits),
-             np.int32(tpb), np.int32(header.stochastic), np.uint32(key),
-             body, body[8 * nb:], cp.from_dlpack(status)),
-        )
+    (first NaN/Inf element, first overflowing bucket; -1 = none) without waiting for it.
+    The status tensor is this thread's, reused: read it before the thread's next launch on the
+    same stream. Raises CodecError (``check_encode_launch``) before touching the device."""
+    check_encode_launch(x, payload, header)
+    state = _thread_state(cp, x.device)
+    status = state.status
+    status.fill_(-1)
+    nb = wire.num_buckets(header.numel, header.bucket_size)
+    with state.on_stream:
+        _kernel("maxmin_encode")(_grid(nb, BLOCK // threads_per_bucket(header.bucket_size)), (BLOCK,),
+                                 encode_args(x, payload, header, seed, status))
     return status
 
 
@@ -406,7 +552,22 @@ def _encode_float(x: torch.Tensor, body: torch.Tensor, codec: Codec) -> None:
             raise CodecError(f"tensor contains NaN/Inf (first at element {bad}: {float(x[bad])})")
         bad = int((~torch.isfinite(y)).nonzero()[0, 0])
         raise CodecError(f"element {bad} ({float(x[bad])}) overflows {codec.name.lower()}")
+    # queued on the current stream after the function returns: the payload's reader must be
+    # ordered after it (encode's docstring), as to_host on the same thread is
     body.copy_(y.view(torch.uint8))
+
+
+def to_host(payload: torch.Tensor) -> np.ndarray:
+    """A CUDA payload's bytes in host memory: copied on the current stream into pinned memory
+    (DMA at full speed, where a pageable ``.cpu()`` goes through the driver's bounce buffers),
+    waiting for that stream only. The array is the caller's (torch's host allocator keeps the
+    pinned block until the array's tensor is freed)."""
+    host = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(payload.reshape(-1), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(payload.device))
+    done.synchronize()
+    return host.numpy()
 
 
 # ---- decode ------------------------------------------------------------------------------------
@@ -469,25 +630,26 @@ def decode(
 def decode_maxmin_async(cp: Any, payload: torch.Tensor, header: Header, out: torch.Tensor,
                         accumulate: bool) -> None:
     """Launch ``maxmin_decode`` into float32 ``out`` on torch's current stream, no host sync.
-    The payload must be 16-byte aligned and its metadata already validated."""
-    n, nb = header.numel, wire.num_buckets(header.numel, header.bucket_size)
-    with _OnTorchStream(cp, out.device):
-        body = cp.from_dlpack(payload)[HEADER_SIZE:]
-        _kernel("maxmin_decode")(
-            _grid(-(-n // 8), BLOCK), (BLOCK,),
-            (body, body[8 * nb:], np.int64(n), np.int32(header.bucket_size),
-             np.int32(header.bits), np.int32(accumulate), cp.from_dlpack(out)),
-        )
+    The payload's metadata must be validated already (``decode`` does); its sizes, alignment
+    and device are checked here (``check_decode_launch``) before the device is touched."""
+    check_decode_launch(payload, header, out)
+    state = _thread_state(cp, out.device)
+    with state.on_stream:
+        _kernel("maxmin_decode")(_grid(-(-header.numel // 8), BLOCK), (BLOCK,),
+                                 decode_args(payload, header, out, accumulate))
 
 
 def _check_meta(cp: Any, payload: torch.Tensor, header: Header) -> None:
+    check_decode_launch(payload, header, None)
     nb = wire.num_buckets(header.numel, header.bucket_size)
-    status = torch.full((1,), -1, dtype=torch.int64, device=payload.device)
-    with _OnTorchStream(cp, payload.device):
+    state = _thread_state(cp, payload.device)
+    status = state.status[:1]
+    status.fill_(-1)
+    with state.on_stream:
         _kernel("maxmin_check_meta")(
             _grid(nb, BLOCK), (BLOCK,),
-            (cp.from_dlpack(payload)[HEADER_SIZE:], np.int64(nb), np.int32(header.bits),
-             cp.from_dlpack(status)),
+            (np.uint64(payload.data_ptr() + HEADER_SIZE), np.int64(nb), np.int32(header.bits),
+             np.uint64(status.data_ptr())),
         )
     b = int(status.item())
     if b >= 0:

@@ -70,7 +70,11 @@ class EncodedBlock:
     def to_bytes(self) -> bytes:
         """The wire payload: header (with the body's crc32) followed by the body."""
         host = self.payload
-        if isinstance(host, torch.Tensor):
+        if isinstance(host, torch.Tensor) and host.is_cuda:
+            from . import cuda
+
+            host = cuda.to_host(host)  # pinned, waiting on the encoding stream only
+        elif isinstance(host, torch.Tensor):
             host = host.cpu().numpy()
         header = dataclasses.replace(self.header, crc32=wire.body_crc32(host))
         host[:HEADER_SIZE] = np.frombuffer(wire.pack_header(header), dtype=np.uint8)

@@ -30,6 +30,7 @@ from .. import timeline
 from ..kernels import Codec, ErrorFeedback, PayloadScratch, dequantize, encode_block
 from ..layout import codec_of
 from ..v1 import ps_pb2
+from .codec_streams import CODEC_STREAMS, CodecStreams
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
 from .intranode import NodeReducer
@@ -71,8 +72,9 @@ class BlockExchange:
     their codec work on its codec threads (the kernels release the GIL)."""
 
     def __init__(self, engine: CommEngine | EngineShare, reducer: NodeReducer | None, config: WorkerConfig,
-                 span: CommSpan, allow_non_finite: bool) -> None:
+                 span: CommSpan, allow_non_finite: bool, streams: CodecStreams = CODEC_STREAMS) -> None:
         self._engine, self._reducer, self._config, self._span = engine, reducer, config, span
+        self._streams = streams  # a CUDA block's codec calls run on their codec thread's stream
         # a gradient with NaN/Inf travels as a non-finite block (every rank decodes NaN) instead of
         # failing the step: for loss scalers (mixed precision), which then skip it on every rank
         self.allow_non_finite = allow_non_finite
@@ -84,7 +86,7 @@ class BlockExchange:
         gradient's copies on a CUDA stream, to wait for before reading it."""
         reducer = self._reducer
         if reducer is not None and reducer.owner(block.spec.block_id) != self._config.local_rank:
-            return self.fetch(block, seq)
+            return self.fetch(block, seq, ready)
         return self.exchange(block, round_, seq, ready, compressed)
 
     async def exchange(self, block: BlockState, round_: int, seq: int, ready: torch.cuda.Event | None,
@@ -94,31 +96,42 @@ class BlockExchange:
         Returns the bytes pushed."""
         engine, reducer, spec = self._engine, self._reducer, block.spec
         seed = block_seed(self._config.node_rank, spec.block_id, round_)
-        if ready is not None:
-            await engine.in_thread(ready.synchronize)
+        in_thread = self._codec_calls(block.work.device, ready)
         if reducer is not None:
             with timeline.span("reduce", round_, timeline.block_track(spec.block_id), block=spec.block_id):
-                await reducer.reduce(spec.block_id, seq, engine.in_thread)
-        payload = await engine.in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
-                                         block, compressed, seed)
+                await reducer.reduce(spec.block_id, seq, in_thread)
+        payload = await in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
+                                  block, compressed, seed)
         # Encoded: let go of the gradient's memory where it is not where the average goes (the DDP
         # hook's early hand-over encodes autograd's own tensor): it is freed now, not a step later.
         block.work = block.buffer
         self._span.note(first=time.perf_counter())  # first byte out
         result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
-        await engine.in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
+        await in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
         self._span.note(last=time.perf_counter())  # last result in
         if reducer is not None:
             reducer.publish(spec.block_id, seq)
         return len(payload)
 
-    async def fetch(self, block: BlockState, seq: int) -> int:
+    async def fetch(self, block: BlockState, seq: int, ready: torch.cuda.Event | None = None) -> int:
         """Another local rank owns the block: copy its result (our own stream to the block's
         shard hears of a failed round too: stop waiting then). Pushed nothing: returns 0."""
         shard = block.spec.shard
         await self._reducer.fetch(block.spec.block_id, seq, failed=lambda: self._engine.shard_error(shard),
-                                  run_in_thread=self._engine.in_thread)
+                                  run_in_thread=self._codec_calls(block.buffer.device, ready))
         return 0
+
+    def _codec_calls(self, device: torch.device, ready: torch.cuda.Event | None):
+        """``engine.in_thread`` for one block's codec calls: on a CUDA device each runs on its
+        codec thread's stream, after ``ready`` (the training thread's writes to the block), so no
+        host waits for backward; a CPU block's calls are the engine's as they are."""
+        if device.type != "cuda":
+            return self._engine.in_thread
+
+        async def in_thread(fn, *args):
+            return await self._engine.in_thread(self._streams.wrap(fn, device, ready), *args)
+
+        return in_thread
 
     def _encode(self, block: BlockState, compressed: bool, seed: int) -> bytes:  # on a codec thread
         s = block.settings
@@ -130,5 +143,5 @@ class BlockExchange:
     def _decode(self, block: BlockState, result: bytes) -> None:  # on a codec thread
         # the average: the division by the world size is fused into the CPU decode's pass
         dequantize(result, out=block.result, scale=1.0 / self._config.world_size)
-        if block.result.is_cuda:
+        if block.result.is_cuda:  # this codec thread's stream only: backward's kernels go on
             torch.cuda.current_stream(block.result.device).synchronize()

@@ -59,6 +59,15 @@ def allocation_base(ptr: int) -> tuple[int, int]:
     return base.value, size.value
 
 
+def _check_mapped(data: torch.Tensor, address: int, device: torch.device) -> None:
+    """The peer's buffer must be a view of the mapping on our device: a copy (``torch.as_tensor``
+    infers the device from the pointer and may copy across devices) would sum a stale snapshot."""
+    if data.data_ptr() != address or data.device != device:
+        raise IntraNodeError(f"a peer's mapped GPU buffer came back as a copy ({data.device}, address "
+                             f"{data.data_ptr():#x}) instead of a view of the mapping ({device}, {address:#x}); "
+                             f"{_NO_IPC_HINT}")
+
+
 @dataclass
 class PeerBuffer:
     """Another local rank's buffer and events, mapped into this process on our own device."""
@@ -73,13 +82,14 @@ class PeerBuffer:
         torch.cuda.current_stream(self.device).wait_event(self.events[block_id])
 
     def close(self) -> None:
-        """Unmap, in the context the mapping was opened in (after our last read of it)."""
+        """Unmap, in the context the mapping was opened in (after our last read of it: on any
+        stream of ours, the codec threads' included, hence the whole device is synchronized)."""
         if not self.base:
             return
         import cupy
 
         with torch.cuda.device(self.device), cupy.cuda.Device(self.device.index):
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.synchronize(self.device)
             self.data, self.events = torch.empty(0), []
             base, self.base = self.base, 0
             _cupy_runtime().ipcCloseMemHandle(base)
@@ -150,6 +160,7 @@ class CudaIpcBuffer:
                     view = cupy.ndarray((r["numel"],), dtype=cupy.float32,
                                         memptr=cupy.cuda.MemoryPointer(memory, r["offset_bytes"]))
                     data = torch.as_tensor(view, device=device)  # zero-copy (CUDA array interface)
+                    _check_mapped(data, base + r["offset_bytes"], device)
                     events = [torch.cuda.Event.from_ipc_handle(index, bytes.fromhex(h)) for h in r["events"]]
                 except BaseException:
                     runtime.ipcCloseMemHandle(base)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from typing import Awaitable, Callable
@@ -27,7 +28,12 @@ from .client import ShardClient
 from .config import WorkerConfig
 from .errors import CgxPsError, ConfigError
 
-__all__ = ["CommEngine", "EngineShare"]
+__all__ = ["CODEC_DRAIN_S", "CommEngine", "EngineShare"]
+
+log = logging.getLogger(__name__)
+# How long close() waits for codec calls in flight: a block's encode or decode takes milliseconds;
+# a call still running after this is stuck, not slow.
+CODEC_DRAIN_S = 10.0
 
 
 class CommEngine:
@@ -117,7 +123,22 @@ class CommEngine:
             self.closed = True  # from here on, submit() says so instead of waiting forever
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-            self.executor.shutdown(wait=False)
+            self._drain_codec_threads(CODEC_DRAIN_S)
+
+    def _drain_codec_threads(self, timeout_s: float) -> bool:
+        """Drop the codec calls not started and wait, at most ``timeout_s``, for those running:
+        ``shutdown()`` unmaps the local ranks' buffers next (intra-node reduction), and a codec
+        thread still reading a peer's GPU memory or a segment then would fault. A call stuck
+        longer (a hung GPU) is logged and left: the process can still exit. True when drained."""
+        stopper = threading.Thread(target=self.executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                   name="cgx-codec-drain", daemon=True)
+        stopper.start()
+        stopper.join(timeout_s)
+        if stopper.is_alive():
+            log.warning("a codec call was still running %gs after the connection closed; unmapping the local "
+                        "ranks' buffers anyway", timeout_s)
+            return False
+        return True
 
     # ---- blocks ---------------------------------------------------------------------------------
 

@@ -31,9 +31,10 @@ from ..layout import block_payload_size
 from ..v1 import ps_pb2
 from .config import WorkerConfig
 from .errors import ConfigError, IntraNodeError
+from .gpu_setup import decide_transport, peer_access_table
 from .layout import largest_first
 from .rendezvous import close_fds, exchange_fds, rendezvous_name
-from .segment import TRANSPORT_CODES, Segment
+from .segment import Segment
 from .shm_flags import load_acquire, store_release
 
 __all__ = ["NodeReducer", "IntraNodeError", "assign_owners", "choose_transport", "close_all", "node_reducer",
@@ -74,23 +75,16 @@ def node_reducer(layout: ps_pb2.Layout, config: WorkerConfig, devices: set[torch
 
 
 def choose_transport(requested: str, device: torch.device) -> str:
-    """``auto`` picks CUDA IPC for a model on a GPU (when CuPy is there for the IPC calls) and
-    host shared memory otherwise."""
-    if requested == "auto":
-        if device.type != "cuda":
-            return "shm"
-        if _cupy_importable():
-            return "cuda"
-        log.warning("CUDA IPC needs CuPy (pip install 'cgx-ps[cuda12]'); local ranks reduce through host "
-                    "shared memory instead")
-        return "shm"
-    if requested == "cuda" and device.type != "cuda":
-        raise ConfigError(f"CGX_PS_INTRANODE=cuda needs the model on a GPU, but its parameters are on {device}")
-    if requested not in TRANSPORT_CODES:
-        raise ConfigError(f"CGX_PS_INTRANODE={requested!r} is not one of auto, shm, cuda")
-    return requested
-
-
+    """``auto`` picks CUDA IPC for a model on a GPU when CuPy is there for the IPC calls and the
+    visible GPUs can map each other's memory (``gpu_setup.decide_transport``), and host shared
+    memory otherwise, saying why in one log line."""
+    wants_gpu = requested in ("auto", "cuda") and device.type == "cuda"
+    access = peer_access_table(torch.cuda.device_count()) if wants_gpu else {}
+    cupy_ok = _cupy_importable() if wants_gpu and requested == "auto" else False
+    choice = decide_transport(requested, device, cupy_ok, access)
+    if choice.warning:
+        log.warning("%s", choice.warning)
+    return choice.transport
 
 
 class NodeReducer:

@@ -49,6 +49,7 @@ from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
 from .errors import CgxPsError
+from .gpu_setup import compile_cuda_codecs
 from .intranode import node_reducer
 from .layout import Compression, TensorInfo, build_layout
 from .pipeline_state import pipeline_state, restore
@@ -80,6 +81,9 @@ class BlockPipeline:
         self.steps = 0  # finished steps
         self.stats = StepStats()
         self._engine = engine
+        # NVRTC or a missing CuPy fails here, at setup, not at the first max-min gradient
+        block_devices = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
+        compile_cuda_codecs([b.codec.codec for b in layout.blocks], block_devices)
         self._exchanged = False  # a block went to the shards in this session (a resume must come first)
         self._to_shards = False  # a block went to the shards in this step
         self._reducer = node_reducer(layout, config, set(devices.values()), engine.round_timeout_s,
@@ -87,8 +91,7 @@ class BlockPipeline:
         self._lock = threading.Lock()  # the step's futures and flags, reset between steps
         self._span = CommSpan()
         self._exchange = BlockExchange(engine, self._reducer, config, self._span, allow_non_finite)
-        first = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
-        self.buffers = BlockBuffers(layout, first, self._reducer)
+        self.buffers = BlockBuffers(layout, block_devices, self._reducer)
         self._blocks = [BlockState(spec, self.buffers[spec.block_id], spec.codec,
                                    ErrorFeedback() if error_feedback else None, self.buffers[spec.block_id],
                                    self.buffers[spec.block_id]) for spec in layout.blocks]
