@@ -87,6 +87,32 @@ def cluster():
         yield c
 
 
+def check_user_hooks(results: list[dict]) -> None:
+    """A user's own post-accumulate-grad hooks (clipping in place on every parameter from the
+    start, halving in place on two parameters from step 2, after the early hand-over is installed)
+    under DDP with bucket views (the user_hooks_* scenarios of the launch of
+    test_hook_in_every_ddp_configuration): each must see autograd's undivided local gradient, as under plain
+    DDP, and its changes must reach the average as they do there, on the shards' steps (blocks
+    handed over early) and on DDP's allreduce steps (gradients divided into the bucket early).
+    Before, a hook registered after the hand-over's saw DDP's bucket instead (the last step's
+    average, or the divided gradient) and its changes were lost."""
+    for rank, r in enumerate(results):
+        plain = r["user_hooks_plain"]
+        shapes = {n: t.shape for n, t in plain["initial"].items()}
+        for (step, name), total in plain["seen"]["first"].items():  # autograd's gradient, undivided
+            assert total == float(rank_gradient(name, torch.empty(shapes[name]), rank, step, 0).double().sum())
+        assert sorted(plain["seen"]["later"]) == [(s, n) for s in (2, 3) for n in ("0.weight", "2.weight")]
+        for run in ("user_hooks_shards", "user_hooks_allreduce"):
+            assert r[run]["seen"] == plain["seen"], (rank, run)
+            for name, value in plain["final"].items():
+                torch.testing.assert_close(r[run]["final"][name], value, rtol=0, atol=1e-5, msg=f"{run}: {name}")
+            # the early hand-over (from step 2, once DDP's buckets are settled) goes on for every
+            # parameter without a user's hook after its own
+            params = len(plain["final"])
+            assert r[run]["early"] == [0, 0, params - 2, params - 2], (run, r[run]["early"])
+    assert results[0]["user_hooks_allreduce"]["paths"] == "allreduce"
+
+
 def test_hook_in_every_ddp_configuration(cluster, tmp_path):
     results = run_ddp_workers(cluster, tmp_path)
     assert {"hook_4bit", "gan", "amp_ddp", "bf16", "local:hook_4bit", "local:gan"} <= results[0].keys()
@@ -191,6 +217,8 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
         want = expected_fp32(r0["local:gan"]["initial"][model], 2)  # fp32: the node's sum, then the average
         for name, value in want.items():
             torch.testing.assert_close(r0["local:gan"]["final"][model][name], value, rtol=1e-6, atol=1e-6)
+
+    check_user_hooks(results)
 
     # a state given another model's module: named, on every rank
     for r in results:

@@ -350,6 +350,51 @@ def plain_ddp_run(rank: int, steps: int = 3) -> dict:
     return {"initial": initial, "final": _snapshot(model)}
 
 
+def user_hooks_run(rank: int, path: str, steps: int = 4) -> dict:
+    """A user's own post-accumulate-grad hooks under DDP with bucket views: "first", registered
+    before training on every parameter, clips its gradient in place; "later", registered after
+    step 1 (the early hand-over's hooks are installed and DDP's buckets settled by then) on two
+    parameters, halves it in place. ``path``: "plain" (DDP alone), "shards" (the hook, fp32
+    through the shards: blocks handed over early) or "allreduce" (the hook, every step through
+    DDP's allreduce as auto mode's uncompressed ones: gradients divided into the bucket early).
+    Records what each hook saw (a sum per step and parameter) and the final parameters."""
+    model = _model()
+    initial = _snapshot(model)
+    ddp = _ddp(model, gradient_as_bucket_view=True)
+    state = None
+    if path != "plain":
+        state = cgx.DDPHookState(ddp, compression="fp32" if path == "shards" else "4bit", block_bytes=BLOCK_BYTES)
+        ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+        if path == "allreduce":
+            state.open().pipe.apply(False, {})  # what every rank does with auto mode's decision
+    named = list(model.named_parameters())
+    name_of = {id(p): n for n, p in named}
+    seen: dict[str, dict[tuple[int, str], float]] = {"first": {}, "later": {}}
+    now = {"step": 0}
+
+    def user_hook(kind: str, change):
+        def hook(p: torch.Tensor) -> None:
+            seen[kind][(now["step"], name_of[id(p)])] = float(p.grad.double().sum())
+            change(p.grad)
+        return hook
+
+    for _, p in named:
+        p.register_post_accumulate_grad_hook(user_hook("first", lambda g: g.clamp_(-1.0, 1.0)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    early = []
+    for step in range(steps):
+        now["step"] = step
+        if step == 2:
+            for name in ("0.weight", "2.weight"):
+                dict(named)[name].register_post_accumulate_grad_hook(user_hook("later", lambda g: g.mul_(0.5)))
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+        early.append(state.stats.early_gradients if state is not None else 0)
+    return {"initial": initial, "final": _snapshot(model), "seen": seen, "early": early,
+            "paths": None if state is None else state.stats.path}
+
+
 class TwoBranches(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -513,6 +558,10 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "amp_optimizer": lambda r: amp_run(r, "optimizer"),
     "bf16": bf16_run,
     "foreign_module": foreign_module_run,
+    # a user's own post-accumulate-grad hooks: under plain DDP, and under the hook on both paths
+    "user_hooks_plain": lambda r: user_hooks_run(r, "plain"),
+    "user_hooks_shards": lambda r: user_hooks_run(r, "shards"),
+    "user_hooks_allreduce": lambda r: user_hooks_run(r, "allreduce"),
 }
 # run only when named (tests/test_ddp_hook.py's other launches): auto mode's uncompressed steps
 # on the process group
