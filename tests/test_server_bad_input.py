@@ -4,6 +4,9 @@ status; everyone else is unharmed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
+import weakref
 
 import grpc
 import pytest
@@ -11,7 +14,8 @@ import torch
 
 from cgx_ps.kernels import Codec, dequantize, encode
 from cgx_ps.layout import layout_hash
-from cgx_ps.server import ShardServer
+from cgx_ps.server import ShardServer, frames, service
+from cgx_ps.transport import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError
@@ -243,3 +247,37 @@ async def test_a_refused_push_into_a_resumed_session_changes_no_blocks_round(sha
         await close([good, bad])
         await channel.close()
 
+
+async def test_a_pushed_block_is_let_go_once_summed_not_when_its_stream_sends_again(shard: ShardServer,
+                                                                                   monkeypatch) -> None:
+    """The shard gives a push's bytes back to its budget once the push is summed; the stream
+    reading it must not hold them beyond that. Before, the reading loop kept the last message
+    and block it read until the stream's next message: on an idle stream (a step's last block,
+    for the whole next backward) up to a block and a message outside the budget, per stream."""
+    read: list[weakref.ref] = []
+
+    class Watched(bytearray):  # bytes and memoryviews cannot be watched by a weakref
+        pass
+
+    def read_push(raw: bytes) -> frames.PushFrame:  # the shard's own, its data in an object a weakref can watch
+        frame = frames.read_push(raw)
+        data = Watched(frame.data)
+        read.append(weakref.ref(data))
+        return dataclasses.replace(frame, data=data)
+
+    monkeypatch.setattr(service, "read_push", read_push)
+    layout = make_layout([TensorInfo("v", (300, 1000)), TensorInfo("w", (64, 64))], Compression(bits=None),
+                         block_bytes=4 * 300 * 1000)  # fp32: a push of one chunk (a view), one of two (a bytearray)
+    chunks = [-(-(32 + 4 * b.numel) // CHUNK_BYTES) for b in layout.blocks]
+    assert sorted(chunks) == [1, 2], chunks
+    clients = await connect(shard, layout, 2, prefix="idle")
+    try:
+        for round_ in range(2):
+            await asyncio.wait_for(asyncio.gather(*[
+                c.exchange(b.block_id, round_, encode_block(b, torch.randn(b.numel), 0))
+                for c in clients for b in layout.blocks]), 10)
+        gc.collect()
+        held = sum(ref() is not None for ref in read)
+        assert len(read) == 2 * len(clients) * sum(chunks) and held == 0, f"{held} of {len(read)} chunks still held"
+    finally:
+        await close(clients)
