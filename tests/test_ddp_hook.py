@@ -292,6 +292,31 @@ def test_a_stalled_rank_fails_the_optimizers_all_reduce_step_within_the_round_ti
     assert [o for o, _ in results[1]["optimizer_allreduce_stall"]["outcomes"]] == ["allreduce", "allreduce"]
 
 
+def test_a_rank_whose_backward_fails_part_way_leaves_every_rank_an_error_not_a_mismatched_average(tmp_path):
+    """gloo pairs all_reduces by the order ranks issue them. Auto mode's uncompressed steps on the
+    gloo group: rank 1's backward fails at step 1 once some of its blocks are launched, and it goes
+    on to the next batch, so from then on the ranks' all_reduces are out of step. No rank may apply
+    an average that paired a block with another block, or another step, of the other rank. What
+    happens: rank 0 fails step 1 naming the block (at the round timeout, or sooner when rank 1's
+    process exits) and refuses every later step; rank 1 starts no further step (the gradients of its failed backward count as
+    passes of the step it began). No parameter moves after step 0, and the replicas stay equal."""
+    round_timeout = 1.0
+    with LocalCluster(1, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as short:
+        results = run_ddp_workers(short, tmp_path, "--scenarios", "optimizer_allreduce_abandon", timeout=120)
+    runs = [r["optimizer_allreduce_abandon"] for r in results]
+    assert runs[0]["outcomes"][0] == runs[1]["outcomes"][0] == "allreduce"
+    assert runs[1]["outcomes"][1] == "RuntimeError: injected: out of memory in backward"
+    # stalled past the round timeout, or failed sooner when rank 1's process exited: named either way
+    failed = runs[0]["outcomes"][1]
+    assert failed.startswith(("CollectiveStalledError: rank 0: the all_reduce of block ",
+                              "CgxPsError: rank 0: the all_reduce of block ")), failed
+    for run in runs:
+        assert all(o not in ("allreduce", "shards") for o in run["outcomes"][1:]), run["outcomes"]
+        for step, (before, after) in enumerate(zip(run["before"][1:], [*run["before"][2:], run["final"]]), 1):
+            assert_same(before, after, f"step {step} after the failure")
+    assert_same(runs[0]["final"], runs[1]["final"], "rank 0 vs rank 1")
+
+
 def test_hook_auto_mode_probes_ddps_allreduce_on_every_rank_at_the_same_step(cluster, tmp_path):
     """The DDP hook's auto mode gives its model a probe of DDP's allreduce, as the optimizer does:
     every rank times an all_reduce on DDP's group at every decision, at the same step, rank 0's

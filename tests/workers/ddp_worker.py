@@ -168,6 +168,39 @@ def optimizer_allreduce_stall_run(rank: int) -> dict:
     return {"outcomes": outcomes}
 
 
+def optimizer_allreduce_abandon_run(rank: int) -> dict:
+    """Auto mode's uncompressed steps on the gloo group; at step 1 rank 1's backward fails part
+    way (a hook of its own raises once some blocks are launched), and it gives that step up and
+    goes on, as a loop that skips a batch after an error does. Records each step's outcome on
+    this rank and the parameters before each step. The group is out of step afterwards (rank 0's
+    last all_reduces stay queued): the worker exits without its final barrier
+    (LEAVES_GROUP_OUT_OF_STEP)."""
+    model = _model()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression="4bit", block_bytes=BLOCK_BYTES)
+    opt._cgx_pipe.apply(False, {})  # what auto mode's tuner sets: every step uncompressed, on the group
+    named = list(model.named_parameters())
+    outcomes, before = [], []
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected: out of memory in backward")
+
+    for step in range(4):
+        before.append(_snapshot(model))
+        handle = dict(named)["0.weight"].register_hook(fail) if step == 1 and rank == 1 else None
+        try:
+            opt.zero_grad()
+            _loss(model, named, rank, step).backward()
+            opt.step()
+            outcomes.append(opt.stats.path)
+        except Exception as exc:  # noqa: BLE001 - recorded for the parent test
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            if handle is not None:
+                handle.remove()
+    return {"outcomes": outcomes, "before": before, "final": _snapshot(model)}
+
+
 def optimizer_auto_group_run(rank: int, steps: int = 4) -> dict:
     """Real auto mode (deciding after steps 0, 1 and 3) with the default group: its model
     measures the group's all_reduce, and each step goes where the decision before it said."""
@@ -563,12 +596,16 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "user_hooks_shards": lambda r: user_hooks_run(r, "shards"),
     "user_hooks_allreduce": lambda r: user_hooks_run(r, "allreduce"),
 }
+# after these the gloo group is out of step for good: the worker saves and exits at once, since its
+# final barrier would pair with an all_reduce still queued (collective.py, "A stalled rank")
+LEAVES_GROUP_OUT_OF_STEP = {"optimizer_allreduce_abandon"}
 # run only when named (tests/test_ddp_hook.py's other launches): auto mode's uncompressed steps
 # on the process group
 ON_REQUEST = {
     "optimizer_allreduce": optimizer_allreduce_run,
     "optimizer_auto_group": optimizer_auto_group_run,
     "optimizer_allreduce_stall": optimizer_allreduce_stall_run,
+    "optimizer_allreduce_abandon": optimizer_allreduce_abandon_run,
     "hook_auto_probe": hook_auto_probe_run,
     "hook_auto_scaled": hook_auto_scaled_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
@@ -607,6 +644,9 @@ def main() -> None:
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
         t1 = time.perf_counter()
+        if scenario in LEAVES_GROUP_OUT_OF_STEP:
+            torch.save(results, args.out)
+            os._exit(0)
         cgx.shutdown()
         dist.barrier()  # both ranks done with this session before either opens the next
         print(f"rank {rank}: {name}: {t1 - t0:.2f}s, shutdown and barrier {time.perf_counter() - t1:.2f}s",
