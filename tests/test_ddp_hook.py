@@ -87,6 +87,32 @@ def cluster():
         yield c
 
 
+def check_user_hooks(results: list[dict]) -> None:
+    """A user's own post-accumulate-grad hooks (clipping in place on every parameter from the
+    start, halving in place on two parameters from step 2, after the early hand-over is installed)
+    under DDP with bucket views (the user_hooks_* scenarios of the launch of
+    test_hook_in_every_ddp_configuration): each must see autograd's undivided local gradient, as under plain
+    DDP, and its changes must reach the average as they do there, on the shards' steps (blocks
+    handed over early) and on DDP's allreduce steps (gradients divided into the bucket early).
+    Before, a hook registered after the hand-over's saw DDP's bucket instead (the last step's
+    average, or the divided gradient) and its changes were lost."""
+    for rank, r in enumerate(results):
+        plain = r["user_hooks_plain"]
+        shapes = {n: t.shape for n, t in plain["initial"].items()}
+        for (step, name), total in plain["seen"]["first"].items():  # autograd's gradient, undivided
+            assert total == float(rank_gradient(name, torch.empty(shapes[name]), rank, step, 0).double().sum())
+        assert sorted(plain["seen"]["later"]) == [(s, n) for s in (2, 3) for n in ("0.weight", "2.weight")]
+        for run in ("user_hooks_shards", "user_hooks_allreduce"):
+            assert r[run]["seen"] == plain["seen"], (rank, run)
+            for name, value in plain["final"].items():
+                torch.testing.assert_close(r[run]["final"][name], value, rtol=0, atol=1e-5, msg=f"{run}: {name}")
+            # the early hand-over (from step 2, once DDP's buckets are settled) goes on for every
+            # parameter without a user's hook after its own
+            params = len(plain["final"])
+            assert r[run]["early"] == [0, 0, params - 2, params - 2], (run, r[run]["early"])
+    assert results[0]["user_hooks_allreduce"]["paths"] == "allreduce"
+
+
 def test_hook_in_every_ddp_configuration(cluster, tmp_path):
     results = run_ddp_workers(cluster, tmp_path)
     assert {"hook_4bit", "gan", "amp_ddp", "bf16", "local:hook_4bit", "local:gan"} <= results[0].keys()
@@ -192,6 +218,8 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
         for name, value in want.items():
             torch.testing.assert_close(r0["local:gan"]["final"][model][name], value, rtol=1e-6, atol=1e-6)
 
+    check_user_hooks(results)
+
     # a state given another model's module: named, on every rank
     for r in results:
         error = r["foreign_module"]["error"]
@@ -262,6 +290,32 @@ def test_a_stalled_rank_fails_the_optimizers_all_reduce_step_within_the_round_ti
     # rank 1 came back after rank 0 gave up: its all_reduce paired with rank 0's stale one, which
     # is why rank 0 must not go on
     assert [o for o, _ in results[1]["optimizer_allreduce_stall"]["outcomes"]] == ["allreduce", "allreduce"]
+
+
+def test_a_rank_whose_backward_fails_part_way_leaves_every_rank_an_error_not_a_mismatched_average(tmp_path):
+    """gloo pairs all_reduces by the order ranks issue them. Auto mode's uncompressed steps on the
+    gloo group: rank 1's backward fails at step 1 once some of its blocks are launched, and it goes
+    on to the next batch, so from then on the ranks' all_reduces are out of step. No rank may apply
+    an average that paired a block with another block, or another step, of the other rank. What
+    happens: rank 0 fails step 1 naming the block (at the round timeout, or sooner when rank 1's
+    process exits) and refuses every later step; rank 1 starts no further step (the gradients of its failed backward count as
+    passes of the step it began), and its error names that cause too. No parameter moves after step 0, and the replicas stay equal."""
+    round_timeout = 1.0
+    with LocalCluster(1, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as short:
+        results = run_ddp_workers(short, tmp_path, "--scenarios", "optimizer_allreduce_abandon", timeout=120)
+    runs = [r["optimizer_allreduce_abandon"] for r in results]
+    assert runs[0]["outcomes"][0] == runs[1]["outcomes"][0] == "allreduce"
+    assert runs[1]["outcomes"][1] == "RuntimeError: injected: out of memory in backward"
+    # stalled past the round timeout, or failed sooner when rank 1's process exited: named either way
+    failed = runs[0]["outcomes"][1]
+    assert failed.startswith(("CollectiveStalledError: rank 0: the all_reduce of block ",
+                              "CgxPsError: rank 0: the all_reduce of block ")), failed
+    assert "Or an earlier backward failed part way" in runs[1]["outcomes"][2], runs[1]["outcomes"][2]
+    for run in runs:
+        assert all(o not in ("allreduce", "shards") for o in run["outcomes"][1:]), run["outcomes"]
+        for step, (before, after) in enumerate(zip(run["before"][1:], [*run["before"][2:], run["final"]]), 1):
+            assert_same(before, after, f"step {step} after the failure")
+    assert_same(runs[0]["final"], runs[1]["final"], "rank 0 vs rank 1")
 
 
 def test_hook_auto_mode_probes_ddps_allreduce_on_every_rank_at_the_same_step(cluster, tmp_path):

@@ -4,19 +4,24 @@ status; everyone else is unharmed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
+import weakref
 
 import grpc
 import pytest
 import torch
 
 from cgx_ps.kernels import Codec, dequantize, encode
-from cgx_ps.server import ShardServer
-from cgx_ps.v1 import ps_pb2
+from cgx_ps.layout import layout_hash
+from cgx_ps.server import ShardServer, frames, service
+from cgx_ps.transport import CHUNK_BYTES
+from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError
 from cgx_ps.worker.layout import Compression, TensorInfo
 from rounds import TENSORS, _good, check_aggregate, close, encode_block, expect_status, make_layout, raw_stream
-from support import SECURITY, connect
+from support import METADATA, SECURITY, connect
 
 SHARD_SETTINGS = dict(metrics_port=0, round_timeout_s=5.0)  # the conftest `shard` fixture's
 
@@ -134,6 +139,38 @@ async def test_a_sum_that_cannot_be_encoded_fails_the_round_for_every_node(shard
         await close([a, b])
 
 
+async def test_a_failure_while_summing_a_round_fails_it_for_every_node_naming_the_error(shard: ShardServer,
+                                                                                        monkeypatch) -> None:
+    """Memory exhausted (or a bug) while the push completing a round is summed: that push is
+    already counted in the sum, so the round must fail for every node, naming the error. Before,
+    only the pushing node's stream ended (INTERNAL, with a traceback in the log), the other nodes
+    waited for the round timeout, and the same push sent again was summed twice: a wrong result
+    for every node, without a word."""
+    from cgx_ps.kernels import EncodedSum
+
+    encode = EncodedSum.encode
+    failures = iter([MemoryError("injected: the shard is out of memory")])
+
+    def encode_failing_once(self, *args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(EncodedSum, "encode", encode_failing_once)
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    a, b = await connect(shard, layout, 2, prefix="oom")
+    try:
+        pushed = [_good(layout.blocks[0]) for _ in range(2)]
+        results = await asyncio.wait_for(asyncio.gather(a.exchange(0, 0, pushed[0]), b.exchange(0, 0, pushed[1]),
+                                                        return_exceptions=True), 4)  # the round timeout is 5 s
+        for got in results:
+            assert isinstance(got, RoundFailedError), got
+            assert "aggregate of block 0 round 0 cannot be encoded: MemoryError: injected" in str(got), got
+    finally:
+        await close([a, b])
+
+
 async def test_push_before_register_refused(shard: ShardServer) -> None:
     channel, call = await raw_stream(shard, "stranger", make_layout())
     await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "has not registered")
@@ -163,3 +200,84 @@ async def test_stale_round_refused(shard: ShardServer) -> None:
                                                                   offset=0, data=p)))
     await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "stale round 0, the shard expects round 3")
     await channel.close()
+
+
+async def test_a_refused_push_into_a_resumed_session_changes_no_blocks_round(shard: ShardServer) -> None:
+    """A resumed session's block (the shard restarted under the job) takes its round from the
+    first push it gets. Before, it took it from the first push it *saw*: a malformed push, or a
+    hostile round id, set the round every other node was then refused against ("stale round"),
+    and a round id near 2**64 broke every later Register (its next_rounds overflowed uint64)."""
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    block, job = layout.blocks[0], "resumed-after-restart"
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}")
+    stub = ps_pb2_grpc.ParameterServerStub(channel)
+
+    def register(node: str, member: int = 0) -> ps_pb2.RegisterRequest:
+        return ps_pb2.RegisterRequest(node_id=node, num_nodes=2, layout=layout, layout_hash=layout_hash(layout),
+                                      job_id=job, member=member, resume=True)
+
+    await stub.Register(register("good"), metadata=METADATA, timeout=5)  # a recovering node: a resumed session
+    good, bad = (ShardClient(f"127.0.0.1:{shard.port}", node, 2, layout, connect_timeout_s=5, job_id=job,
+                             security=SECURITY) for node in ("good", "bad"))
+    try:
+        for client in (good, bad):
+            await client.connect()
+        valid = _good(block)
+        corrupt = bytearray(valid)
+        corrupt[-1] ^= 0xFF
+        refusals = [(5000, bytes(corrupt), False, grpc.StatusCode.INVALID_ARGUMENT, "payload corrupted"),
+                    ((1 << 64) - 1, valid, False, grpc.StatusCode.INVALID_ARGUMENT, "cannot take round"),
+                    ((1 << 64) - 1, valid, True, grpc.StatusCode.INVALID_ARGUMENT, "cannot take round")]
+        for round_, data, restore, code, match in refusals:
+            raw, call = await raw_stream(shard, "bad", layout, bad.session_id)
+            await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(
+                round=round_, block_id=block.block_id, total_bytes=len(data), offset=0, data=data, restore=restore)))
+            await expect_status(call, code, match)
+            await raw.close()
+        await bad.reopen()
+        pushed = [encode_block(block, torch.randn(block.numel), seed) for seed in (1, 2)]
+        results = await asyncio.wait_for(asyncio.gather(good.exchange(0, 5, pushed[0]), bad.exchange(0, 5, pushed[1])),
+                                         10)
+        assert results[0] == results[1]
+        check_aggregate(block, pushed, results[0], round_=5)
+        # a Register still answers, with the round after the one summed
+        reply = await stub.Register(register("good", member=1), metadata=METADATA, timeout=5)
+        assert list(reply.next_rounds) == [6]
+    finally:
+        await close([good, bad])
+        await channel.close()
+
+
+async def test_a_pushed_block_is_let_go_once_summed_not_when_its_stream_sends_again(shard: ShardServer,
+                                                                                   monkeypatch) -> None:
+    """The shard gives a push's bytes back to its budget once the push is summed; the stream
+    reading it must not hold them beyond that. Before, the reading loop kept the last message
+    and block it read until the stream's next message: on an idle stream (a step's last block,
+    for the whole next backward) up to a block and a message outside the budget, per stream."""
+    read: list[weakref.ref] = []
+
+    class Watched(bytearray):  # bytes and memoryviews cannot be watched by a weakref
+        pass
+
+    def read_push(raw: bytes) -> frames.PushFrame:  # the shard's own, its data in an object a weakref can watch
+        frame = frames.read_push(raw)
+        data = Watched(frame.data)
+        read.append(weakref.ref(data))
+        return dataclasses.replace(frame, data=data)
+
+    monkeypatch.setattr(service, "read_push", read_push)
+    layout = make_layout([TensorInfo("v", (300, 1000)), TensorInfo("w", (64, 64))], Compression(bits=None),
+                         block_bytes=4 * 300 * 1000)  # fp32: a push of one chunk (a view), one of two (a bytearray)
+    chunks = [-(-(32 + 4 * b.numel) // CHUNK_BYTES) for b in layout.blocks]
+    assert sorted(chunks) == [1, 2], chunks
+    clients = await connect(shard, layout, 2, prefix="idle")
+    try:
+        for round_ in range(2):
+            await asyncio.wait_for(asyncio.gather(*[
+                c.exchange(b.block_id, round_, encode_block(b, torch.randn(b.numel), 0))
+                for c in clients for b in layout.blocks]), 10)
+        gc.collect()
+        held = sum(ref() is not None for ref in read)
+        assert len(read) == 2 * len(clients) * sum(chunks) and held == 0, f"{held} of {len(read)} chunks still held"
+    finally:
+        await close(clients)

@@ -30,8 +30,9 @@ same node is refused: one local rank pushes each block.
 
 A *resumed* session (the shard restarted under a running job: ps.proto, RegisterRequest.resume)
 knows neither the blocks' rounds nor the codec settings announced to the lost instance. Each
-block takes its round from the first push or restored result it gets, and the encoding of each
-round from that round's first push. A node that saw a round finish before the restart sends its
+block takes its round from the first push or restored result it accepts (a refused one changes
+nothing, and none beyond ``MAX_RESUME_ROUND`` is taken), and the encoding of each round from that
+round's first push. A node that saw a round finish before the restart sends its
 result back (``restore``): the block adopts those bytes instead of summing the round again, and
 the nodes still waiting for that round get exactly them, so every replica applies the same
 update and none applies a step twice.
@@ -52,8 +53,8 @@ from ..kernels import HEADER_SIZE, CodecError, EncodedBlock, EncodedSum, body_si
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
-from .blockstate import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState, PushOutcome, check_header,
-                         check_result, check_round, prune_schedule, result_seed, resume_conflict)
+from .blockstate import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState, PushOutcome, adoption_conflict,
+                         check_header, check_result, check_round, prune_schedule, result_seed, resume_conflict)
 from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from .metrics import ShardMetrics
 from .threads import keeps_on_loop
@@ -201,51 +202,70 @@ class Aggregator:
                    ) -> PushOutcome:
         block = self._block(block_id)
         async with block.lock:
-            if block.adopting:  # resumed session: the first push says where the block is
-                block.round, block.adopting = round_, False
             if self.failed is not None:
                 raise SessionEnded(f"session failed earlier: {self.failed.message}")
-            outcome = check_round(block, node_id, member, round_)
-            if outcome is not None:
-                return outcome
+            if not block.adopting:
+                return await self._push(block, node_id, member, round_, payload)
+            # A resumed session's block takes its round from the first push, but only from one it
+            # accepts: a refused push (malformed, or a hostile round id) must change nothing, or it
+            # would set the round every other node's pushes are then refused against.
+            error = adoption_conflict(block, round_)
+            if error is not None:
+                raise error
+            before = block.round
+            block.round, block.adopting = round_, False
             try:
-                header = decode_header(payload)
-            except CodecError as exc:
-                raise BadRequest(f"block {block_id}: {exc}") from None
-            encoding = check_header(block, header)
-            # what the round will be once this push is kept (applied below, only if it is)
-            stochastic = header.stochastic if block.learning and block.round_encoding is None else block.round_stochastic
-            non_finite = block.round_non_finite or header.non_finite  # the result is then a non-finite block
-            completes = len(block.pushed) + 1 == self.num_nodes  # check_round: a node's first push
-            encode = self._round_encoder(block, round_, encoding, stochastic, non_finite) if completes else None
-            loop = asyncio.get_running_loop()
-            first = not block.pushed
-            arrived = time.monotonic()
-            # A push that is only checked (then kept where it arrived) is kept right here; any other takes one hop
-            # to a kernel thread, where the push completing the round is summed and encoded too
-            # (module doc, threads.keeps_on_loop)
-            try:
-                if keeps_on_loop(len(payload), block.sum.keeps(header), completes):
-                    kept = self._keep(block, round_, node_id, payload, None)
-                else:
-                    kept = await loop.run_in_executor(self.executor, self._keep, block, round_, node_id, payload,
-                                                      encode)
-            except CodecError as exc:
-                raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
-            block.round_stochastic = stochastic
-            if first:
-                block.first_push_at = arrived
-                block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
-            block.pushed[node_id] = member
-            block.round_encoding = encoding
-            block.round_non_finite = non_finite
-            if self.metrics:
-                self.metrics.bytes_in.inc(len(payload))
-                if not header.non_finite:
-                    self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
-            if kept is not None:
-                self._finish(block, round_, kept, arrived)
-            return PushOutcome(accepted=True)
+                return await self._push(block, node_id, member, round_, payload)
+            except BaseException:
+                block.round, block.adopting = before, True
+                raise
+
+    async def _push(self, block: BlockState, node_id: str, member: int, round_: int, payload: bytes | memoryview
+                    ) -> PushOutcome:
+        """A push into ``block`` (its lock held, its round known): check it, keep it, and sum
+        the round if it completes it."""
+        block_id = block.spec.block_id
+        outcome = check_round(block, node_id, member, round_)
+        if outcome is not None:
+            return outcome
+        try:
+            header = decode_header(payload)
+        except CodecError as exc:
+            raise BadRequest(f"block {block_id}: {exc}") from None
+        encoding = check_header(block, header)
+        # what the round will be once this push is kept (applied below, only if it is)
+        stochastic = header.stochastic if block.learning and block.round_encoding is None else block.round_stochastic
+        non_finite = block.round_non_finite or header.non_finite  # the result is then a non-finite block
+        completes = len(block.pushed) + 1 == self.num_nodes  # check_round: a node's first push
+        encode = self._round_encoder(block, round_, encoding, stochastic, non_finite) if completes else None
+        loop = asyncio.get_running_loop()
+        first = not block.pushed
+        arrived = time.monotonic()
+        # A push that is only checked (then kept where it arrived) is kept right here; any other takes one hop
+        # to a kernel thread, where the push completing the round is summed and encoded too
+        # (module doc, threads.keeps_on_loop)
+        try:
+            if keeps_on_loop(len(payload), block.sum.keeps(header), completes):
+                kept = self._keep(block, round_, node_id, payload, None)
+            else:
+                kept = await loop.run_in_executor(self.executor, self._keep, block, round_, node_id, payload,
+                                                  encode)
+        except CodecError as exc:
+            raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
+        block.round_stochastic = stochastic
+        if first:
+            block.first_push_at = arrived
+            block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
+        block.pushed[node_id] = member
+        block.round_encoding = encoding
+        block.round_non_finite = non_finite
+        if self.metrics:
+            self.metrics.bytes_in.inc(len(payload))
+            if not header.non_finite:
+                self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
+        if kept is not None:
+            self._finish(block, round_, kept, arrived)
+        return PushOutcome(accepted=True)
 
     async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes) -> PushOutcome:
         """A node's copy of a round's result from the lost shard instance (resumed sessions only):
@@ -257,6 +277,9 @@ class Aggregator:
         async with block.lock:
             if self.failed is not None:
                 raise SessionEnded(f"session failed earlier: {self.failed.message}")
+            error = adoption_conflict(block, round_) if block.adopting else None
+            if error is not None:
+                raise error
             if not block.adopting and round_ < block.round:
                 return PushOutcome(accepted=False)  # another node restored it first, or it is older
             if not block.adopting and (round_ > block.round or block.summed_here):
@@ -290,9 +313,19 @@ class Aggregator:
     def _keep(block: BlockState, round_: int, node_id: str, payload: bytes | memoryview,
               encode: Callable[[], EncodedBlock] | None) -> RoundSum | None:
         """On a kernel thread: check and keep a push (CodecError: refused, nothing kept); with
-        ``encode`` (the push completes its round), the round's sum too."""
-        with timeline.span("sum", round_, block=block.spec.block_id, node=node_id):
-            block.sum.add(payload)
+        ``encode`` (the push completes its round), the round's sum too.
+
+        Any other failure (memory exhausted, a bug) may leave the sum half changed: keeping the
+        push that completes a round counts it before the encode fails, and the same push sent
+        again would then be summed twice, a wrong result for every node without a word. So it
+        fails the round, for every node, naming the error (a RoundSum without a result)."""
+        try:
+            with timeline.span("sum", round_, block=block.spec.block_id, node=node_id):
+                block.sum.add(payload)
+        except CodecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see above: the round fails, named, for everyone
+            return RoundSum(None, f"keeping node {node_id}'s push failed: {type(exc).__name__}: {exc}")
         if encode is None:
             return None
         with timeline.span("re-encode", round_, block=block.spec.block_id):
@@ -300,6 +333,8 @@ class Aggregator:
                 return RoundSum(encode().to_bytes())
             except CodecError as exc:  # one node sent huge finite values: the sum is not encodable
                 return RoundSum(None, str(exc))
+            except Exception as exc:  # noqa: BLE001 - see above
+                return RoundSum(None, f"{type(exc).__name__}: {exc}")
 
     def _finish(self, block: BlockState, round_: int, summed: RoundSum, last_arrived: float) -> None:
         if block.timer is not None:

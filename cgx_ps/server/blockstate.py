@@ -18,8 +18,8 @@ from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import BadRequest, Conflict, ProtocolError, WrongRound
 
-__all__ = ["BlockState", "MAX_PENDING_CODEC_CHANGES", "MAX_RESUME_ROUND", "PushOutcome", "check_header",
-           "check_result", "check_round", "prune_schedule", "result_seed", "resume_conflict"]
+__all__ = ["BlockState", "MAX_PENDING_CODEC_CHANGES", "MAX_RESUME_ROUND", "PushOutcome", "adoption_conflict",
+           "check_header", "check_result", "check_round", "prune_schedule", "result_seed", "resume_conflict"]
 
 # Bounded memory: a client announcing a change for every future round must not grow the schedule.
 MAX_PENDING_CODEC_CHANGES = 8
@@ -100,6 +100,17 @@ def resume_conflict(block: BlockState, from_round: int, settings: ps_pb2.CodecSe
     if not block.pristine:
         return WrongRound(f"block {block_id}: cannot resume at round {from_round}, this session already runs round "
                           f"{block.round}: load the checkpoint before the first step")
+    return None
+
+
+def adoption_conflict(block: BlockState, round_: int) -> ProtocolError | None:
+    """Why a resumed session's block, which takes its round from the first push or restored
+    result it gets (aggregator.py), may not take ``round_``; None if it may. The bound is a
+    resume's: past it the round ids would overflow the uint64 ``next_rounds`` every later
+    Register answers with, so one member's push would break every node's Register."""
+    if round_ >= MAX_RESUME_ROUND:
+        return BadRequest(f"block {block.spec.block_id}: cannot take round {round_} from a push into a resumed "
+                          f"session (limit {MAX_RESUME_ROUND})")
     return None
 
 

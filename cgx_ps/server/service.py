@@ -144,20 +144,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                                   track=f"{stream.node_id}/{stream.member} receive")
         cancelled = False
         try:
-            while True:
-                raw = await assembler.next_message(context.read)
-                if raw is grpc.aio.EOF:
-                    break
-                chunk = read_push(raw)
-                self._check_push(session, chunk)
-                payload = await assembler.add(chunk, session.aggregator.allowed_sizes)
-                if payload is not None:
-                    # Summed in its own task so this stream keeps reading. Never cancelled: a
-                    # push that has been read is always summed and its budget released.
-                    task = asyncio.create_task(self._push(session, stream, chunk, payload))
-                    for tasks in (self._push_tasks, stream.push_tasks):
-                        tasks.add(task)
-                        task.add_done_callback(tasks.discard)
+            while await self._read_push(context, session, stream, assembler):
+                pass
         except asyncio.CancelledError:
             cancelled = True  # the writer is gone: nothing more can reach this client
             raise
@@ -177,6 +165,30 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # EOF, error or cancellation: end the stream (on EOF pending results are not awaited:
             # a client half-closes only when it has everything it waits for)
             stream.stop()
+
+    async def _read_push(self, context: grpc.aio.ServicerContext, session: Session, stream: NodeStream,
+                         assembler: PushAssembler) -> bool:
+        """Read the stream's next message and act on it; False at the stream's end.
+
+        A call of its own per message, so that what it read is let go when it returns: the
+        message (up to the 8 MiB gRPC admits) and the block it completed, once that block's push
+        task is done with it. Held by the reading loop instead, they lived until the stream's
+        next message, which may come a whole step later: per idle stream up to a block and a
+        message outside the push budget, whose bytes the push task had already given back."""
+        raw = await assembler.next_message(context.read)
+        if raw is grpc.aio.EOF:
+            return False
+        chunk = read_push(raw)
+        self._check_push(session, chunk)
+        payload = await assembler.add(chunk, session.aggregator.allowed_sizes)
+        if payload is not None:
+            # Summed in its own task so this stream keeps reading. Never cancelled: a push that
+            # has been read is always summed and its budget released.
+            task = asyncio.create_task(self._push(session, stream, chunk, payload))
+            for tasks in (self._push_tasks, stream.push_tasks):
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        return True
 
     def _rejected(self, stream: NodeStream, error: ProtocolError) -> ProtocolError:
         """Count and log a refused push; the error, without the tracebacks (its own and those it

@@ -108,6 +108,10 @@ class DDPHookState:
     on auto mode's steps through DDP's allreduce divided into it as DDP itself would
     (``handover.py``). DDP's ``bucket_cap_mb`` needs no tuning for the hook: DDP never splits a
     tensor across buckets, and a block starts as soon as its tensors' gradients have arrived.
+    Hooks of your own (``register_post_accumulate_grad_hook``: clipping, a gradient-norm logger)
+    see autograd's undivided local gradient and may change it in place, as under plain DDP; on a
+    parameter whose hook was registered after the first step that parameter's gradient is left
+    to DDP's copy instead of being handed over early (register such hooks before training).
     """
 
     def __init__(self, module: torch.nn.Module, compression: str | Compression | None = "4bit", *,

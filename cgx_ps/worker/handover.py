@@ -27,17 +27,30 @@ bucket disarms it, as it ends the reducer's backward. Any other backward (a grad
 through ``ddp.module``, a ``no_sync()`` step, validation with gradients) is left to autograd:
 local gradients, nothing pushed, as with plain DDP.
 
+A user's own hooks on a parameter see what they see under plain DDP. Autograd runs a
+parameter's post-accumulate-grad hooks in the order they were registered, all of them before DDP's
+reducer: under plain DDP every one of them sees autograd's undivided local gradient, and what it
+changes in place is what DDP copies into its bucket. A hook registered before the hand-over's
+(which is installed at the end of the first step) runs before it, and so sees the same and is
+honoured the same. One registered later would run after the gradient was divided into its place
+in DDP's bucket or handed to the pipeline: it would see the bucket (the divided gradient, or the
+last step's average) and its changes would be lost. So the hand-over acts only where its hook is
+the parameter's last (``runs_last``); a gradient with a user's hook after it is left to DDP, which
+copies it after every hook, as without the hand-over. ``register_hook`` hooks run before
+accumulation, so before any of this.
+
 The hooks hold the hand-over weakly and are removed when it is dropped (with its state) or when
 its session ends (``cgx_ps.worker.shutdown()``); the hand-over holds the DDP model weakly, as DDP's
-reducer holds the state out of the garbage collector's sight. One private DDP flag is read through
-``getattr``; on a torch without it there is no early hand-over.
+reducer holds the state out of the garbage collector's sight. One private DDP flag and each
+parameter's private hook table are read through ``getattr``; on a torch without the flag there is
+no early hand-over, without the table none for that parameter.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -45,7 +58,7 @@ if TYPE_CHECKING:
     from .frontend import StepDriver
 
 __all__ = ["EarlyHandover", "StepGradients", "buckets_settled", "early_action", "early_handover", "hands_over",
-           "is_ddp"]
+           "is_ddp", "runs_last"]
 
 
 def early_handover(is_ddp: bool, bucket_view: bool, find_unused: bool, static_graph: bool,
@@ -79,6 +92,14 @@ def hands_over(armed: bool, session_open: bool, settled: bool) -> bool:
     the state's session is open, and once DDP's buckets are settled (the places are known). Else
     autograd keeps it, as plain DDP does (DDP copies it into its bucket, or ignores it)."""
     return armed and session_open and settled
+
+
+def runs_last(hooks: Mapping[int, Any] | None, own: int | None) -> bool:
+    """Whether the hand-over's hook (handle id ``own``) is the last of a parameter's
+    post-accumulate-grad hooks (``hooks``: the parameter's table, by handle id, in the order
+    autograd runs them). If a user's hook comes after it, the gradient is left to DDP, so that hook
+    sees autograd's gradient and its changes are honoured, as under plain DDP (module doc)."""
+    return own is not None and bool(hooks) and next(reversed(hooks)) == own
 
 
 def is_ddp(module: torch.nn.Module) -> bool:
@@ -163,6 +184,7 @@ class EarlyHandover:
         self._handles: list | None = None  # None: not installed yet; []: decided against, or removed
         self._driver: StepDriver | None = None
         self._name_of: Callable[[torch.Tensor], str | None] = lambda _: None
+        self._hook_ids: dict[str, int] = {}  # each parameter's hook of the hand-over, by handle id (runs_last)
         self._allreduce_size: Callable[[], int | None] = lambda: None  # install_once
         self._armed = False  # the last DDP forward armed DDP's reducer, and its backward is not over
         self._session_open = True
@@ -197,6 +219,7 @@ class EarlyHandover:
         self._name_of = lambda p: name_of.get(id(p))
         gradient_done = _weakly(self._gradient_done)
         handles = [p.register_post_accumulate_grad_hook(gradient_done) for p in params.values()]
+        self._hook_ids = {name: handle.id for name, handle in zip(params, handles)}
         handles.append(ddp.register_forward_hook(_weakly(self._forward_done)))
         self._handles = handles
         weakref.finalize(self, _remove, handles).atexit = False  # dropped with its state: hooks go too
@@ -232,6 +255,8 @@ class EarlyHandover:
             return  # unknown place, or already there (zero_grad(set_to_none=False)): nothing to skip
         if grad.dtype != view.dtype or grad.shape != view.shape or grad.device != view.device:
             return
+        if not runs_last(getattr(param, "_post_accumulate_grad_hooks", None), self._hook_ids.get(name)):
+            return  # a user's hook runs after this one: it must see autograd's gradient (module doc)
         driver, gradients = self._driver, self.gradients
         try:
             driver.gradient_arrived()  # the step's first gradient: auto mode's decision applies now

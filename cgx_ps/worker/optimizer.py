@@ -115,8 +115,12 @@ class _DistributedMixin:
             passes = self._cgx_passes.get(id(param), 0) + 1
             self._cgx_passes[id(param)] = passes
         if passes > self._cgx_backward_passes:  # its block is already on its way: this pass would be lost
+            # the second cause is what a loop that skips a batch after an error in backward meets:
+            # that backward's gradients count as passes of the step it began (tests/test_ddp_hook.py)
             raise CgxPsError(f"{name}: gradient computed {passes} times before step(), but backward_passes_per_step="
-                             f"{self._cgx_backward_passes}; raise it to the number of backward passes per step")
+                             f"{self._cgx_backward_passes}; raise it to the number of backward passes per step. "
+                             f"Or an earlier backward failed part way: the step it began cannot be completed "
+                             f"(other ranks wait for its blocks), so stop every rank and restart from a checkpoint")
         if passes == self._cgx_backward_passes:  # else accumulating: communicate after the last pass
             self._cgx_driver.submit_ready([name], self._cgx_grad_of, collective=self._cgx_collective())
 

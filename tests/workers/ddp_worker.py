@@ -168,6 +168,39 @@ def optimizer_allreduce_stall_run(rank: int) -> dict:
     return {"outcomes": outcomes}
 
 
+def optimizer_allreduce_abandon_run(rank: int) -> dict:
+    """Auto mode's uncompressed steps on the gloo group; at step 1 rank 1's backward fails part
+    way (a hook of its own raises once some blocks are launched), and it gives that step up and
+    goes on, as a loop that skips a batch after an error does. Records each step's outcome on
+    this rank and the parameters before each step. The group is out of step afterwards (rank 0's
+    last all_reduces stay queued): the worker exits without its final barrier
+    (LEAVES_GROUP_OUT_OF_STEP)."""
+    model = _model()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                                   compression="4bit", block_bytes=BLOCK_BYTES)
+    opt._cgx_pipe.apply(False, {})  # what auto mode's tuner sets: every step uncompressed, on the group
+    named = list(model.named_parameters())
+    outcomes, before = [], []
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected: out of memory in backward")
+
+    for step in range(4):
+        before.append(_snapshot(model))
+        handle = dict(named)["0.weight"].register_hook(fail) if step == 1 and rank == 1 else None
+        try:
+            opt.zero_grad()
+            _loss(model, named, rank, step).backward()
+            opt.step()
+            outcomes.append(opt.stats.path)
+        except Exception as exc:  # noqa: BLE001 - recorded for the parent test
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            if handle is not None:
+                handle.remove()
+    return {"outcomes": outcomes, "before": before, "final": _snapshot(model)}
+
+
 def optimizer_auto_group_run(rank: int, steps: int = 4) -> dict:
     """Real auto mode (deciding after steps 0, 1 and 3) with the default group: its model
     measures the group's all_reduce, and each step goes where the decision before it said."""
@@ -350,6 +383,51 @@ def plain_ddp_run(rank: int, steps: int = 3) -> dict:
     return {"initial": initial, "final": _snapshot(model)}
 
 
+def user_hooks_run(rank: int, path: str, steps: int = 4) -> dict:
+    """A user's own post-accumulate-grad hooks under DDP with bucket views: "first", registered
+    before training on every parameter, clips its gradient in place; "later", registered after
+    step 1 (the early hand-over's hooks are installed and DDP's buckets settled by then) on two
+    parameters, halves it in place. ``path``: "plain" (DDP alone), "shards" (the hook, fp32
+    through the shards: blocks handed over early) or "allreduce" (the hook, every step through
+    DDP's allreduce as auto mode's uncompressed ones: gradients divided into the bucket early).
+    Records what each hook saw (a sum per step and parameter) and the final parameters."""
+    model = _model()
+    initial = _snapshot(model)
+    ddp = _ddp(model, gradient_as_bucket_view=True)
+    state = None
+    if path != "plain":
+        state = cgx.DDPHookState(ddp, compression="fp32" if path == "shards" else "4bit", block_bytes=BLOCK_BYTES)
+        ddp.register_comm_hook(state, cgx.ddp_comm_hook)
+        if path == "allreduce":
+            state.open().pipe.apply(False, {})  # what every rank does with auto mode's decision
+    named = list(model.named_parameters())
+    name_of = {id(p): n for n, p in named}
+    seen: dict[str, dict[tuple[int, str], float]] = {"first": {}, "later": {}}
+    now = {"step": 0}
+
+    def user_hook(kind: str, change):
+        def hook(p: torch.Tensor) -> None:
+            seen[kind][(now["step"], name_of[id(p)])] = float(p.grad.double().sum())
+            change(p.grad)
+        return hook
+
+    for _, p in named:
+        p.register_post_accumulate_grad_hook(user_hook("first", lambda g: g.clamp_(-1.0, 1.0)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    early = []
+    for step in range(steps):
+        now["step"] = step
+        if step == 2:
+            for name in ("0.weight", "2.weight"):
+                dict(named)[name].register_post_accumulate_grad_hook(user_hook("later", lambda g: g.mul_(0.5)))
+        opt.zero_grad()
+        _loss(ddp, named, rank, step).backward()
+        opt.step()
+        early.append(state.stats.early_gradients if state is not None else 0)
+    return {"initial": initial, "final": _snapshot(model), "seen": seen, "early": early,
+            "paths": None if state is None else state.stats.path}
+
+
 class TwoBranches(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -513,13 +591,21 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "amp_optimizer": lambda r: amp_run(r, "optimizer"),
     "bf16": bf16_run,
     "foreign_module": foreign_module_run,
+    # a user's own post-accumulate-grad hooks: under plain DDP, and under the hook on both paths
+    "user_hooks_plain": lambda r: user_hooks_run(r, "plain"),
+    "user_hooks_shards": lambda r: user_hooks_run(r, "shards"),
+    "user_hooks_allreduce": lambda r: user_hooks_run(r, "allreduce"),
 }
+# after these the gloo group is out of step for good: the worker saves and exits at once, since its
+# final barrier would pair with an all_reduce still queued (collective.py, "A stalled rank")
+LEAVES_GROUP_OUT_OF_STEP = {"optimizer_allreduce_abandon"}
 # run only when named (tests/test_ddp_hook.py's other launches): auto mode's uncompressed steps
 # on the process group
 ON_REQUEST = {
     "optimizer_allreduce": optimizer_allreduce_run,
     "optimizer_auto_group": optimizer_auto_group_run,
     "optimizer_allreduce_stall": optimizer_allreduce_stall_run,
+    "optimizer_allreduce_abandon": optimizer_allreduce_abandon_run,
     "hook_auto_probe": hook_auto_probe_run,
     "hook_auto_scaled": hook_auto_scaled_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
@@ -558,6 +644,9 @@ def main() -> None:
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
         t1 = time.perf_counter()
+        if scenario in LEAVES_GROUP_OUT_OF_STEP:
+            torch.save(results, args.out)
+            os._exit(0)
         cgx.shutdown()
         dist.barrier()  # both ranks done with this session before either opens the next
         print(f"rank {rank}: {name}: {t1 - t0:.2f}s, shutdown and barrier {time.perf_counter() - t1:.2f}s",

@@ -88,3 +88,12 @@ def register_another_job(rng, w, who):
     request = w.register_request(member=0, node_id="intruder", job_id=f"intruder-{rng.randrange(100)}",
                                  layout=layout, layout_hash=layout_hash(layout))
     return Plan([request.SerializeToString()])
+
+
+@scenario("Register")
+def register_resumed(rng, w, who):
+    """A recovering member (``resume``, as after a shard restart): with an incarnation above the
+    session's it starts a resumed session, whose blocks take their rounds from the first pushes
+    they accept (the huge rounds of exchange_bad_round among them: they must be refused)."""
+    request = w.register_request(resume=True, incarnation=rng.randrange(1, 1 << 20))
+    return Plan([request.SerializeToString()])
