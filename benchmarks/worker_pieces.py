@@ -94,6 +94,13 @@ def pieces(model: str) -> dict[str, tuple[Callable[[], object], Callable[[], obj
     encoded = {b: (meta.copy(), levels.copy()) for b, (meta, levels) in bodies.items()}  # the kernel's output
     out = {b.block_id: torch.empty(b.numel) for b in blocks}
     seeds = [1_000_003 * b.block_id + 17 for b in blocks]
+    # the encode kernel on one block's gradient again and again (in cache after the first), as
+    # many elements as a step: the kernel's own cost, against its cost reading the step's 68 MB
+    one = max(quantized, key=lambda b: b.numel)
+    hot = [one] * round(sum(b.numel for b in quantized) / one.numel)
+    stamped = {b.block_id: encode_block(x[b.block_id], Codec.MAXMIN if b.codec.bits else Codec.FP32,
+                                        bits=b.codec.bits or 4, bucket_size=b.codec.bucket_size or 1024,
+                                        stochastic=b.codec.stochastic, seed=b.block_id) for b in blocks}
     return {
         "result reading (communication)": (
             lambda: [read_result(f) for fs in frames for f in fs],
@@ -109,6 +116,12 @@ def pieces(model: str) -> dict[str, tuple[Callable[[], object], Callable[[], obj
         "  of which the encode kernel": (
             lambda: [cpu.encode_maxmin_into(x[b.block_id].numpy(), *encoded[b.block_id], 4,
                                             b.codec.bucket_size, True, b.block_id) for b in quantized], None),
+        f"  the encode kernel, one block's x in cache ({len(hot)} times)": (
+            lambda: [cpu.encode_maxmin_into(x[b.block_id].numpy(), *encoded[b.block_id], 4,
+                                            b.codec.bucket_size, True, b.block_id) for b in hot], None),
+        "  of which to_bytes (crc32, header, copy)": (lambda: [e.to_bytes() for e in stamped.values()], None),
+        "  of which the body's crc32": (lambda: [wire.body_crc32(e.payload) for e in stamped.values()], None),
+        "  of which the payload's copy": (lambda: [e.payload.tobytes() for e in stamped.values()], None),
         "dequantize, scaled (codec)": (
             lambda: [dequantize(payloads[b.block_id], out=out[b.block_id], scale=0.5) for b in blocks], None),
         "  of which the decode kernel": (
