@@ -22,6 +22,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import rng
@@ -82,7 +83,9 @@ def _prefetcher(write: int):
         sig = types.void(array, types.intp)
 
         def codegen(context, builder, signature, args):
-            address = builder.gep(context.make_array(signature.args[0])(context, builder, args[0]).data, [args[1]])
+            aryty = signature.args[0]
+            address = cgutils.get_item_pointer(context, builder, aryty, context.make_array(aryty)(context, builder,
+                                                                                                args[0]), [args[1]])
             i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
             fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
                                                   ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
