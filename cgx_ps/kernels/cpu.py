@@ -22,7 +22,6 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import rng
@@ -71,45 +70,6 @@ def _uniform24(typingctx, base, i, key):
         return builder.fmul(top24, ir.Constant(ir.FloatType(), 2.0 ** -24))
 
     return sig, codegen
-
-
-def _prefetcher(write: int):
-    """An intrinsic ``prefetch(array, i)``: ask the CPU to start loading the cache line holding
-    ``array[i]`` (``write``: to store into it), and go on at once (``llvm.prefetch``; it never
-    faults). The caller keeps ``i`` inside the array."""
-
-    @intrinsic
-    def prefetch(typingctx, array, index):
-        sig = types.void(array, types.intp)
-
-        def codegen(context, builder, signature, args):
-            aryty = signature.args[0]
-            address = cgutils.get_item_pointer(context, builder, aryty, context.make_array(aryty)(context, builder,
-                                                                                                args[0]), [args[1]])
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
-                                                  ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
-            builder.call(fn, [builder.bitcast(address, i8p), i32(write), i32(3), i32(1)])  # keep in all caches
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return prefetch
-
-
-_prefetch_read = _prefetcher(0)
-_prefetch_write = _prefetcher(1)
-_LINE_FLOATS = 16  # float32 elements per 64-byte cache line
-
-
-@numba.njit(inline="always")
-def _prefetch_bucket(x, start, stop, write):
-    """Request the cache lines of x[start:stop] (a float32 bucket to come): see _encode_range."""
-    for i in range(start, stop, _LINE_FLOATS):
-        if write:
-            _prefetch_write(x, i)
-        else:
-            _prefetch_read(x, i)
 
 
 @numba.njit(inline="always")
@@ -261,10 +221,6 @@ def _encode_range(x, xbits, meta, packed, bits, bucket_size, stochastic, key, b0
     for b in range(b0, b1):
         start = b * bucket_size
         end = min(start + bucket_size, n)
-        # A worker's gradient comes from memory, not cache: the demand scan of a bucket alone
-        # leaves the memory idle while its levels are computed (the hash), then stalls on the
-        # next bucket. Requesting the next bucket's lines first overlaps the two (no value changes).
-        _prefetch_bucket(x, end, min(end + bucket_size, n), False)
         if not _encode_bucket(x[start:end], xbits[start:end], start, b, meta, packed, bits, stochastic, key,
                               lv_buf[: end - start], status):
             return
@@ -461,9 +417,6 @@ def _decode_range(meta, packed, out, accumulate, numel, bits, bucket_size, scale
     for b in range(b0, b1):
         start = b * bucket_size
         end = min(start + bucket_size, numel)
-        # out (a worker's gradient memory) is written from memory, not cache: its next bucket's
-        # lines are requested now, as _encode_range does its input's
-        _prefetch_bucket(out, end, min(end + bucket_size, numel), True)
         p0 = start * bits // 8
         src = packed[p0: p0 + ((end - start) * bits + 7) // 8]
         _unpack(src, out[start:end], meta[2 * b], meta[2 * b + 1], bits, accumulate, lv_buf)
