@@ -14,6 +14,8 @@ so both run on the same data, alternating, and the medians are comparable on a s
   block that is a slice of one gradient, and ``fill`` + ``copy_out`` of the blocks that pack
   several tensors (what a cache of spans could save, against what the copies cost);
 - the codec calls against their kernels alone: what the Python around encode and decode costs;
+  the encode kernel on one block's gradient again and again (in cache) against a step's blocks
+  (from memory): what memory costs it; ``to_bytes``'s crc32 and copy apart;
 - the push's framing (``chunk_frames``: the payload copied a second time, after ``to_bytes``).
 
 The codec kernels run on this thread only (``cpu.set_num_threads(1)``, as the worker's plan does
