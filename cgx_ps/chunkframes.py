@@ -80,9 +80,9 @@ def _head(field: int, round_: int, block_id: int, total: int, offset: int, size:
 
 def chunk_frames(field: int, block_id: int, round_: int, data: bytes | memoryview,
                  restore: bool = False) -> list[bytes]:
-    """``data`` (any bytes-like object) as serialized chunk messages in the outer message's ``field`` (``PUSH_FIELD`` or
-    ``PULL_FIELD``), at most CHUNK_BYTES of data each; at least one (so an empty block still tells
-    its total_bytes). ``restore``: a push's restore flag (pulls have none)."""
+    """``data`` (any bytes-like object) as serialized chunk messages in the outer message's
+    ``field`` (``PUSH_FIELD`` or ``PULL_FIELD``), at most CHUNK_BYTES of data each; at least one (so
+    an empty block still tells its total_bytes). ``restore``: a push's restore flag (pulls have none)."""
     view = memoryview(data)
     tail = _RESTORE_TRUE if restore else b""
     frames = []

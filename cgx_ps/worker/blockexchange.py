@@ -121,7 +121,8 @@ class BlockExchange:
                                   run_in_thread=self._engine.in_thread)
         return 0
 
-    def _encode(self, block: BlockState, compressed: bool, seed: int, round_: int) -> PushFrames:  # on a codec thread
+    def _encode(self, block: BlockState, compressed: bool, seed: int,
+                round_: int) -> PushFrames:  # on a codec thread
         s = block.settings
         codec = codec_of(s) if compressed else Codec.FP32
         encoded = encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
