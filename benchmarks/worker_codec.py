@@ -67,7 +67,8 @@ def child(model: str, contend: bool) -> None:
         def wire_block(block_id: int) -> int:
             return block_id
 
-    exchange = BlockExchange(Engine(), None, WorkerConfig(world_size=2, num_nodes=2, servers=("127.0.0.1:9",)), CommSpan(), False)
+    config = WorkerConfig(world_size=2, num_nodes=2, servers=("127.0.0.1:9",))  # decode divides by 2
+    exchange = BlockExchange(Engine(), None, config, CommSpan(), False)
     gen = torch.Generator().manual_seed(0)
     blocks = []
     for spec in layout.blocks:

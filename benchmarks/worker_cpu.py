@@ -17,10 +17,10 @@ thread role (``procstat.ThreadCpu``: training, communication, codec, other) with
 faults per step and each role's system (kernel) part. Per front end and tree: the median over
 rounds, and the median of the paired ratios to the first tree, the figure to trust on a machine
 shared with others. The trees must train bit-identically: the eval loss and the bytes pushed
-per step of every run are compared, and the script fails where they differ. ``--block-mb`` runs every tree at each of several block
-sizes too (interleaved with the rest; a block size is another layout, so other bytes and another
-model, compared only with itself), with the step time: fewer, larger messages against less
-overlap of communication with backward.
+per step of every run are compared, and the script fails where they differ. ``--block-mb`` runs
+every tree at each of several block sizes too (interleaved with the rest; a block size is another
+layout, so other bytes and another model, compared only with itself), with the step time: fewer,
+larger messages against less overlap of communication with backward.
 """
 
 from __future__ import annotations
