@@ -45,7 +45,7 @@ class EchoEngine(CommEngine):
     """The aggregate of a round is the push itself: the block work without a network."""
 
     async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
-        return payload
+        return bytes(payload)  # the worker's push comes framed (PushFrames)
 
 
 class FreshPayloads(PayloadScratch):

@@ -66,14 +66,17 @@ class ThreadCpu:
     communication thread (the engine's loop, ``cgx-comm``) and the codec threads (the engine's
     pool and the kernels' split, both ``cgx-codec*``); "other" is the rest of the process (gRPC's
     own threads, torch's), the process's total less the named threads. A thread that ends inside
-    the window loses its share to "other"; one that starts inside it counts from zero."""
+    the window loses its share to "other"; one that starts inside it counts from zero. ``sys_s``:
+    the system (kernel) part of each role's CPU: page faults in, and freeing (``munmap``) large
+    tensors out, show there, not in a Python profile."""
 
     ROLES = (("training", "MainThread"), ("communication", "cgx-comm"), ("codec", "cgx-codec"))
 
     def __init__(self) -> None:
-        self._start: dict[int, tuple[str, float, int]] | None = None
-        self._start_total: tuple[float, int] | None = None
+        self._start: dict[int, tuple[str, float, int, float]] | None = None
+        self._start_total: tuple[float, int, float] | None = None
         self.cpu_s: dict[str, float] = {}
+        self.sys_s: dict[str, float] = {}
         self.minflt: dict[str, int] = {}
 
     @classmethod
@@ -81,13 +84,14 @@ class ThreadCpu:
         return next((role for role, prefix in cls.ROLES if name.startswith(prefix)), None)
 
     @staticmethod
-    def _sample_stat(path: Path) -> tuple[float, int] | None:
+    def _sample_stat(path: Path) -> tuple[float, int, float] | None:
         fields = _stat_fields(path)
         if fields is None:
             return None
-        return (int(fields[11]) + int(fields[12])) / _CLK_TCK, int(fields[7])  # utime+stime, minflt (field 10)
+        # utime+stime, minflt (field 10), stime
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK, int(fields[7]), int(fields[12]) / _CLK_TCK
 
-    def _sample(self) -> tuple[dict[int, tuple[str, float, int]], tuple[float, int]]:
+    def _sample(self) -> tuple[dict[int, tuple[str, float, int, float]], tuple[float, int, float]]:
         import threading
 
         threads = {}
@@ -96,7 +100,7 @@ class ThreadCpu:
             sample = self._sample_stat(Path(f"/proc/self/task/{thread.native_id}/stat")) if role else None
             if sample is not None:
                 threads[thread.native_id] = (role, *sample)
-        return threads, self._sample_stat(Path("/proc/self/stat")) or (0.0, 0)
+        return threads, self._sample_stat(Path("/proc/self/stat")) or (0.0, 0, 0.0)
 
     def start(self) -> None:
         self._start, self._start_total = self._sample()
@@ -107,19 +111,23 @@ class ThreadCpu:
         end, end_total = self._sample()
         cpu = {role: 0.0 for role, _ in self.ROLES}
         faults = {role: 0 for role, _ in self.ROLES}
-        for tid, (role, seconds, minflt) in end.items():
-            _, seconds0, minflt0 = self._start.get(tid, (role, 0.0, 0))
+        sys_s = {role: 0.0 for role, _ in self.ROLES}
+        for tid, (role, seconds, minflt, system) in end.items():
+            _, seconds0, minflt0, system0 = self._start.get(tid, (role, 0.0, 0, 0.0))
             cpu[role] += seconds - seconds0
             faults[role] += minflt - minflt0
+            sys_s[role] += system - system0
         cpu["other"] = end_total[0] - self._start_total[0] - sum(cpu.values())
         faults["other"] = end_total[1] - self._start_total[1] - sum(faults.values())
-        self.cpu_s, self.minflt = cpu, faults
+        sys_s["other"] = end_total[2] - self._start_total[2] - sum(sys_s.values())
+        self.cpu_s, self.minflt, self.sys_s = cpu, faults, sys_s
 
     def per_step(self, steps: int) -> dict[str, dict[str, float]]:
         if not self.cpu_s or steps <= 0:
-            return {"thread_cpu_s_per_step": {}, "thread_minflt_per_step": {}}
+            return {"thread_cpu_s_per_step": {}, "thread_minflt_per_step": {}, "thread_sys_s_per_step": {}}
         return {"thread_cpu_s_per_step": {role: s / steps for role, s in self.cpu_s.items()},
-                "thread_minflt_per_step": {role: n / steps for role, n in self.minflt.items()}}
+                "thread_minflt_per_step": {role: n / steps for role, n in self.minflt.items()},
+                "thread_sys_s_per_step": {role: s / steps for role, s in self.sys_s.items()}}
 
 
 def resident_mb(pid: int) -> float:

@@ -14,13 +14,13 @@ different trees see the same load.
 
 Per run: CPU seconds per timed step of one worker process (the mean of its two ranks), split by
 thread role (``procstat.ThreadCpu``: training, communication, codec, other) with minor page
-faults per step. Per front end and tree: the median over rounds, and the median of the paired
-ratios to the first tree, the figure to trust on a machine shared with others. The trees must
-train bit-identically: the eval loss and the bytes pushed per step of every run are compared,
-and the script fails where they differ. ``--block-mb`` runs every tree at each of several block
-sizes too (interleaved with the rest; a block size is another layout, so other bytes and another
-model, compared only with itself), with the step time: fewer, larger messages against less
-overlap of communication with backward.
+faults per step and each role's system (kernel) part. Per front end and tree: the median over
+rounds, and the median of the paired ratios to the first tree, the figure to trust on a machine
+shared with others. The trees must train bit-identically: the eval loss and the bytes pushed
+per step of every run are compared, and the script fails where they differ. ``--block-mb`` runs
+every tree at each of several block sizes too (interleaved with the rest; a block size is another
+layout, so other bytes and another model, compared only with itself), with the step time: fewer,
+larger messages against less overlap of communication with backward.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def summarize(ranks: list[dict]) -> dict:
     return {"cpu_s": mean(r["cpu_s_per_step"] for r in ranks),
             "threads": {role: mean(r["thread_cpu_s_per_step"].get(role, 0.0) for r in ranks) for role in ROLES},
             "minflt": {role: mean(r["thread_minflt_per_step"].get(role, 0.0) for r in ranks) for role in ROLES},
+            "sys": {role: mean((r.get("thread_sys_s_per_step") or {}).get(role, 0.0) for r in ranks) for role in ROLES},
             "step_s": max(r["median_step_s"] for r in ranks),
             "eval_loss": [r["eval_loss"] for r in ranks], "pushed": [r["bytes_pushed_per_step"] for r in ranks]}
 
@@ -78,16 +79,17 @@ def report(front_end: str, labels: list[str], runs: list[list[dict]]) -> None:
     print(f"\n{front_end}: CPU ms per step of one worker process (median over {len(runs[0])} rounds; "
           f"minor page faults and the step time too)")
     print("| code | all threads (min) | training | communication | codec | other | × first, paired | faults "
-          "| step (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| system part: training / comm. / codec / other | step (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for k, label in enumerate(labels):
         cpu = [r["cpu_s"] * 1e3 for r in runs[k]]
         paired = statistics.median(a["cpu_s"] / b["cpu_s"] for a, b in zip(runs[k], runs[0]))
         roles = " | ".join(f"{statistics.median(r['threads'][role] for r in runs[k]) * 1e3:.1f}" for role in ROLES)
         faults = statistics.median(sum(r["minflt"].values()) for r in runs[k])
         step = statistics.median(r["step_s"] for r in runs[k])
+        system = " / ".join(f"{statistics.median(r['sys'][role] for r in runs[k]) * 1e3:.1f}" for role in ROLES)
         print(f"| {label} | {statistics.median(cpu):.1f} ({min(cpu):.1f}) | {roles} | {paired:.3f} | {faults:.0f} "
-              f"| {step:.3f} |")
+              f"| {system} | {step:.3f} |")
 
 
 def main() -> None:
@@ -122,7 +124,8 @@ def main() -> None:
                     argv = [sys.executable, __file__, "--child", tree, script, *common, *flags, "--block-mb", str(mb)]
                     run = summarize(run_cgx_job(cluster, argv, base))
                     runs[front_end][k].append(run)
-                    roles = ", ".join(f"{role} {run['threads'][role] * 1e3:.1f}" for role in ROLES)
+                    roles = ", ".join(f"{role} {run['threads'][role] * 1e3:.1f} ({run['sys'][role] * 1e3:.1f} sys)"
+                                      for role in ROLES)
                     print(f"round {r} {front_end} {labels[k]}: {run['cpu_s'] * 1e3:.1f} ms/step ({roles}), "
                           f"step {run['step_s']:.3f} s, load {os.getloadavg()[0]:.2f}", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")

@@ -14,6 +14,8 @@ so both run on the same data, alternating, and the medians are comparable on a s
   block that is a slice of one gradient, and ``fill`` + ``copy_out`` of the blocks that pack
   several tensors (what a cache of spans could save, against what the copies cost);
 - the codec calls against their kernels alone: what the Python around encode and decode costs;
+  the encode kernel on one block's gradient again and again (in cache) against a step's blocks
+  (from memory): what memory costs it; ``to_bytes``'s crc32 and copy apart;
 - the push's framing (``chunk_frames``: the payload copied a second time, after ``to_bytes``).
 
 The codec kernels run on this thread only (``cpu.set_num_threads(1)``, as the worker's plan does
@@ -94,6 +96,13 @@ def pieces(model: str) -> dict[str, tuple[Callable[[], object], Callable[[], obj
     encoded = {b: (meta.copy(), levels.copy()) for b, (meta, levels) in bodies.items()}  # the kernel's output
     out = {b.block_id: torch.empty(b.numel) for b in blocks}
     seeds = [1_000_003 * b.block_id + 17 for b in blocks]
+    # the encode kernel on one block's gradient again and again (in cache after the first), as
+    # many elements as a step: the kernel's own cost, against its cost reading the step's 68 MB
+    one = max(quantized, key=lambda b: b.numel)
+    hot = [one] * round(sum(b.numel for b in quantized) / one.numel)
+    stamped = {b.block_id: encode_block(x[b.block_id], Codec.MAXMIN if b.codec.bits else Codec.FP32,
+                                        bits=b.codec.bits or 4, bucket_size=b.codec.bucket_size or 1024,
+                                        stochastic=b.codec.stochastic, seed=b.block_id) for b in blocks}
     return {
         "result reading (communication)": (
             lambda: [read_result(f) for fs in frames for f in fs],
@@ -109,6 +118,12 @@ def pieces(model: str) -> dict[str, tuple[Callable[[], object], Callable[[], obj
         "  of which the encode kernel": (
             lambda: [cpu.encode_maxmin_into(x[b.block_id].numpy(), *encoded[b.block_id], 4,
                                             b.codec.bucket_size, True, b.block_id) for b in quantized], None),
+        f"  the encode kernel, one block's x in cache ({len(hot)} times)": (
+            lambda: [cpu.encode_maxmin_into(x[b.block_id].numpy(), *encoded[b.block_id], 4,
+                                            b.codec.bucket_size, True, b.block_id) for b in hot], None),
+        "  of which to_bytes (crc32, header, copy)": (lambda: [e.to_bytes() for e in stamped.values()], None),
+        "  of which the body's crc32": (lambda: [wire.body_crc32(e.payload) for e in stamped.values()], None),
+        "  of which the payload's copy": (lambda: [e.payload.tobytes() for e in stamped.values()], None),
         "dequantize, scaled (codec)": (
             lambda: [dequantize(payloads[b.block_id], out=out[b.block_id], scale=0.5) for b in blocks], None),
         "  of which the decode kernel": (

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .transport import CHUNK_BYTES
 
-__all__ = ["PULL_FIELD", "PUSH_FIELD", "ChunkFrame", "chunk_frames", "encode_varint", "read_chunk"]
+__all__ = ["PULL_FIELD", "PUSH_FIELD", "ChunkFrame", "PushFrames", "chunk_frames", "encode_varint", "read_chunk"]
 
 PUSH_FIELD = 2  # ExchangeRequest.push
 PULL_FIELD = 1  # ExchangeResponse.pull
@@ -78,10 +78,11 @@ def _head(field: int, round_: int, block_id: int, total: int, offset: int, size:
     return encode_varint(field << 3 | _LEN) + encode_varint(len(body) + size + tail) + bytes(body)
 
 
-def chunk_frames(field: int, block_id: int, round_: int, data: bytes, restore: bool = False) -> list[bytes]:
-    """``data`` as serialized chunk messages in the outer message's ``field`` (``PUSH_FIELD`` or
-    ``PULL_FIELD``), at most CHUNK_BYTES of data each; at least one (so an empty block still tells
-    its total_bytes). ``restore``: a push's restore flag (pulls have none)."""
+def chunk_frames(field: int, block_id: int, round_: int, data: bytes | memoryview,
+                 restore: bool = False) -> list[bytes]:
+    """``data`` (any bytes-like object) as serialized chunk messages in the outer message's
+    ``field`` (``PUSH_FIELD`` or ``PULL_FIELD``), at most CHUNK_BYTES of data each; at least one (so
+    an empty block still tells its total_bytes). ``restore``: a push's restore flag (pulls have none)."""
     view = memoryview(data)
     tail = _RESTORE_TRUE if restore else b""
     frames = []
@@ -89,6 +90,31 @@ def chunk_frames(field: int, block_id: int, round_: int, data: bytes, restore: b
         piece = view[off:off + CHUNK_BYTES]
         frames.append(b"".join((_head(field, round_, block_id, len(data), off, len(piece), len(tail)), piece, tail)))
     return frames
+
+
+@dataclass(frozen=True, slots=True)
+class PushFrames:
+    """A block's payload for one round, framed as pushes already: built where the payload is made
+    (a worker's codec thread frames it straight from its reused encode buffer: the payload's one
+    copy, off the communication thread), written as it is, and kept, immutable, for a re-push
+    after a repair. ``len()``: the payload's bytes."""
+
+    block_id: int
+    round: int
+    frames: tuple[bytes, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, block_id: int, round_: int, payload: bytes | memoryview) -> "PushFrames":
+        """``payload`` (any bytes-like object, read once here) framed for ``block_id`` and ``round_``."""
+        return cls(block_id, round_, tuple(chunk_frames(PUSH_FIELD, block_id, round_, payload)), len(payload))
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        """The payload, read back from the frames (a loopback test's shard: the push is the result)."""
+        return b"".join(bytes(read_chunk(frame, PUSH_FIELD).data) for frame in self.frames)
 
 
 def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int] | None:

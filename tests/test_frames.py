@@ -5,6 +5,9 @@ protobuf reads the same way, and what they frame, protobuf would have written by
 
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +17,8 @@ from cgx_ps.server import frames
 from cgx_ps.server.errors import BadRequest
 from cgx_ps.transport import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.client import read_result
+from cgx_ps.worker import CgxPsError
+from cgx_ps.worker.client import ShardClient, read_result
 
 u64 = st.integers(0, (1 << 64) - 1)
 u32 = st.integers(0, (1 << 32) - 1)
@@ -92,6 +96,19 @@ def test_push_frames_are_the_bytes_protobuf_would_write(round_, block_id, restor
                                                          restore=restore))
             .SerializeToString() for off in range(0, max(size, 1), CHUNK_BYTES)]
     assert got == want
+    if not restore:  # framed where the payload is made (a worker's codec thread: its numpy encode buffer)
+        framed = chunkframes.PushFrames.of(block_id, round_, memoryview(np.frombuffer(data, dtype=np.uint8)))
+        assert list(framed.frames) == want and bytes(framed) == data and len(framed) == size
+
+
+def test_a_client_refuses_frames_made_for_another_block_or_round() -> None:
+    """Frames name their block and round: pushed under another key, the shard would count them
+    for the block they name while the client waited for another."""
+    client = ShardClient("127.0.0.1:9", "node-0", 1, ps_pb2.Layout())
+    for block_id, round_ in ((1, 2), (0, 3)):
+        with pytest.raises(CgxPsError, match="frames of block 0 round 2 pushed as block"):
+            asyncio.run(client.push(block_id, round_, chunkframes.PushFrames.of(0, 2, b"payload")))
+    assert not client._unanswered  # refused before it was kept for a re-push
 
 
 pulls = st.builds(ps_pb2.PullChunk, round=u64, block_id=u32, total_bytes=u64, offset=u64, data=st.binary(max_size=300))

@@ -31,8 +31,8 @@ class EchoEngine(CommEngine):
         self.payloads: dict[tuple[int, int], bytes] = {}
 
     async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
-        self.payloads[(block_id, round_)] = payload
-        return payload
+        self.payloads[(block_id, round_)] = bytes(payload)  # the worker's push comes framed (PushFrames)
+        return self.payloads[(block_id, round_)]
 
 
 def _pipeline(engine: CommEngine) -> BlockPipeline:

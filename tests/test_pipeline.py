@@ -34,7 +34,7 @@ class EchoEngine(CommEngine):
 
     async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes:
         self.pushed.append((shard, block_id, round_))
-        return payload
+        return bytes(payload)  # the worker's push comes framed (PushFrames)
 
 
 @pytest.fixture

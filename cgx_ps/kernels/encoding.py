@@ -69,6 +69,12 @@ class EncodedBlock:
 
     def to_bytes(self) -> bytes:
         """The wire payload: header (with the body's crc32) followed by the body."""
+        return self.stamped().tobytes()
+
+    def stamped(self) -> memoryview:
+        """The wire payload without a copy: the body's crc32 written into the header, and the
+        payload's own memory (a CPU payload; a CUDA one is copied to the host first) viewed.
+        It changes when its ``PayloadScratch`` is encoded into again: frame or copy it before."""
         host = self.payload
         if isinstance(host, torch.Tensor) and host.is_cuda:
             from . import cuda
@@ -79,7 +85,7 @@ class EncodedBlock:
         header = dataclasses.replace(self.header, crc32=wire.body_crc32(host))
         host[:HEADER_SIZE] = np.frombuffer(wire.pack_header(header), dtype=np.uint8)
         self.header = header
-        return host.tobytes()
+        return memoryview(host)
 
 
 def quantize(

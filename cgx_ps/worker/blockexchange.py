@@ -27,6 +27,7 @@ from typing import Coroutine
 import torch
 
 from .. import timeline
+from ..chunkframes import PushFrames
 from ..kernels import Codec, ErrorFeedback, PayloadScratch, dequantize, encode_block
 from ..layout import codec_of
 from ..v1 import ps_pb2
@@ -101,7 +102,7 @@ class BlockExchange:
             with timeline.span("reduce", round_, timeline.block_track(spec.block_id), block=spec.block_id):
                 await reducer.reduce(spec.block_id, seq, in_thread)
         payload = await in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
-                                  block, compressed, seed)
+                                  block, compressed, seed, round_)
         # Encoded: let go of the gradient's memory where it is not where the average goes (the DDP
         # hook's early hand-over encodes autograd's own tensor): it is freed now, not a step later.
         block.work = block.buffer
@@ -133,12 +134,16 @@ class BlockExchange:
 
         return in_thread
 
-    def _encode(self, block: BlockState, compressed: bool, seed: int) -> bytes:  # on a codec thread
+    def _encode(self, block: BlockState, compressed: bool, seed: int,
+                round_: int) -> PushFrames:  # on a codec thread
         s = block.settings
         codec = codec_of(s) if compressed else Codec.FP32
-        return encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
-                            stochastic=s.stochastic, seed=seed, feedback=block.feedback,
-                            allow_non_finite=self.allow_non_finite, scratch=block.scratch).to_bytes()
+        encoded = encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                               stochastic=s.stochastic, seed=seed, feedback=block.feedback,
+                               allow_non_finite=self.allow_non_finite, scratch=block.scratch)
+        # framed here, from the reused encode buffer: the payload's one copy (kept until its result
+        # comes: the buffer is encoded into again next round), and none on the communication thread
+        return PushFrames.of(self._engine.wire_block(block.spec.block_id), round_, encoded.stamped())
 
     def _decode(self, block: BlockState, result: bytes) -> None:  # on a codec thread
         # the average: the division by the world size is fused into the CPU decode's pass

@@ -4,7 +4,8 @@
     await client.connect()                       # retries with backoff, then a clear error
     result = await client.exchange(block_id, round, payload)   # push, then await the aggregate
 
-Pushes go out as 1 MiB chunks over one stream, serialized by hand (chunkframes.py); results come
+Pushes go out as 1 MiB chunks over one stream, serialized by hand (chunkframes.py; a payload may
+come framed already: ``PushFrames``, made on the worker's codec thread); results come
 back on the same stream, read by hand too (``read_result``: the data a view of the received bytes,
 not two protobuf copies), and are matched to waiting callers by (block, round).
 
@@ -27,25 +28,26 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 
 from .. import __version__, timeline
 from ..layout import layout_hash
 from ..security import ChannelSecurity
-from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, chunk_frames, read_chunk
+from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, PushFrames, chunk_frames, read_chunk
 from ..transport import CHUNK_BYTES
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
 from .supervisor import ConnectionSupervisor
 
-__all__ = ["Result", "ShardClient", "read_result"]
+__all__ = ["Payload", "Result", "ShardClient", "push_frames", "read_result"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 Result = bytes | memoryview  # a block's aggregate: a view of the message it came in, or its chunks joined
+Payload = bytes | PushFrames  # a block's push: its bytes, or framed already (by the codec thread)
 _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is safe)
 
 # What writing to a stream that has ended raises (the status itself comes to the reader).
@@ -62,9 +64,14 @@ def read_result(raw: bytes) -> ChunkFrame | ps_pb2.ExchangeResponse:
     return frame if frame is not None else ps_pb2.ExchangeResponse.FromString(raw)
 
 
+def push_frames(block_id: int, round_: int, payload: Payload) -> Sequence[bytes]:
+    """The frames that push ``payload`` for a block and round: as it came framed, else framed here."""
+    return payload.frames if isinstance(payload, PushFrames) else chunk_frames(PUSH_FIELD, block_id, round_, payload)
+
+
 @dataclass(eq=False)
 class _Unanswered:
-    payload: bytes
+    payload: Payload
     since: float  # time.monotonic() of its last (re)push: the hung-shard deadline counts from here
 
 
@@ -269,7 +276,7 @@ class ShardClient(ConnectionSupervisor):
 
     # ---- push / pull ----------------------------------------------------------------------------
 
-    async def exchange(self, block_id: int, round_: int, payload: bytes) -> Result:
+    async def exchange(self, block_id: int, round_: int, payload: Payload) -> Result:
         """Push one block for a round and wait for the aggregate of all nodes (a view of the
         received message when it came in one chunk: ``read_result``)."""
         future = self.expect(block_id, round_)
@@ -290,11 +297,15 @@ class ShardClient(ConnectionSupervisor):
             future = self._waiting[key] = asyncio.get_running_loop().create_future()
         return future
 
-    async def push(self, block_id: int, round_: int, payload: bytes) -> None:
+    async def push(self, block_id: int, round_: int, payload: Payload) -> None:
         """Send a block's payload for a round; kept until its result arrives. While the stream is
         being repaired it is only kept: the repair pushes it."""
         if self._error is not None:
             raise self._error
+        if isinstance(payload, PushFrames) and (payload.block_id, payload.round) != (block_id, round_):
+            # its frames say which block and round they are: the shard would count them there
+            raise CgxPsError(f"frames of block {payload.block_id} round {payload.round} pushed as block "
+                             f"{block_id} round {round_}")
         async with self._write_lock:  # one writer at a time; keeps a block's chunks contiguous
             # kept under the lock: a repair pushes it exactly when this call does not
             self._unanswered[(block_id, round_)] = _Unanswered(payload, time.monotonic())
@@ -306,8 +317,10 @@ class ShardClient(ConnectionSupervisor):
                     self._stream_broke(generation, f"stream closed while pushing: {_brief(exc)}")
         self.bytes_sent += len(payload)
 
-    async def _write(self, block_id: int, round_: int, payload: bytes, restore: bool = False) -> None:
-        for frame in chunk_frames(PUSH_FIELD, block_id, round_, payload, restore):
+    async def _write(self, block_id: int, round_: int, payload: Payload, restore: bool = False) -> None:
+        frames = chunk_frames(PUSH_FIELD, block_id, round_, payload, True) if restore else \
+            push_frames(block_id, round_, payload)
+        for frame in frames:
             await self._call.write(frame)
 
     async def _read_results(self, call, generation: int) -> None:

@@ -24,7 +24,7 @@ import grpc
 
 from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
-from .client import ShardClient
+from .client import Payload, ShardClient
 from .config import WorkerConfig
 from .errors import CgxPsError, ConfigError
 
@@ -155,7 +155,11 @@ class CommEngine:
         """Run blocking work (a codec kernel) on a codec thread."""
         return await self.loop.run_in_executor(self.executor, fn, *args)
 
-    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes | memoryview:
+    def wire_block(self, block_id: int) -> int:
+        """The shards' id of block ``block_id`` (what ``PushFrames`` made for ``push_pull`` carry)."""
+        return block_id
+
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> bytes | memoryview:
         """Push a block's payload for a round to its shard; returns the aggregate of all nodes."""
         return await self.clients[shard].exchange(block_id, round_, payload)
 
@@ -253,7 +257,10 @@ class EngineShare:
     async def in_thread(self, fn: Callable, *args):
         return await self.engine.in_thread(fn, *args)
 
-    async def push_pull(self, shard: int, block_id: int, round_: int, payload: bytes) -> bytes | memoryview:
+    def wire_block(self, block_id: int) -> int:
+        return self.offset + block_id
+
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> bytes | memoryview:
         return await self.engine.push_pull(shard, self.offset + block_id, round_, payload)
 
     def shard_error(self, shard: int) -> CgxPsError | None:
