@@ -129,7 +129,8 @@ class CommEngine:
         """Drop the codec calls not started and wait, at most ``timeout_s``, for those running:
         ``shutdown()`` unmaps the local ranks' buffers next (intra-node reduction), and a codec
         thread still reading a peer's GPU memory or a segment then would fault. A call stuck
-        longer (a hung GPU) is logged and left: the process can still exit. True when drained."""
+        longer (a hung GPU) is logged and left, so that close() returns (the interpreter's exit
+        still joins the codec threads, as concurrent.futures does for any pool). True when drained."""
         stopper = threading.Thread(target=self.executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
                                    name="cgx-codec-drain", daemon=True)
         try:
