@@ -224,3 +224,24 @@ def test_a_peer_buffer_that_is_a_copy_and_not_a_view_of_the_mapping_is_refused()
         _check_mapped(mapping[4:].clone(), mapping.data_ptr() + 16, torch.device("cpu"))
     with pytest.raises(IntraNodeError, match=r"instead of a view of the mapping \(cuda:0"):
         _check_mapped(mapping[4:], mapping.data_ptr() + 16, GPU0)
+
+
+def test_close_at_interpreter_exit_where_no_thread_can_be_started_still_closes(monkeypatch):
+    """runtime.py closes the engine from an atexit handler; Python 3.12.0-3.12.1 refuse a new
+    thread there (RuntimeError: can't create new thread at interpreter shutdown), which the drain's
+    helper thread needs. close() must not raise then (shutdown() would skip unmapping the local
+    ranks' buffers and writing the timeline), and must still shut the codec threads down."""
+    engine = CommEngine(WorkerConfig.from_env(CONFIG), node_id="n0", num_nodes=1, codec_threads=1)
+    ran = engine.submit(engine.in_thread(lambda: "ran")).result(10)
+    closed = threading.Event()
+    engine.when_closed(closed.set)
+
+    def refused(self) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    engine.close()
+    monkeypatch.undo()
+    assert ran == "ran" and closed.is_set()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        engine.executor.submit(print)

@@ -166,3 +166,46 @@ def test_non_finite_gradients_travel_as_nan_when_allowed(engine):
     first = pipe.blocks_of(["c.weight"])[0]
     assert bool(pipe.buffers[first].isnan().all())
     assert all(bool(pipe.buffers[b].isfinite().all()) for b in range(pipe.num_blocks) if b != first)
+
+
+class KeepingEngine(EchoEngine):
+    """Keeps every push as the shard client does for a re-push after a repair (until its
+    result comes, which may be after the block's next encode), with its frames' bytes then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[tuple[tuple[int, int], object, bytes]] = []
+
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload) -> bytes:
+        self.kept.append(((block_id, round_), payload, b"".join(bytes(f) for f in payload.frames)))
+        return await super().push_pull(shard, block_id, round_, payload)
+
+
+def test_frames_kept_for_a_re_push_are_not_changed_by_the_blocks_next_encode():
+    """A push is framed on the codec thread from the block's reused encode buffer
+    (PayloadScratch); the client keeps those frames until the round's result, to push them
+    again after a repair. The next round's encode of the block (same settings: the same buffer)
+    must not change them: a re-push would carry the next round's bytes under the old round.
+    Warm-up (fp32), compressed, compressed again, uncompressed (auto mode's other path)."""
+    engine = KeepingEngine()
+    try:
+        layout = build_layout([TensorInfo(n, s) for n, s in SHAPES.items()], 2, Compression(bits=3),
+                              block_bytes=8192)
+        pipe = BlockPipeline(layout, engine, engine.config, {n: torch.device("cpu") for n in SHAPES},
+                             warmup_steps=1)
+        for step in range(4):
+            if step == 3:
+                pipe.apply(False, {})  # what auto mode's tuner does to send a step uncompressed
+            grads = _grads(step)
+            for b in pipe.take_unsubmitted():
+                pipe.submit(b, grads.get)
+            assert pipe.finish_step().compressed is (step in (1, 2))
+    finally:
+        engine.close()
+    by_round = {key: then for key, _, then in engine.kept}
+    assert len(by_round) == 4 * pipe.num_blocks
+    for (block, round_), payload, then in engine.kept:
+        now = b"".join(bytes(f) for f in payload.frames)
+        assert now == then, f"block {block} round {round_}: its kept frames changed after its next encode"
+        if round_ == 1:  # the same buffer was encoded into again, with other bytes
+            assert by_round[(block, 2)] != then

@@ -69,6 +69,16 @@ def push_frames(block_id: int, round_: int, payload: Payload) -> Sequence[bytes]
     return payload.frames if isinstance(payload, PushFrames) else chunk_frames(PUSH_FIELD, block_id, round_, payload)
 
 
+def _mislabelled(block_id: int, round_: int, payload: Payload) -> CgxPsError | None:
+    """Why ``payload`` may not be pushed as ``block_id``'s for ``round_``; None if it may. Frames
+    name their block and round: pushed under another key, the shard would count them for the
+    block they name while this client waited for another."""
+    if isinstance(payload, PushFrames) and (payload.block_id, payload.round) != (block_id, round_):
+        return CgxPsError(f"frames of block {payload.block_id} round {payload.round} pushed as block "
+                          f"{block_id} round {round_}")
+    return None
+
+
 @dataclass(eq=False)
 class _Unanswered:
     payload: Payload
@@ -279,6 +289,9 @@ class ShardClient(ConnectionSupervisor):
     async def exchange(self, block_id: int, round_: int, payload: Payload) -> Result:
         """Push one block for a round and wait for the aggregate of all nodes (a view of the
         received message when it came in one chunk: ``read_result``)."""
+        mislabelled = _mislabelled(block_id, round_, payload)
+        if mislabelled is not None:  # refused before expect(): no future is left waiting for it
+            raise mislabelled
         future = self.expect(block_id, round_)
         with timeline.span("push", round_, timeline.block_track(block_id), block=block_id, bytes=len(payload)):
             await self.push(block_id, round_, payload)
@@ -302,10 +315,9 @@ class ShardClient(ConnectionSupervisor):
         being repaired it is only kept: the repair pushes it."""
         if self._error is not None:
             raise self._error
-        if isinstance(payload, PushFrames) and (payload.block_id, payload.round) != (block_id, round_):
-            # its frames say which block and round they are: the shard would count them there
-            raise CgxPsError(f"frames of block {payload.block_id} round {payload.round} pushed as block "
-                             f"{block_id} round {round_}")
+        mislabelled = _mislabelled(block_id, round_, payload)
+        if mislabelled is not None:
+            raise mislabelled
         async with self._write_lock:  # one writer at a time; keeps a block's chunks contiguous
             # kept under the lock: a repair pushes it exactly when this call does not
             self._unanswered[(block_id, round_)] = _Unanswered(payload, time.monotonic())

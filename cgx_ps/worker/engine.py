@@ -129,10 +129,20 @@ class CommEngine:
         """Drop the codec calls not started and wait, at most ``timeout_s``, for those running:
         ``shutdown()`` unmaps the local ranks' buffers next (intra-node reduction), and a codec
         thread still reading a peer's GPU memory or a segment then would fault. A call stuck
-        longer (a hung GPU) is logged and left: the process can still exit. True when drained."""
+        longer (a hung GPU) is logged and left, so that close() returns (the interpreter's exit
+        still joins the codec threads, as concurrent.futures does for any pool). True when drained."""
         stopper = threading.Thread(target=self.executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
                                    name="cgx-codec-drain", daemon=True)
-        stopper.start()
+        try:
+            stopper.start()
+        except RuntimeError:
+            # No new thread: at interpreter exit (runtime.py's atexit shutdown) Python 3.12.0-3.12.1
+            # refuse one ("can't create new thread at interpreter shutdown"); raising would skip the
+            # rest of shutdown() (the intra-node unmapping, the timeline's file). There the wait is
+            # immediate: concurrent.futures' own exit hook, which runs before atexit's, has let the
+            # codec threads finish and joined them. Elsewhere (no thread to be had) it is unbounded.
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            return True
         stopper.join(timeout_s)
         if stopper.is_alive():
             log.warning("a codec call was still running %gs after the connection closed; unmapping the local "
