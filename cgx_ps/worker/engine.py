@@ -24,7 +24,7 @@ import grpc
 
 from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
-from .client import Payload, ShardClient
+from .client import Payload, Result, ShardClient
 from .config import WorkerConfig
 from .errors import CgxPsError, ConfigError
 
@@ -125,12 +125,12 @@ class CommEngine:
             self._thread.join(timeout=10)
             self._drain_codec_threads(CODEC_DRAIN_S)
 
-    def _drain_codec_threads(self, timeout_s: float) -> bool:
+    def _drain_codec_threads(self, timeout_s: float) -> None:
         """Drop the codec calls not started and wait, at most ``timeout_s``, for those running:
         ``shutdown()`` unmaps the local ranks' buffers next (intra-node reduction), and a codec
         thread still reading a peer's GPU memory or a segment then would fault. A call stuck
         longer (a hung GPU) is logged and left, so that close() returns (the interpreter's exit
-        still joins the codec threads, as concurrent.futures does for any pool). True when drained."""
+        still joins the codec threads, as concurrent.futures does for any pool)."""
         stopper = threading.Thread(target=self.executor.shutdown, kwargs={"wait": True, "cancel_futures": True},
                                    name="cgx-codec-drain", daemon=True)
         try:
@@ -142,13 +142,11 @@ class CommEngine:
             # immediate: concurrent.futures' own exit hook, which runs before atexit's, has let the
             # codec threads finish and joined them. Elsewhere (no thread to be had) it is unbounded.
             self.executor.shutdown(wait=True, cancel_futures=True)
-            return True
+            return
         stopper.join(timeout_s)
         if stopper.is_alive():
             log.warning("a codec call was still running %gs after the connection closed; unmapping the local "
                         "ranks' buffers anyway", timeout_s)
-            return False
-        return True
 
     # ---- blocks ---------------------------------------------------------------------------------
 
@@ -169,7 +167,7 @@ class CommEngine:
         """The shards' id of block ``block_id`` (what ``PushFrames`` made for ``push_pull`` carry)."""
         return block_id
 
-    async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> bytes | memoryview:
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> Result:
         """Push a block's payload for a round to its shard; returns the aggregate of all nodes."""
         return await self.clients[shard].exchange(block_id, round_, payload)
 
@@ -270,7 +268,7 @@ class EngineShare:
     def wire_block(self, block_id: int) -> int:
         return self.offset + block_id
 
-    async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> bytes | memoryview:
+    async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> Result:
         return await self.engine.push_pull(shard, self.offset + block_id, round_, payload)
 
     def shard_error(self, shard: int) -> CgxPsError | None:

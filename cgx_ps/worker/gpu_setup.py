@@ -43,7 +43,7 @@ def decide_transport(requested: str, device: torch.device, cupy_ok: bool, peer_a
     word (it warns for pairs without peer access); ``shm`` is always possible. Every local rank
     decides alike when they see the same GPUs (a mismatch is refused when they meet)."""
     if requested not in INTRANODE_TRANSPORTS:
-        raise ConfigError(f"CGX_PS_INTRANODE={requested!r} is not one of auto, shm, cuda")
+        raise ConfigError(f"CGX_PS_INTRANODE={requested!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}")
     if requested == "shm":
         return TransportChoice("shm")
     if requested == "cuda" and device.type != "cuda":
