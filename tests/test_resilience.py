@@ -350,6 +350,38 @@ async def test_the_link_probe_and_codec_settings_are_made_again_after_a_shard_re
         await client.close()
 
 
+async def test_a_control_call_failing_after_the_connection_was_replaced_does_not_break_the_new_one(
+        start_shard) -> None:
+    """The race behind a flaky CI run: a probe made as the shard went away failed UNAVAILABLE
+    only after the supervisor had already reconnected, and marked the *new* stream broken, so
+    the client recovered twice. Such a failure must retry on the new connection, not break it."""
+    from cgx_ps.worker.client import ShardClient
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+    shard = await start_shard()
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
+    client = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, layout, connect_timeout_s=10, security=SECURITY,
+                         job_id=f"race-{uuid.uuid4().hex[:6]}", recovery_timeout_s=20)
+    attempts: list[int] = []
+
+    async def fails_once_after_a_replacement() -> float:
+        attempts.append(client._generation)
+        if len(attempts) == 1:
+            client._generation += 2  # what a supervisor's drop-and-reopen did meanwhile
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "Socket closed")
+        return 1.5
+
+    try:
+        await client.connect()
+        assert await asyncio.wait_for(client._control("Probe", fails_once_after_a_replacement), 10) == 1.5
+        assert attempts[1] == attempts[0] + 2  # the retry ran on the replacement, at once
+        await asyncio.sleep(0.3)  # a wrongly set break would have started a recovery by now
+        assert not client._broken.is_set() and client.recoveries == 0 and client.error is None
+    finally:
+        await client.close()
+
+
 # ---- the shard's side of a resumed session, in-process ---------------------------------------------
 
 class _Sink:

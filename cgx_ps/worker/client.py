@@ -266,7 +266,7 @@ class ShardClient(ConnectionSupervisor):
         the shard went away under it, after the supervisor repaired the connection."""
         for attempt in range(2):
             await self._wait_ready()
-            channel = self._channel
+            channel, generation = self._channel, self._generation  # the connection this attempt uses
             try:
                 return await call()
             except asyncio.CancelledError:
@@ -281,7 +281,9 @@ class ShardClient(ConnectionSupervisor):
                 if attempt or self.recovery_timeout_s <= 0:  # gone, and not back: not a refusal
                     raise ShardUnavailableError(f"shard {self.address} went away during {what}: {code.name}: "
                                                 f"{details}") from None
-                self._stream_broke(self._generation, f"{what}: {code.name}: {details}")
+                # Only the connection the call used is broken: if the supervisor already replaced
+                # it (the stream's reader saw the shard go first), the next attempt waits for that.
+                self._stream_broke(generation, f"{what}: {code.name}: {details}")
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     # ---- push / pull ----------------------------------------------------------------------------
