@@ -1,0 +1,305 @@
+"""A minimal raw data plane for the Exchange stream, to measure what Python gRPC costs the shard
+(benchmarks/dataplane.py drives it). A benchmark, not a transport: nothing in cgx_ps uses it.
+
+    python -m benchmarks.rawplane server FLAGS...   # `cgx-ps server FLAGS...` plus a raw listener
+
+The shard process is the real one (``ShardServer``: gRPC for Register and everything else, the
+same ``ParameterServerService``, session, aggregator, kernels and executor); beside it, on a
+second port, an asyncio listener on uvloop takes Exchange streams over plain TCP, one connection
+per stream, and hands each to the service's own ``Exchange`` handler through a context object
+with the three calls it uses (``read``, ``write``, ``abort``). So every pushed chunk goes through
+the same ``read_push``, ``PushAssembler`` (sizes, budget, deadlines), ``_check_push`` and
+aggregator (header/crc/meta checks, the fused kernel, the result's encode) as over gRPC, and each
+result through the same ``NodeStream`` writer (its cap and write timeout); only the bytes' way in
+and out differs.
+
+The wire: frames of a 4-byte little-endian length and that many bytes. A connection's first
+frame is the job token (checked once, ``hmac.compare_digest``), then the Exchange stream's
+messages exactly as gRPC carries them (a serialized Hello, then ``chunkframes`` pushes; results
+are ``frames.result_frames``' bytes, built once and sent to every node as they are, by
+``sock_sendall`` on the same object: no per-node copy). The shard receives each frame into a
+buffer of its announced size (``sock_recv_into``), refusing one over gRPC's 8 MiB message limit
+before it allocates. A stream's end carries a status frame (the length's top bit set:
+"CODE\\ndetails"), standing in for gRPC's trailers.
+
+What it leaves out, compared with gRPC (what a shippable data plane would have to add;
+/work/notes/s25/dataplane-design.md):
+- TLS (the listener is plaintext; the token travels in the clear);
+- HTTP/2 flow control and multiplexing: a slow reader is held up by TCP's window and the
+  NodeStream's write timeout only, and each stream is a connection of its own;
+- keepalive pings (a dead peer is noticed by TCP or the round timeout only);
+- gRPC's connection management on the client (reconnect backoff, wait-for-ready, name
+  resolution): the client below connects once per stream;
+- the per-call gate's draining rule and rate-limited refusal log (rpc.py): Exchange streams pass
+  a draining shard's gate anyway; a refusal here is one status frame and no log line;
+- ``maximum_concurrent_rpcs`` (a connection count cap), the first frame's 30 s timeout is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from cgx_ps.server.errors import BadRequest, ProtocolError, TimedOut, Unauthenticated
+from cgx_ps.server.rpc import grpc_status
+from cgx_ps.server.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
+from cgx_ps.transport import GRPC_OPTIONS
+from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker.client import ShardClient, read_result
+
+__all__ = ["FrameSocket", "RawCall", "RawShardClient", "serve_raw"]
+
+_HEADER = struct.Struct("<I")
+_STATUS = 1 << 31  # the length's top bit: a status frame, the stream's last
+MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces
+MAX_TOKEN = 4096
+_SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
+
+
+class FrameSocket:
+    """Length-prefixed frames on a non-blocking socket, through the running loop's sock_* calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self._header = bytearray(_HEADER.size)
+
+    async def _fill(self, view: memoryview) -> int:
+        """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                return got
+            got += n
+        return got
+
+    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
+        """(is_status, body) of the next frame; None at a clean EOF between frames. A frame over
+        ``limit`` is refused before anything is allocated for it; EOF inside a frame is an error."""
+        got = await self._fill(memoryview(self._header))
+        if got == 0:
+            return None
+        if got < _HEADER.size:
+            raise ConnectionResetError("connection closed inside a frame header")
+        (word,) = _HEADER.unpack(self._header)
+        size, status = word & ~_STATUS, bool(word & _STATUS)
+        if size > limit:
+            raise BadRequest(f"frame of {size} bytes; at most {limit}")
+        # Not zeroed (a bytearray would be, a memset of every byte the socket then overwrites):
+        # numpy's empty is malloc's memory as it is.
+        body = memoryview(np.empty(size, np.uint8))
+        if await self._fill(body) < size:
+            raise ConnectionResetError(f"connection closed inside a frame of {size} bytes")
+        return status, body.tobytes() if size < _SMALL else body
+
+    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
+        """One frame; ``data`` is sent as it is (the kernel copies it, Python does not)."""
+        await self.loop.sock_sendall(self.sock, _HEADER.pack(len(data) | (_STATUS if status else 0)))
+        await self.loop.sock_sendall(self.sock, data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ---- the shard's side ------------------------------------------------------------------------------
+
+class _Aborted(Exception):
+    """The handler ended the stream with a status (as grpc.aio's AbortError does)."""
+
+
+class _RawContext:
+    """What ``ParameterServerService.Exchange`` needs of a grpc.aio ServicerContext."""
+
+    def __init__(self, frames: FrameSocket, peer: str) -> None:
+        self.frames = frames
+        self._peer = peer
+
+    async def read(self):
+        frame = await self.frames.read(MAX_FRAME)
+        if frame is None:
+            return grpc.aio.EOF
+        if frame[0]:
+            raise BadRequest("a client sends no status frames")
+        return frame[1]
+
+    async def write(self, message: bytes) -> None:
+        await self.frames.write(message)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        await self.frames.write(f"{code.name}\n{details}".encode(), status=True)
+        raise _Aborted(code.name)
+
+    def peer(self) -> str:
+        return self._peer
+
+
+async def _serve_connection(service: ParameterServerService, token: bytes | None, sock: socket.socket,
+                            peer: str) -> None:
+    frames = FrameSocket(sock)
+    context = _RawContext(frames, peer)
+    try:
+        try:
+            presented = await asyncio.wait_for(frames.read(MAX_TOKEN), FIRST_MESSAGE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimedOut(f"no token within {FIRST_MESSAGE_TIMEOUT_S:g}s of connecting") from None
+        if presented is None or presented[0] or (token is not None
+                                                 and not hmac.compare_digest(bytes(presented[1]), token)):
+            raise Unauthenticated("missing or wrong job token")
+        await service.Exchange(context)
+    except ProtocolError as exc:  # as rpc.py's gate maps a refusal to a status
+        try:
+            await context.abort(*grpc_status(exc))
+        except (_Aborted, OSError):
+            pass
+    except (_Aborted, OSError):
+        pass  # the handler's own status went out, or the client is gone
+    finally:
+        frames.close()
+
+
+async def serve_raw(service: ParameterServerService, token: bytes | None, host: str) -> tuple[int, asyncio.Task]:
+    """Listen on ``host``, a free port; (the port, the accepting task)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(64)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    connections: set[asyncio.Task] = set()
+
+    async def accept() -> None:
+        try:
+            while True:
+                sock, addr = await loop.sock_accept(listener)
+                task = asyncio.create_task(_serve_connection(service, token, sock, f"ipv4:{addr[0]}:{addr[1]}"))
+                connections.add(task)
+                task.add_done_callback(connections.discard)
+        finally:
+            listener.close()
+            for task in connections:
+                task.cancel()
+
+    return listener.getsockname()[1], asyncio.create_task(accept())
+
+
+async def _serve(argv: list[str]) -> int:
+    """``cgx-ps server`` (main.py's ShardServer), plus the raw listener; the port file also
+    names ``raw_port``."""
+    from cgx_ps.cli import build_parser
+    from cgx_ps.server.config import ServerConfig
+    from cgx_ps.server.main import ShardServer, setup_logging
+
+    args = build_parser().parse_args(argv)
+    config = ServerConfig.from_flags(vars(args))
+    setup_logging(config.log_level, config.shard_index)
+    server = ShardServer(config)
+    await server.start()
+    raw_port, acceptor = await serve_raw(server.service, server.token, config.host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # cluster.launch_shard blocked it
+    port_file = Path(args.port_file)
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"port": server.port, "metrics_port": server.metrics_port,
+                               "health_port": server.health_port, "raw_port": raw_port, "pid": os.getpid()}))
+    os.replace(tmp, port_file)
+    await stop.wait()
+    acceptor.cancel()
+    await server.stop(drain=True)
+    return 0
+
+
+# ---- the node's side -------------------------------------------------------------------------------
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class RawCall:
+    """One Exchange stream over a raw connection, shaped as the grpc.aio call ShardClient uses:
+    ``write``, ``cancel`` and async iteration over the read results, ending with an AioRpcError
+    carrying the shard's status (as gRPC's trailers would)."""
+
+    def __init__(self, frames: FrameSocket) -> None:
+        self.frames = frames
+
+    @classmethod
+    async def open(cls, host: str, port: int, token: bytes) -> "RawCall":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except OSError as exc:
+            sock.close()
+            raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
+        call = cls(FrameSocket(sock))
+        await call.write(token)
+        return call
+
+    async def write(self, frame: bytes | memoryview) -> None:
+        try:
+            await self.frames.write(frame)
+        except OSError as exc:
+            raise _unavailable(f"stream closed: {exc}") from None
+
+    def cancel(self) -> None:
+        self.frames.close()
+
+    def __aiter__(self):
+        return self._results()
+
+    async def _results(self):
+        try:
+            while (frame := await self.frames.read(MAX_FRAME)) is not None:
+                status, body = frame
+                if status:
+                    name, _, details = bytes(body).decode("utf-8", "replace").partition("\n")
+                    code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+                    raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+                yield read_result(body)
+        except (OSError, BadRequest) as exc:
+            raise _unavailable(f"stream broke: {exc}") from None
+
+
+class RawShardClient(ShardClient):
+    """ShardClient (Register and everything else over gRPC, its pushes, results, recovery and
+    futures unchanged) whose Exchange streams go over the raw data plane at ``raw_port``."""
+
+    def __init__(self, *args, raw_port: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.raw_port = raw_port
+        meta = dict(self._metadata)
+        self._token = meta["authorization"][len("Bearer "):].encode() if "authorization" in meta else b""
+
+    async def _open_stream(self) -> None:
+        # ShardClient._open_stream with the call made over the raw connection
+        self._generation += 1
+        self._incoming.clear()
+        host = self.address.rsplit(":", 1)[0]
+        self._call = call = await RawCall.open(host, self.raw_port, self._token)
+        await call.write(ps_pb2.ExchangeRequest(
+            hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
+                               session_id=self.session_id)).SerializeToString())
+        self._reader = asyncio.create_task(self._read_results(call, self._generation))
+        self._ready.set()
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    sys.exit(uvloop.run(_serve(sys.argv[1:])))
