@@ -1,16 +1,17 @@
 """What Python gRPC costs the shard: the same rounds over gRPC (A) and over a raw data plane (B).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dataplane.py [--nodes 4] [--mb 100] [--rounds 20]
-                                                             [--runs 3] [--bits 4] [--json PATH]
+        [--runs 3] [--bits 4] [--tls] [--json PATH] [--profile DIR]
 
 The workload of ``benchmarks/server.py --nodes 4 --mb 100``: N simulated nodes in this process
 push every block of a 4-bit layout (24 blocks of 4 MiB fp32) each round and wait for the result.
-Each run starts two shard processes with the same flags and the job token:
+Each run starts a shard process per path, with the same flags and the job token:
 
     A  ``cgx-ps server`` (LocalCluster), the nodes' ShardClients on gRPC: the shipped path;
     B  the same ShardServer (gRPC for Register) plus ``benchmarks/rawplane.py``'s listener, the
        nodes' RawShardClients sending the same serialized Exchange messages over one plain TCP
-       connection each, length-prefixed, received into buffers of their announced size.
+       connection each, length-prefixed, received into buffers of their announced size;
+    C, D  with ``--tls``: A and B over TLS (the raw plane through Python's ssl on memory BIOs).
 
 In B the frames go into the service's own Exchange handler, so the shard does the same work on
 them as in A (PushAssembler's size, budget and deadline checks, the aggregator's header, crc and
@@ -19,8 +20,8 @@ and out differs. What the raw plane leaves out compared with gRPC (TLS, HTTP/2 f
 keepalive, the per-call gate's log) is listed in rawplane.py's docstring; the token is checked
 once per connection there, per call in A.
 
-Rounds alternate A, B (the order flipping every round), so load on the shared machine drifts on
-both alike. Per run and per path: the shard's CPU per timed round (from /proc, from the first
+Rounds alternate between the paths (the order rotated every round), so load on the shared
+machine drifts on all alike. Per run and per path: the shard's CPU per timed round (from /proc, from the first
 timed round to 0.5 s after the last, split by thread as benchmarks/procstat.py groups them),
 compressed input per shard CPU-second, and the nodes' CPU per round (this process:
 ``process_time``, of which the event loop's thread ``thread_time``; the rest is gRPC's threads
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -48,16 +50,31 @@ import torch
 
 from benchmarks.procstat import thread_cpu_seconds
 from benchmarks.rawplane import RawShardClient
-from benchmarks.server import shard_cpu_seconds
+from benchmarks.server import make_credentials, shard_cpu_seconds
 from cgx_ps.kernels import quantize
-from cgx_ps.security import ChannelSecurity, new_token_file
+from cgx_ps.security import ChannelSecurity
 from cgx_ps.server import LocalCluster
 from cgx_ps.server.cluster import launch_shard
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
-PATHS = ("A", "B")
-NAMES = {"A": "gRPC (cgx-ps server)", "B": "raw TCP data plane"}
+NAMES = {"A": "gRPC (cgx-ps server)", "B": "raw TCP data plane", "C": "gRPC over TLS", "D": "raw data plane, TLS"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One path: its shard process and how a node reaches it."""
+
+    address: str
+    pid: int
+    security: ChannelSecurity
+    raw_port: int | None = None  # the raw data plane's port; None: Exchange over gRPC
+
+    def client(self, node: int, nodes: int, layout) -> ShardClient:
+        if self.raw_port is None:
+            return ShardClient(self.address, f"node-{node}", nodes, layout, security=self.security)
+        return RawShardClient(self.address, f"node-{node}", nodes, layout, security=self.security,
+                              raw_port=self.raw_port)
 
 
 def loop_system_seconds(pid: int) -> float:
@@ -112,17 +129,13 @@ async def _round(clients: list[ShardClient], layout, payloads: dict[int, bytes],
                                                    for b in layout.blocks]) for c in clients])
 
 
-async def one_run(a_address: str, a_pid: int, b_address: str, b_pid: int, raw_port: int, security: ChannelSecurity,
-                  nodes: int, layout, payloads: dict[int, bytes], rounds: int, profile: Path | None = None
-                  ) -> tuple[dict[str, PathRun], int]:
-    """Interleaved rounds on both paths; (figures per path, rounds whose results differed)."""
-    clients = {
-        "A": [ShardClient(a_address, f"node-{i}", nodes, layout, security=security) for i in range(nodes)],
-        "B": [RawShardClient(b_address, f"node-{i}", nodes, layout, security=security, raw_port=raw_port)
-              for i in range(nodes)],
-    }
-    pids = {"A": a_pid, "B": b_pid}
-    out = {p: PathRun() for p in PATHS}
+async def one_run(targets: dict[str, Target], nodes: int, layout, payloads: dict[int, bytes], rounds: int,
+                  profile: Path | None = None) -> tuple[dict[str, PathRun], int]:
+    """Interleaved rounds on every path; (figures per path, rounds whose results differed)."""
+    paths = list(targets)
+    clients = {p: [t.client(i, nodes, layout) for i in range(nodes)] for p, t in targets.items()}
+    pids = {p: t.pid for p, t in targets.items()}
+    out = {p: PathRun() for p in paths}
     start_cpu: dict[str, float] = {}
     start_threads: dict[str, dict[str, float]] = {}
     start_system: dict[str, float] = {}
@@ -134,7 +147,9 @@ async def one_run(a_address: str, a_pid: int, b_address: str, b_pid: int, raw_po
                 await c.connect()
         for r in range(rounds + 1):
             results = {}
-            for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
+            # round r of each path in turn, the order rotated every round: no path always runs
+            # right after the same other one
+            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
                 if r == 1:  # from the first timed round on, as benchmarks/server.py counts
                     start_cpu[path] = shard_cpu_seconds(pids[path])
                     start_threads[path] = thread_cpu_seconds(pids[path])
@@ -149,11 +164,11 @@ async def one_run(a_address: str, a_pid: int, b_address: str, b_pid: int, raw_po
                     m.wall.append(t)
                     m.client_cpu += cpu
                     m.client_loop += loop_cpu
-            # every node of both paths gets the same sums: both shards summed the same pushes
-            sums = [[bytes(x) for x in node] for p in PATHS for node in results[p]]
+            # every node of every path gets the same sums: the shards summed the same pushes
+            sums = [[bytes(x) for x in node] for p in paths for node in results[p]]
             differing += any(node != sums[0] for node in sums)
         await asyncio.sleep(0.5)
-        for path in PATHS:
+        for path in paths:
             out[path].shard_cpu = shard_cpu_seconds(pids[path]) - start_cpu[path]
             end = thread_cpu_seconds(pids[path])
             out[path].shard_threads = {g: end[g] - start_threads[path][g] for g in end}
@@ -176,6 +191,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs, each with fresh shard processes")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
+    parser.add_argument("--tls", action="store_true", help="also C: gRPC over TLS, and D: the raw plane over "
+                        "TLS (Python ssl), certificates from a throwaway CA (trustme)")
     parser.add_argument("--json", metavar="PATH", help="also write every run's figures here")
     parser.add_argument("--profile", metavar="DIR", help="py-spy both shards over the timed rounds (raw samples "
                         "in DIR/A.txt and DIR/B.txt, the last run's; slows the shards: not for the figures)")
@@ -196,16 +213,23 @@ def main() -> None:
     runs: list[dict[str, PathRun]] = []
     loads = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="cgx-ps-bench-dataplane-") as tmp:
-        token = new_token_file(tmp)
-        security = ChannelSecurity(token_file=token)
+        creds = make_credentials(tmp)  # the token file, and TLS files for --tls
         flags = ["--log-level", "WARNING"]
+        tls_flags = [*flags, "--tls-cert", creds.server_cert, "--tls-key", creds.server_key]
+        plain = ChannelSecurity(token_file=creds.token)
+        tls = ChannelSecurity(token_file=creds.token, tls_ca=creds.ca)
+        shards = {"A": (LocalCluster, flags, plain), "B": (RawPlaneCluster, flags, plain)}
+        if args.tls:
+            shards |= {"C": (LocalCluster, tls_flags, tls), "D": (RawPlaneCluster, tls_flags, tls)}
         for run in range(args.runs):
-            with LocalCluster(1, extra_args=flags, token_file=token) as a, \
-                    RawPlaneCluster(1, extra_args=flags, token_file=token) as b:
-                measured, differing = asyncio.run(one_run(
-                    a.addresses[0], a.procs[0].pid, b.addresses[0], b.procs[0].pid, b.raw_port(), security,
-                    args.nodes, layout, payloads, args.rounds,
-                    Path(args.profile) if args.profile else None))
+            with contextlib.ExitStack() as stack:
+                targets = {}
+                for path, (kind, extra, security) in shards.items():
+                    cluster = stack.enter_context(kind(1, extra_args=extra, token_file=creds.token))
+                    targets[path] = Target(cluster.addresses[0], cluster.procs[0].pid, security,
+                                           cluster.raw_port() if kind is RawPlaneCluster else None)
+                measured, differing = asyncio.run(one_run(targets, args.nodes, layout, payloads, args.rounds,
+                                                          Path(args.profile) if args.profile else None))
             if differing:
                 raise SystemExit(f"run {run}: {differing} rounds' results differ between gRPC and the raw plane")
             runs.append(measured)
@@ -214,10 +238,11 @@ def main() -> None:
                              f"{mb_per_cpu_s(m.shard_cpu):.0f} MB/s per CPU-s" for p, m in measured.items())
             print(f"run {run + 1}/{args.runs}: {line}", flush=True)
 
+    paths = list(runs[0])
     print(f"\n{args.nodes} nodes x {args.mb:g} MB fp32 ({len(layout.blocks)} blocks, {args.bits}-bit: "
           f"{wire / 1e6:.1f} MB per node per round, {per_round_in / 1e6:.1f} MB into the shard), "
-          f"{args.rounds} timed rounds per path per run, {args.runs} runs, A/B interleaved; results identical "
-          f"on both paths in every round; load average (1 min) {', '.join(f'{x[0]:.2f}' for x in loads)} "
+          f"{args.rounds} timed rounds per path per run, {args.runs} runs, paths interleaved; results identical "
+          f"on every path in every round; load average (1 min) {', '.join(f'{x[0]:.2f}' for x in loads)} "
           f"({os.cpu_count()} CPUs)")
     groups = list(runs[0]["A"].shard_threads)
     print(f"| path | run | shard CPU per round | {' | '.join(groups)} | input per shard CPU-second | round (wall, "
@@ -234,16 +259,19 @@ def main() -> None:
                 + [m.shard_loop_system / n * 1e3, mb_per_cpu_s(m.shard_cpu), statistics.median(m.wall) * 1e3, m.client_cpu / n * 1e3,
                    m.client_loop / n * 1e3])
 
-    for path in PATHS:
+    for path in paths:
         per_run = [figures(r[path]) for r in runs]
         for i, f in enumerate(per_run):
             print(row(path, str(i + 1), f))
         print(row(path, "median", [statistics.median(col) for col in zip(*per_run)]))
-    ratio = [mb_per_cpu_s(r["B"].shard_cpu) / mb_per_cpu_s(r["A"].shard_cpu) for r in runs]
-    client_ratio = [r["A"].client_cpu / r["B"].client_cpu for r in runs]
-    print(f"B / A, input per shard CPU-second: {', '.join(f'{x:.2f}' for x in ratio)} (median "
-          f"{statistics.median(ratio):.2f}); nodes' CPU per round A / B: "
-          f"{', '.join(f'{x:.2f}' for x in client_ratio)} (median {statistics.median(client_ratio):.2f})")
+    for new, old in (("B", "A"), ("D", "C"), ("C", "A"), ("D", "B")):
+        if new not in paths:
+            continue
+        ratio = [r[old].shard_cpu / r[new].shard_cpu for r in runs]
+        client_ratio = [r[old].client_cpu / r[new].client_cpu for r in runs]
+        print(f"{new} / {old}, input per shard CPU-second: {', '.join(f'{x:.2f}' for x in ratio)} (median "
+              f"{statistics.median(ratio):.2f}); nodes' CPU per round {old} / {new}: "
+              f"{', '.join(f'{x:.2f}' for x in client_ratio)} (median {statistics.median(client_ratio):.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "loads": loads, "runs": [
             {p: asdict(m) for p, m in r.items()} for r in runs]}, indent=1))

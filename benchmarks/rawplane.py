@@ -22,9 +22,14 @@ buffer of its announced size (``sock_recv_into``), refusing one over gRPC's 8 Mi
 before it allocates. A stream's end carries a status frame (the length's top bit set:
 "CODE\\ndetails"), standing in for gRPC's trailers.
 
+With ``--tls-cert`` (and ``--tls-client-ca``) the listener speaks TLS with the same files, through
+Python's ``ssl`` on memory BIOs (``TlsFrameSocket``): what TLS costs a data plane written in
+Python; a native one would use its TLS library (or kernel TLS) directly.
+
 What it leaves out, compared with gRPC (what a shippable data plane would have to add;
 /work/notes/s25/dataplane-design.md):
-- TLS (the listener is plaintext; the token travels in the clear);
+- certificate reloading (tls.py) and ALPN; the token goes in the clear without --tls-cert,
+  as it does over gRPC;
 - HTTP/2 flow control and multiplexing: a slow reader is held up by TCP's window and the
   NodeStream's write timeout only, and each stream is a connection of its own;
 - keepalive pings (a dead peer is noticed by TCP or the round timeout only);
@@ -43,6 +48,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import struct
 import sys
 from pathlib import Path
@@ -57,7 +63,7 @@ from cgx_ps.transport import GRPC_OPTIONS
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
 
-__all__ = ["FrameSocket", "RawCall", "RawShardClient", "serve_raw"]
+__all__ = ["FrameSocket", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
 
 _HEADER = struct.Struct("<I")
 _STATUS = 1 << 31  # the length's top bit: a status frame, the stream's last
@@ -114,6 +120,81 @@ class FrameSocket:
         self.sock.close()
 
 
+class TlsFrameSocket(FrameSocket):
+    """The same frames through Python's ssl on memory BIOs (the loop's sock_* calls cannot take an
+    SSLSocket): ciphertext is received into one reused buffer and decrypted straight into the
+    frame's buffer; a frame is encrypted into the outgoing BIO and sent from there (a copy per
+    node for a result: each connection has its own keys, as over gRPC)."""
+
+    _CIPHER_BUFFER = 1 << 18
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
+                 server_hostname: str | None = None) -> None:
+        super().__init__(sock)
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
+        self._cipher = bytearray(self._CIPHER_BUFFER)
+        self._sending = asyncio.Lock()  # the reader answers the handshake too: one sender at a time
+
+    async def handshake(self) -> None:
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                if not await self._feed():
+                    raise ConnectionResetError("connection closed during the TLS handshake") from None
+        await self._flush()
+
+    async def _flush(self) -> None:
+        async with self._sending:  # taken from the BIO under the lock, so records go out in order
+            while self._out.pending:
+                await self.loop.sock_sendall(self.sock, self._out.read())
+
+    async def _feed(self) -> bool:
+        n = await self.loop.sock_recv_into(self.sock, self._cipher)
+        if n == 0:
+            self._in.write_eof()
+            return False
+        self._in.write(memoryview(self._cipher)[:n])
+        return True
+
+    async def _fill(self, view: memoryview) -> int:
+        got = 0
+        while got < len(view):
+            try:
+                n = self.tls.read(len(view) - got, view[got:])
+            except ssl.SSLWantReadError:
+                await self._flush()  # a TLS 1.3 key update or ticket may want an answer
+                if not await self._feed():
+                    return got
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return got
+            if n == 0:
+                return got
+            got += n
+        return got
+
+    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
+        self.tls.write(_HEADER.pack(len(data) | (_STATUS if status else 0)))
+        self.tls.write(data)
+        await self._flush()
+
+
+def _server_tls(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
+    """The raw listener's TLS, as the gRPC port's (tls.py): the shard's certificate, and a client
+    certificate required when a client CA is given."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(client_ca)
+    return context
+
+
 # ---- the shard's side ------------------------------------------------------------------------------
 
 class _Aborted(Exception):
@@ -147,11 +228,13 @@ class _RawContext:
 
 
 async def _serve_connection(service: ParameterServerService, token: bytes | None, sock: socket.socket,
-                            peer: str) -> None:
-    frames = FrameSocket(sock)
+                            peer: str, tls: ssl.SSLContext | None) -> None:
+    frames = FrameSocket(sock) if tls is None else TlsFrameSocket(sock, tls, server_side=True)
     context = _RawContext(frames, peer)
     try:
         try:
+            if isinstance(frames, TlsFrameSocket):
+                await asyncio.wait_for(frames.handshake(), FIRST_MESSAGE_TIMEOUT_S)
             presented = await asyncio.wait_for(frames.read(MAX_TOKEN), FIRST_MESSAGE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise TimedOut(f"no token within {FIRST_MESSAGE_TIMEOUT_S:g}s of connecting") from None
@@ -162,16 +245,17 @@ async def _serve_connection(service: ParameterServerService, token: bytes | None
     except ProtocolError as exc:  # as rpc.py's gate maps a refusal to a status
         try:
             await context.abort(*grpc_status(exc))
-        except (_Aborted, OSError):
+        except (_Aborted, OSError, ssl.SSLError):
             pass
-    except (_Aborted, OSError):
-        pass  # the handler's own status went out, or the client is gone
+    except (_Aborted, OSError, ssl.SSLError):
+        pass  # the handler's own status went out, or the client is gone (or failed the handshake)
     finally:
         frames.close()
 
 
-async def serve_raw(service: ParameterServerService, token: bytes | None, host: str) -> tuple[int, asyncio.Task]:
-    """Listen on ``host``, a free port; (the port, the accepting task)."""
+async def serve_raw(service: ParameterServerService, token: bytes | None, host: str,
+                    tls: ssl.SSLContext | None = None) -> tuple[int, asyncio.Task]:
+    """Listen on ``host``, a free port (over TLS with ``tls``); (the port, the accepting task)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, 0))
@@ -184,7 +268,8 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
         try:
             while True:
                 sock, addr = await loop.sock_accept(listener)
-                task = asyncio.create_task(_serve_connection(service, token, sock, f"ipv4:{addr[0]}:{addr[1]}"))
+                task = asyncio.create_task(_serve_connection(service, token, sock, f"ipv4:{addr[0]}:{addr[1]}",
+                                                                 tls))
                 connections.add(task)
                 task.add_done_callback(connections.discard)
         finally:
@@ -207,7 +292,8 @@ async def _serve(argv: list[str]) -> int:
     setup_logging(config.log_level, config.shard_index)
     server = ShardServer(config)
     await server.start()
-    raw_port, acceptor = await serve_raw(server.service, server.token, config.host)
+    tls = _server_tls(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
+    raw_port, acceptor = await serve_raw(server.service, server.token, config.host, tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -239,15 +325,20 @@ class RawCall:
         self.frames = frames
 
     @classmethod
-    async def open(cls, host: str, port: int, token: bytes) -> "RawCall":
+    async def open(cls, host: str, port: int, token: bytes, tls: ssl.SSLContext | None = None) -> "RawCall":
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             await asyncio.get_running_loop().sock_connect(sock, (host, port))
-        except OSError as exc:
+            if tls is None:
+                frames = FrameSocket(sock)
+            else:
+                frames = TlsFrameSocket(sock, tls, server_side=False, server_hostname=host)
+                await frames.handshake()
+        except (OSError, ssl.SSLError) as exc:
             sock.close()
             raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
-        call = cls(FrameSocket(sock))
+        call = cls(frames)
         await call.write(token)
         return call
 
@@ -272,7 +363,7 @@ class RawCall:
                     code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
                     raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
                 yield read_result(body)
-        except (OSError, BadRequest) as exc:
+        except (OSError, ssl.SSLError, BadRequest) as exc:
             raise _unavailable(f"stream broke: {exc}") from None
 
 
@@ -285,13 +376,19 @@ class RawShardClient(ShardClient):
         self.raw_port = raw_port
         meta = dict(self._metadata)
         self._token = meta["authorization"][len("Bearer "):].encode() if "authorization" in meta else b""
+        sec = self.security
+        self._tls = None
+        if sec.tls_ca:  # the gRPC channel's settings (security.py): the CA, a client certificate
+            self._tls = ssl.create_default_context(cafile=sec.tls_ca)
+            if sec.tls_cert:
+                self._tls.load_cert_chain(sec.tls_cert, sec.tls_key)
 
     async def _open_stream(self) -> None:
         # ShardClient._open_stream with the call made over the raw connection
         self._generation += 1
         self._incoming.clear()
         host = self.address.rsplit(":", 1)[0]
-        self._call = call = await RawCall.open(host, self.raw_port, self._token)
+        self._call = call = await RawCall.open(host, self.raw_port, self._token, self._tls)
         await call.write(ps_pb2.ExchangeRequest(
             hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
                                session_id=self.session_id)).SerializeToString())
