@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.loopprofile import main as loop_profile
 from benchmarks.procstat import thread_cpu_seconds
 from benchmarks.rawplane import RawShardClient
 from benchmarks.server import make_credentials, shard_cpu_seconds
@@ -272,6 +273,8 @@ def main() -> None:
         print(f"{new} / {old}, input per shard CPU-second: {', '.join(f'{x:.2f}' for x in ratio)} (median "
               f"{statistics.median(ratio):.2f}); nodes' CPU per round {old} / {new}: "
               f"{', '.join(f'{x:.2f}' for x in client_ratio)} (median {statistics.median(client_ratio):.2f})")
+    if args.profile:  # the last run's
+        loop_profile([str(Path(args.profile) / f"{p}.txt") for p in paths])
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "loads": loads, "runs": [
             {p: asdict(m) for p, m in r.items()} for r in runs]}, indent=1))
