@@ -1,7 +1,7 @@
 """What Python gRPC costs the shard: the same rounds over gRPC (A) and over a raw data plane (B).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dataplane.py [--nodes 4] [--mb 100] [--rounds 20]
-        [--runs 3] [--bits 4] [--tls] [--json PATH] [--profile DIR]
+        [--runs 3] [--bits 4] [--tls] [--protocol] [--json PATH] [--profile DIR]
 
 The workload of ``benchmarks/server.py --nodes 4 --mb 100``: N simulated nodes in this process
 push every block of a 4-bit layout (24 blocks of 4 MiB fp32) each round and wait for the result.
@@ -11,7 +11,8 @@ Each run starts a shard process per path, with the same flags and the job token:
     B  the same ShardServer (gRPC for Register) plus ``benchmarks/rawplane.py``'s listener, the
        nodes' RawShardClients sending the same serialized Exchange messages over one plain TCP
        connection each, length-prefixed, received into buffers of their announced size;
-    C, D  with ``--tls``: A and B over TLS (the raw plane through Python's ssl on memory BIOs).
+    C, D  with ``--tls``: A and B over TLS (the raw plane through Python's ssl on memory BIOs);
+    E     with ``--protocol``: B with the shard receiving through a BufferedProtocol.
 
 In B the frames go into the service's own Exchange handler, so the shard does the same work on
 them as in A (PushAssembler's size, budget and deadline checks, the aggregator's header, crc and
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -50,7 +52,7 @@ import torch
 
 from benchmarks.loopprofile import main as loop_profile
 from benchmarks.procstat import thread_cpu_seconds
-from benchmarks.rawplane import RawShardClient
+from benchmarks.rawplane import IO_ENV, RawShardClient
 from benchmarks.server import make_credentials, shard_cpu_seconds
 from cgx_ps.kernels import quantize
 from cgx_ps.security import ChannelSecurity
@@ -59,7 +61,8 @@ from cgx_ps.server.cluster import launch_shard
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
-NAMES = {"A": "gRPC (cgx-ps server)", "B": "raw TCP data plane", "C": "gRPC over TLS", "D": "raw data plane, TLS"}
+NAMES = {"A": "gRPC (cgx-ps server)", "B": "raw TCP data plane", "C": "gRPC over TLS", "D": "raw data plane, TLS",
+         "E": "raw plane, BufferedProtocol"}
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,12 @@ def start_profiler(pid: int, out: Path) -> subprocess.Popen:
 
 class RawPlaneCluster(LocalCluster):
     """LocalCluster whose shards are ``python -m benchmarks.rawplane server ...``: the same shard
-    plus the raw listener, its port in the port file as ``raw_port``."""
+    plus the raw listener, its port in the port file as ``raw_port``; ``io``: the listener's
+    receive path (rawplane.serve_raw)."""
+
+    def __init__(self, *args, io: str = "sock", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.io = io
 
     def _spawn(self, i: int, port: int, metrics_port: int):
         port_file = Path(self._tmp.name) / f"shard{i}.json"
@@ -105,7 +113,8 @@ class RawPlaneCluster(LocalCluster):
 
         def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
             assert argv[1:4] == ["-m", "cgx_ps.cli", "server"], argv  # launch_shard's command line
-            return subprocess.Popen([argv[0], "-m", "benchmarks.rawplane", *argv[3:]], **kwargs)
+            return subprocess.Popen([argv[0], "-m", "benchmarks.rawplane", *argv[3:]],
+                                    env={**os.environ, IO_ENV: self.io}, **kwargs)
 
         return launch_shard(flags, port_file, spawn=spawn), port_file
 
@@ -194,6 +203,8 @@ def main() -> None:
     parser.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
     parser.add_argument("--tls", action="store_true", help="also C: gRPC over TLS, and D: the raw plane over "
                         "TLS (Python ssl), certificates from a throwaway CA (trustme)")
+    parser.add_argument("--protocol", action="store_true", help="also E: the raw plane's shard receiving "
+                        "through a BufferedProtocol instead of sock_recv_into (the nodes' side unchanged)")
     parser.add_argument("--json", metavar="PATH", help="also write every run's figures here")
     parser.add_argument("--profile", metavar="DIR", help="py-spy both shards over the timed rounds (raw samples "
                         "in DIR/A.txt and DIR/B.txt, the last run's; slows the shards: not for the figures)")
@@ -219,16 +230,19 @@ def main() -> None:
         tls_flags = [*flags, "--tls-cert", creds.server_cert, "--tls-key", creds.server_key]
         plain = ChannelSecurity(token_file=creds.token)
         tls = ChannelSecurity(token_file=creds.token, tls_ca=creds.ca)
-        shards = {"A": (LocalCluster, flags, plain), "B": (RawPlaneCluster, flags, plain)}
+        raw = functools.partial(RawPlaneCluster, io="sock")
+        shards = {"A": (LocalCluster, flags, plain), "B": (raw, flags, plain)}
         if args.tls:
-            shards |= {"C": (LocalCluster, tls_flags, tls), "D": (RawPlaneCluster, tls_flags, tls)}
+            shards |= {"C": (LocalCluster, tls_flags, tls), "D": (raw, tls_flags, tls)}
+        if args.protocol:
+            shards["E"] = (functools.partial(RawPlaneCluster, io="protocol"), flags, plain)
         for run in range(args.runs):
             with contextlib.ExitStack() as stack:
                 targets = {}
                 for path, (kind, extra, security) in shards.items():
                     cluster = stack.enter_context(kind(1, extra_args=extra, token_file=creds.token))
                     targets[path] = Target(cluster.addresses[0], cluster.procs[0].pid, security,
-                                           cluster.raw_port() if kind is RawPlaneCluster else None)
+                                           cluster.raw_port() if isinstance(cluster, RawPlaneCluster) else None)
                 measured, differing = asyncio.run(one_run(targets, args.nodes, layout, payloads, args.rounds,
                                                           Path(args.profile) if args.profile else None))
             if differing:
@@ -265,7 +279,7 @@ def main() -> None:
         for i, f in enumerate(per_run):
             print(row(path, str(i + 1), f))
         print(row(path, "median", [statistics.median(col) for col in zip(*per_run)]))
-    for new, old in (("B", "A"), ("D", "C"), ("C", "A"), ("D", "B")):
+    for new, old in (("B", "A"), ("D", "C"), ("C", "A"), ("D", "B"), ("E", "B"), ("E", "A")):
         if new not in paths:
             continue
         ratio = [r[old].shard_cpu / r[new].shard_cpu for r in runs]

@@ -26,8 +26,8 @@ With ``--tls-cert`` (and ``--tls-client-ca``) the listener speaks TLS with the s
 Python's ``ssl`` on memory BIOs (``TlsFrameSocket``): what TLS costs a data plane written in
 Python; a native one would use its TLS library (or kernel TLS) directly.
 
-What it leaves out, compared with gRPC (what a shippable data plane would have to add;
-/work/notes/s25/dataplane-design.md):
+What it leaves out, compared with gRPC (what a shippable data plane would have to add:
+BENCHMARKS.md, "What Python gRPC costs the shard, measured"):
 - certificate reloading (tls.py) and ALPN; the token goes in the clear without --tls-cert,
   as it does over gRPC;
 - HTTP/2 flow control and multiplexing: a slow reader is held up by TCP's window and the
@@ -37,7 +37,8 @@ What it leaves out, compared with gRPC (what a shippable data plane would have t
   resolution): the client below connects once per stream;
 - the per-call gate's draining rule and rate-limited refusal log (rpc.py): Exchange streams pass
   a draining shard's gate anyway; a refusal here is one status frame and no log line;
-- ``maximum_concurrent_rpcs`` (a connection count cap), the first frame's 30 s timeout is kept.
+- ``maximum_concurrent_rpcs``: connections are not counted or capped (the first frame's 30 s
+  timeout is kept).
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ from cgx_ps.transport import GRPC_OPTIONS
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
 
-__all__ = ["FrameSocket", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
+__all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "ProtocolFrames", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
 
 _HEADER = struct.Struct("<I")
 _STATUS = 1 << 31  # the length's top bit: a status frame, the stream's last
 MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces
 MAX_TOKEN = 4096
+IO_ENV = "CGX_PS_BENCH_RAW_IO"  # "sock" (default) or "protocol": serve_raw's io, for the shard process
 _SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
 
 
@@ -195,6 +197,94 @@ def _server_tls(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
     return context
 
 
+class ProtocolFrames(asyncio.BufferedProtocol):
+    """The shard's side of the same frames as a BufferedProtocol (``serve_raw(io="protocol")``):
+    uvloop reads straight into the frame's buffer from its own callback, with no coroutine, future
+    or reader registration per receive as ``sock_recv_into`` has. Reading pauses after each
+    complete frame until ``read`` asks for the next one, so a frame's size limit applies as with
+    FrameSocket, and a stream holds at most one unread frame. Writes go to the transport, waiting
+    while it asks to pause (its buffer over the high-water mark)."""
+
+    def __init__(self, on_connect) -> None:
+        self._on_connect = on_connect
+        self.transport: asyncio.Transport | None = None
+        self._limit = MAX_TOKEN
+        self._header = bytearray(_HEADER.size)
+        self._body: memoryview | None = None  # the frame being received, once its header is in
+        self._status = False
+        self._view = memoryview(self._header)
+        self._got = 0
+        self._frames: asyncio.Queue = asyncio.Queue()  # complete frames, None at EOF, or an exception
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.pause_reading()  # until the first read() says how large a frame may be
+        self._on_connect(self, transport.get_extra_info("peername"))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        if self._got < len(self._view):
+            return
+        self._got = 0
+        if self._body is None:
+            (word,) = _HEADER.unpack(self._header)
+            size, self._status = word & ~_STATUS, bool(word & _STATUS)
+            if size > self._limit:
+                self._deliver(BadRequest(f"frame of {size} bytes; at most {self._limit}"))
+                return
+            if size:
+                self._body = self._view = memoryview(np.empty(size, np.uint8))  # not zeroed, as FrameSocket
+                return
+            self._body = memoryview(b"")
+        body, self._body, self._view = self._body, None, memoryview(self._header)
+        self._deliver((self._status, body.tobytes() if len(body) < _SMALL else body))
+
+    def _deliver(self, item) -> None:
+        self.transport.pause_reading()
+        self._frames.put_nowait(item)
+
+    def eof_received(self) -> bool:
+        self._frames.put_nowait(None if self._body is None and self._got == 0 else
+                                ConnectionResetError("connection closed inside a frame"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
+        if self._frames.empty() and not self.transport.is_closing():
+            self._limit = limit
+            self.transport.resume_reading()
+        item = await self._frames.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
+        if self.transport.is_closing():
+            raise ConnectionResetError("connection closed")
+        self.transport.write(_HEADER.pack(len(data) | (_STATUS if status else 0)))
+        self.transport.write(data)
+        await self._writable.wait()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
 # ---- the shard's side ------------------------------------------------------------------------------
 
 class _Aborted(Exception):
@@ -227,9 +317,8 @@ class _RawContext:
         return self._peer
 
 
-async def _serve_connection(service: ParameterServerService, token: bytes | None, sock: socket.socket,
-                            peer: str, tls: ssl.SSLContext | None) -> None:
-    frames = FrameSocket(sock) if tls is None else TlsFrameSocket(sock, tls, server_side=True)
+async def _serve_connection(service: ParameterServerService, token: bytes | None,
+                            frames: FrameSocket | ProtocolFrames, peer: str) -> None:
     context = _RawContext(frames, peer)
     try:
         try:
@@ -254,8 +343,14 @@ async def _serve_connection(service: ParameterServerService, token: bytes | None
 
 
 async def serve_raw(service: ParameterServerService, token: bytes | None, host: str,
-                    tls: ssl.SSLContext | None = None) -> tuple[int, asyncio.Task]:
-    """Listen on ``host``, a free port (over TLS with ``tls``); (the port, the accepting task)."""
+                    tls: ssl.SSLContext | None = None, io: str = "sock") -> tuple[int, asyncio.Task]:
+    """Listen on ``host``, a free port; (the port, the task serving it: cancel it to stop).
+    ``io``: "sock" (FrameSocket, or TlsFrameSocket with ``tls``) or "protocol" (ProtocolFrames,
+    plaintext only)."""
+    if io == "protocol":
+        if tls is not None:
+            raise ValueError("the protocol variant is plaintext only")
+        return await _serve_protocol(service, token, host)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, 0))
@@ -268,8 +363,8 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
         try:
             while True:
                 sock, addr = await loop.sock_accept(listener)
-                task = asyncio.create_task(_serve_connection(service, token, sock, f"ipv4:{addr[0]}:{addr[1]}",
-                                                                 tls))
+                frames = FrameSocket(sock) if tls is None else TlsFrameSocket(sock, tls, server_side=True)
+                task = asyncio.create_task(_serve_connection(service, token, frames, f"ipv4:{addr[0]}:{addr[1]}"))
                 connections.add(task)
                 task.add_done_callback(connections.discard)
         finally:
@@ -278,6 +373,28 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
                 task.cancel()
 
     return listener.getsockname()[1], asyncio.create_task(accept())
+
+
+async def _serve_protocol(service: ParameterServerService, token: bytes | None, host: str
+                          ) -> tuple[int, asyncio.Task]:
+    connections: set[asyncio.Task] = set()
+
+    def connected(frames: ProtocolFrames, addr) -> None:
+        task = asyncio.create_task(_serve_connection(service, token, frames, f"ipv4:{addr[0]}:{addr[1]}"))
+        connections.add(task)
+        task.add_done_callback(connections.discard)
+
+    server = await asyncio.get_running_loop().create_server(lambda: ProtocolFrames(connected), host, 0)
+
+    async def serve() -> None:
+        try:
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            server.close()
+            for task in connections:
+                task.cancel()
+
+    return server.sockets[0].getsockname()[1], asyncio.create_task(serve())
 
 
 async def _serve(argv: list[str]) -> int:
@@ -293,7 +410,9 @@ async def _serve(argv: list[str]) -> int:
     server = ShardServer(config)
     await server.start()
     tls = _server_tls(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
-    raw_port, acceptor = await serve_raw(server.service, server.token, config.host, tls)
+    # the benchmark's variant of the listener's I/O (benchmarks/dataplane.py sets it)
+    io = os.environ.get(IO_ENV, "sock")
+    raw_port, acceptor = await serve_raw(server.service, server.token, config.host, tls, io)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

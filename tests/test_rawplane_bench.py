@@ -26,9 +26,9 @@ SHARD_SETTINGS = dict(round_timeout_s=5.0)
 LAYOUT = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
 
 
-@pytest.fixture
-async def raw(shard: ShardServer):
-    port, acceptor = await serve_raw(shard.service, shard.token, "127.0.0.1")
+@pytest.fixture(params=["sock", "protocol"])  # the shard's two receive paths (rawplane.serve_raw)
+async def raw(shard: ShardServer, request):
+    port, acceptor = await serve_raw(shard.service, shard.token, "127.0.0.1", io=request.param)
     yield shard, port
     acceptor.cancel()
     with contextlib.suppress(asyncio.CancelledError):
