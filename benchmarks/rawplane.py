@@ -22,6 +22,11 @@ buffer of its announced size (``sock_recv_into``), refusing one over gRPC's 8 Mi
 before it allocates. A stream's end carries a status frame (the length's top bit set:
 "CODE\\ndetails"), standing in for gRPC's trailers.
 
+The shard has two receive paths (``serve_raw``'s ``io``; the shard process reads IO_ENV):
+``FrameSocket`` awaits ``sock_recv_into`` per receive, ``ProtocolFrames`` is a BufferedProtocol
+that uvloop fills from its own callback (no coroutine per receive). The nodes always use
+FrameSocket.
+
 With ``--tls-cert`` (and ``--tls-client-ca``) the listener speaks TLS with the same files, through
 Python's ``ssl`` on memory BIOs (``TlsFrameSocket``): what TLS costs a data plane written in
 Python; a native one would use its TLS library (or kernel TLS) directly.
