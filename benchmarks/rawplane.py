@@ -1,0 +1,526 @@
+"""A minimal raw data plane for the Exchange stream, to measure what Python gRPC costs the shard
+(benchmarks/dataplane.py drives it). A benchmark, not a transport: nothing in cgx_ps uses it.
+
+    python -m benchmarks.rawplane server FLAGS...   # `cgx-ps server FLAGS...` plus a raw listener
+
+The shard process is the real one (``ShardServer``: gRPC for Register and everything else, the
+same ``ParameterServerService``, session, aggregator, kernels and executor); beside it, on a
+second port, an asyncio listener on uvloop takes Exchange streams over plain TCP, one connection
+per stream, and hands each to the service's own ``Exchange`` handler through a context object
+with the three calls it uses (``read``, ``write``, ``abort``). So every pushed chunk goes through
+the same ``read_push``, ``PushAssembler`` (sizes, budget, deadlines), ``_check_push`` and
+aggregator (header/crc/meta checks, the fused kernel, the result's encode) as over gRPC, and each
+result through the same ``NodeStream`` writer (its cap and write timeout); only the bytes' way in
+and out differs.
+
+The wire: frames of a 4-byte little-endian length and that many bytes. A connection's first
+frame is the job token (checked once, ``hmac.compare_digest``), then the Exchange stream's
+messages exactly as gRPC carries them (a serialized Hello, then ``chunkframes`` pushes; results
+are ``frames.result_frames``' bytes, built once and sent to every node as they are, by
+``sock_sendall`` on the same object: no per-node copy). The shard receives each frame into a
+buffer of its announced size (``sock_recv_into``), refusing one over gRPC's 8 MiB message limit
+before it allocates. A stream's end carries a status frame (the length's top bit set:
+"CODE\\ndetails"), standing in for gRPC's trailers.
+
+The shard has two receive paths (``serve_raw``'s ``io``; the shard process reads IO_ENV):
+``FrameSocket`` awaits ``sock_recv_into`` per receive, ``ProtocolFrames`` is a BufferedProtocol
+that uvloop fills from its own callback (no coroutine per receive). The nodes always use
+FrameSocket.
+
+With ``--tls-cert`` (and ``--tls-client-ca``) the listener speaks TLS with the same files, through
+Python's ``ssl`` on memory BIOs (``TlsFrameSocket``): what TLS costs a data plane written in
+Python; a native one would use its TLS library (or kernel TLS) directly.
+
+What it leaves out, compared with gRPC (what a shippable data plane would have to add:
+BENCHMARKS.md, "What Python gRPC costs the shard, measured"):
+- certificate reloading (tls.py) and ALPN; the token goes in the clear without --tls-cert,
+  as it does over gRPC;
+- HTTP/2 flow control and multiplexing: a slow reader is held up by TCP's window and the
+  NodeStream's write timeout only, and each stream is a connection of its own;
+- keepalive pings (a dead peer is noticed by TCP or the round timeout only);
+- gRPC's connection management on the client (reconnect backoff, wait-for-ready, name
+  resolution): the client below connects once per stream;
+- the per-call gate's draining rule and rate-limited refusal log (rpc.py): Exchange streams pass
+  a draining shard's gate anyway; a refusal here is one status frame and no log line;
+- ``maximum_concurrent_rpcs``: connections are not counted or capped (the first frame's 30 s
+  timeout is kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import signal
+import socket
+import ssl
+import struct
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from cgx_ps.server.errors import BadRequest, ProtocolError, TimedOut, Unauthenticated
+from cgx_ps.server.rpc import grpc_status
+from cgx_ps.server.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
+from cgx_ps.transport import GRPC_OPTIONS
+from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker.client import ShardClient, read_result
+
+__all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "ProtocolFrames", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
+
+_HEADER = struct.Struct("<I")
+_STATUS = 1 << 31  # the length's top bit: a status frame, the stream's last
+MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces
+MAX_TOKEN = 4096
+IO_ENV = "CGX_PS_BENCH_RAW_IO"  # "sock" (default) or "protocol": serve_raw's io, for the shard process
+_SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
+
+
+class FrameSocket:
+    """Length-prefixed frames on a non-blocking socket, through the running loop's sock_* calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self._header = bytearray(_HEADER.size)
+
+    async def _fill(self, view: memoryview) -> int:
+        """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                return got
+            got += n
+        return got
+
+    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
+        """(is_status, body) of the next frame; None at a clean EOF between frames. A frame over
+        ``limit`` is refused before anything is allocated for it; EOF inside a frame is an error."""
+        got = await self._fill(memoryview(self._header))
+        if got == 0:
+            return None
+        if got < _HEADER.size:
+            raise ConnectionResetError("connection closed inside a frame header")
+        (word,) = _HEADER.unpack(self._header)
+        size, status = word & ~_STATUS, bool(word & _STATUS)
+        if size > limit:
+            raise BadRequest(f"frame of {size} bytes; at most {limit}")
+        # Not zeroed (a bytearray would be, a memset of every byte the socket then overwrites):
+        # numpy's empty is malloc's memory as it is.
+        body = memoryview(np.empty(size, np.uint8))
+        if await self._fill(body) < size:
+            raise ConnectionResetError(f"connection closed inside a frame of {size} bytes")
+        return status, body.tobytes() if size < _SMALL else body
+
+    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
+        """One frame; ``data`` is sent as it is (the kernel copies it, Python does not)."""
+        await self.loop.sock_sendall(self.sock, _HEADER.pack(len(data) | (_STATUS if status else 0)))
+        await self.loop.sock_sendall(self.sock, data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TlsFrameSocket(FrameSocket):
+    """The same frames through Python's ssl on memory BIOs (the loop's sock_* calls cannot take an
+    SSLSocket): ciphertext is received into one reused buffer and decrypted straight into the
+    frame's buffer; a frame is encrypted into the outgoing BIO and sent from there (a copy per
+    node for a result: each connection has its own keys, as over gRPC)."""
+
+    _CIPHER_BUFFER = 1 << 18
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
+                 server_hostname: str | None = None) -> None:
+        super().__init__(sock)
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
+        self._cipher = bytearray(self._CIPHER_BUFFER)
+        self._sending = asyncio.Lock()  # the reader answers the handshake too: one sender at a time
+
+    async def handshake(self) -> None:
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                if not await self._feed():
+                    raise ConnectionResetError("connection closed during the TLS handshake") from None
+        await self._flush()
+
+    async def _flush(self) -> None:
+        async with self._sending:  # taken from the BIO under the lock, so records go out in order
+            while self._out.pending:
+                await self.loop.sock_sendall(self.sock, self._out.read())
+
+    async def _feed(self) -> bool:
+        n = await self.loop.sock_recv_into(self.sock, self._cipher)
+        if n == 0:
+            self._in.write_eof()
+            return False
+        self._in.write(memoryview(self._cipher)[:n])
+        return True
+
+    async def _fill(self, view: memoryview) -> int:
+        got = 0
+        while got < len(view):
+            try:
+                n = self.tls.read(len(view) - got, view[got:])
+            except ssl.SSLWantReadError:
+                await self._flush()  # a TLS 1.3 key update or ticket may want an answer
+                if not await self._feed():
+                    return got
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return got
+            if n == 0:
+                return got
+            got += n
+        return got
+
+    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
+        self.tls.write(_HEADER.pack(len(data) | (_STATUS if status else 0)))
+        self.tls.write(data)
+        await self._flush()
+
+
+def _server_tls(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
+    """The raw listener's TLS, as the gRPC port's (tls.py): the shard's certificate, and a client
+    certificate required when a client CA is given."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(client_ca)
+    return context
+
+
+class ProtocolFrames(asyncio.BufferedProtocol):
+    """The shard's side of the same frames as a BufferedProtocol (``serve_raw(io="protocol")``):
+    uvloop reads straight into the frame's buffer from its own callback, with no coroutine, future
+    or reader registration per receive as ``sock_recv_into`` has. Reading pauses after each
+    complete frame until ``read`` asks for the next one, so a frame's size limit applies as with
+    FrameSocket, and a stream holds at most one unread frame. Writes go to the transport, waiting
+    while it asks to pause (its buffer over the high-water mark)."""
+
+    def __init__(self, on_connect) -> None:
+        self._on_connect = on_connect
+        self.transport: asyncio.Transport | None = None
+        self._limit = MAX_TOKEN
+        self._header = bytearray(_HEADER.size)
+        self._body: memoryview | None = None  # the frame being received, once its header is in
+        self._status = False
+        self._view = memoryview(self._header)
+        self._got = 0
+        self._frames: asyncio.Queue = asyncio.Queue()  # complete frames, None at EOF, or an exception
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.pause_reading()  # until the first read() says how large a frame may be
+        self._on_connect(self, transport.get_extra_info("peername"))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        if self._got < len(self._view):
+            return
+        self._got = 0
+        if self._body is None:
+            (word,) = _HEADER.unpack(self._header)
+            size, self._status = word & ~_STATUS, bool(word & _STATUS)
+            if size > self._limit:
+                self._deliver(BadRequest(f"frame of {size} bytes; at most {self._limit}"))
+                return
+            if size:
+                self._body = self._view = memoryview(np.empty(size, np.uint8))  # not zeroed, as FrameSocket
+                return
+            self._body = memoryview(b"")
+        body, self._body, self._view = self._body, None, memoryview(self._header)
+        self._deliver((self._status, body.tobytes() if len(body) < _SMALL else body))
+
+    def _deliver(self, item) -> None:
+        self.transport.pause_reading()
+        self._frames.put_nowait(item)
+
+    def eof_received(self) -> bool:
+        self._frames.put_nowait(None if self._body is None and self._got == 0 else
+                                ConnectionResetError("connection closed inside a frame"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
+        self._writable.set()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
+        if self._frames.empty() and not self.transport.is_closing():
+            self._limit = limit
+            self.transport.resume_reading()
+        item = await self._frames.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
+        if self.transport.is_closing():
+            raise ConnectionResetError("connection closed")
+        self.transport.write(_HEADER.pack(len(data) | (_STATUS if status else 0)))
+        self.transport.write(data)
+        await self._writable.wait()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+# ---- the shard's side ------------------------------------------------------------------------------
+
+class _Aborted(Exception):
+    """The handler ended the stream with a status (as grpc.aio's AbortError does)."""
+
+
+class _RawContext:
+    """What ``ParameterServerService.Exchange`` needs of a grpc.aio ServicerContext."""
+
+    def __init__(self, frames: FrameSocket, peer: str) -> None:
+        self.frames = frames
+        self._peer = peer
+
+    async def read(self):
+        frame = await self.frames.read(MAX_FRAME)
+        if frame is None:
+            return grpc.aio.EOF
+        if frame[0]:
+            raise BadRequest("a client sends no status frames")
+        return frame[1]
+
+    async def write(self, message: bytes) -> None:
+        await self.frames.write(message)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        await self.frames.write(f"{code.name}\n{details}".encode(), status=True)
+        raise _Aborted(code.name)
+
+    def peer(self) -> str:
+        return self._peer
+
+
+async def _serve_connection(service: ParameterServerService, token: bytes | None,
+                            frames: FrameSocket | ProtocolFrames, peer: str) -> None:
+    context = _RawContext(frames, peer)
+    try:
+        try:
+            if isinstance(frames, TlsFrameSocket):
+                await asyncio.wait_for(frames.handshake(), FIRST_MESSAGE_TIMEOUT_S)
+            presented = await asyncio.wait_for(frames.read(MAX_TOKEN), FIRST_MESSAGE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimedOut(f"no token within {FIRST_MESSAGE_TIMEOUT_S:g}s of connecting") from None
+        if presented is None or presented[0] or (token is not None
+                                                 and not hmac.compare_digest(bytes(presented[1]), token)):
+            raise Unauthenticated("missing or wrong job token")
+        await service.Exchange(context)
+    except ProtocolError as exc:  # as rpc.py's gate maps a refusal to a status
+        try:
+            await context.abort(*grpc_status(exc))
+        except (_Aborted, OSError, ssl.SSLError):
+            pass
+    except (_Aborted, OSError, ssl.SSLError):
+        pass  # the handler's own status went out, or the client is gone (or failed the handshake)
+    finally:
+        frames.close()
+
+
+async def serve_raw(service: ParameterServerService, token: bytes | None, host: str,
+                    tls: ssl.SSLContext | None = None, io: str = "sock") -> tuple[int, asyncio.Task]:
+    """Listen on ``host``, a free port; (the port, the task serving it: cancel it to stop).
+    ``io``: "sock" (FrameSocket, or TlsFrameSocket with ``tls``) or "protocol" (ProtocolFrames,
+    plaintext only)."""
+    if io == "protocol":
+        if tls is not None:
+            raise ValueError("the protocol variant is plaintext only")
+        return await _serve_protocol(service, token, host)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(64)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+    connections: set[asyncio.Task] = set()
+
+    async def accept() -> None:
+        try:
+            while True:
+                sock, addr = await loop.sock_accept(listener)
+                frames = FrameSocket(sock) if tls is None else TlsFrameSocket(sock, tls, server_side=True)
+                task = asyncio.create_task(_serve_connection(service, token, frames, f"ipv4:{addr[0]}:{addr[1]}"))
+                connections.add(task)
+                task.add_done_callback(connections.discard)
+        finally:
+            listener.close()
+            for task in connections:
+                task.cancel()
+
+    return listener.getsockname()[1], asyncio.create_task(accept())
+
+
+async def _serve_protocol(service: ParameterServerService, token: bytes | None, host: str
+                          ) -> tuple[int, asyncio.Task]:
+    connections: set[asyncio.Task] = set()
+
+    def connected(frames: ProtocolFrames, addr) -> None:
+        task = asyncio.create_task(_serve_connection(service, token, frames, f"ipv4:{addr[0]}:{addr[1]}"))
+        connections.add(task)
+        task.add_done_callback(connections.discard)
+
+    server = await asyncio.get_running_loop().create_server(lambda: ProtocolFrames(connected), host, 0)
+
+    async def serve() -> None:
+        try:
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            server.close()
+            for task in connections:
+                task.cancel()
+
+    return server.sockets[0].getsockname()[1], asyncio.create_task(serve())
+
+
+async def _serve(argv: list[str]) -> int:
+    """``cgx-ps server`` (main.py's ShardServer), plus the raw listener; the port file also
+    names ``raw_port``."""
+    from cgx_ps.cli import build_parser
+    from cgx_ps.server.config import ServerConfig
+    from cgx_ps.server.main import ShardServer, setup_logging
+
+    args = build_parser().parse_args(argv)
+    config = ServerConfig.from_flags(vars(args))
+    setup_logging(config.log_level, config.shard_index)
+    server = ShardServer(config)
+    await server.start()
+    tls = _server_tls(config.tls_cert, config.tls_key, config.tls_client_ca) if config.tls_cert else None
+    # the benchmark's variant of the listener's I/O (benchmarks/dataplane.py sets it)
+    io = os.environ.get(IO_ENV, "sock")
+    raw_port, acceptor = await serve_raw(server.service, server.token, config.host, tls, io)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # cluster.launch_shard blocked it
+    port_file = Path(args.port_file)
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"port": server.port, "metrics_port": server.metrics_port,
+                               "health_port": server.health_port, "raw_port": raw_port, "pid": os.getpid()}))
+    os.replace(tmp, port_file)
+    await stop.wait()
+    acceptor.cancel()
+    await server.stop(drain=True)
+    return 0
+
+
+# ---- the node's side -------------------------------------------------------------------------------
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class RawCall:
+    """One Exchange stream over a raw connection, shaped as the grpc.aio call ShardClient uses:
+    ``write``, ``cancel`` and async iteration over the read results, ending with an AioRpcError
+    carrying the shard's status (as gRPC's trailers would)."""
+
+    def __init__(self, frames: FrameSocket) -> None:
+        self.frames = frames
+
+    @classmethod
+    async def open(cls, host: str, port: int, token: bytes, tls: ssl.SSLContext | None = None) -> "RawCall":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+            if tls is None:
+                frames = FrameSocket(sock)
+            else:
+                frames = TlsFrameSocket(sock, tls, server_side=False, server_hostname=host)
+                await frames.handshake()
+        except (OSError, ssl.SSLError) as exc:
+            sock.close()
+            raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
+        call = cls(frames)
+        await call.write(token)
+        return call
+
+    async def write(self, frame: bytes | memoryview) -> None:
+        try:
+            await self.frames.write(frame)
+        except OSError as exc:
+            raise _unavailable(f"stream closed: {exc}") from None
+
+    def cancel(self) -> None:
+        self.frames.close()
+
+    def __aiter__(self):
+        return self._results()
+
+    async def _results(self):
+        try:
+            while (frame := await self.frames.read(MAX_FRAME)) is not None:
+                status, body = frame
+                if status:
+                    name, _, details = bytes(body).decode("utf-8", "replace").partition("\n")
+                    code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+                    raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+                yield read_result(body)
+        except (OSError, ssl.SSLError, BadRequest) as exc:
+            raise _unavailable(f"stream broke: {exc}") from None
+
+
+class RawShardClient(ShardClient):
+    """ShardClient (Register and everything else over gRPC, its pushes, results, recovery and
+    futures unchanged) whose Exchange streams go over the raw data plane at ``raw_port``."""
+
+    def __init__(self, *args, raw_port: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.raw_port = raw_port
+        meta = dict(self._metadata)
+        self._token = meta["authorization"][len("Bearer "):].encode() if "authorization" in meta else b""
+        sec = self.security
+        self._tls = None
+        if sec.tls_ca:  # the gRPC channel's settings (security.py): the CA, a client certificate
+            self._tls = ssl.create_default_context(cafile=sec.tls_ca)
+            if sec.tls_cert:
+                self._tls.load_cert_chain(sec.tls_cert, sec.tls_key)
+
+    async def _open_stream(self) -> None:
+        # ShardClient._open_stream with the call made over the raw connection
+        self._generation += 1
+        self._incoming.clear()
+        host = self.address.rsplit(":", 1)[0]
+        self._call = call = await RawCall.open(host, self.raw_port, self._token, self._tls)
+        await call.write(ps_pb2.ExchangeRequest(
+            hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
+                               session_id=self.session_id)).SerializeToString())
+        self._reader = asyncio.create_task(self._read_results(call, self._generation))
+        self._ready.set()
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    sys.exit(uvloop.run(_serve(sys.argv[1:])))
