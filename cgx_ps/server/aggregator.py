@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Protocol
 
 from .. import timeline
-from ..kernels import HEADER_SIZE, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
+from ..kernels import HEADER_SIZE, Codec, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
@@ -308,11 +308,16 @@ class Aggregator:
         """How the round's sum is encoded: the way its pushes were (a resumed session's block, which
         learns its settings from the pushes, with their rounding too), seeded by block and round."""
         codec, bits, bucket = encoding
+        # A compressed result is encoded into the block's reused buffer (at most ~1/4 of the block's
+        # fp32 bytes, at 8 bits); an uncompressed one (warm-up rounds) into a fresh one, let go once
+        # framed: a scratch of the block's full size kept besides its accumulator would break the
+        # shard's memory rule (server/sizing.py)
+        scratch = block.result_scratch if codec == Codec.MAXMIN else None
         return functools.partial(block.sum.encode, codec, bits=bits, bucket_size=bucket,
                                  stochastic=stochastic if block.learning else block.settings_for(round_).stochastic,
                                  seed=result_seed(block.spec.block_id, round_),
                                  feedback=block.feedback if self.error_feedback else None,
-                                 allow_non_finite=non_finite)
+                                 allow_non_finite=non_finite, scratch=scratch)
 
     @staticmethod
     def _keep(block: BlockState, round_: int, node_id: str, payload: bytes | memoryview,

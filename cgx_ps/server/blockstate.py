@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..kernels import Codec, CodecError, EncodedSum, ErrorFeedback, Header, decode_header
+from ..kernels import Codec, CodecError, EncodedSum, ErrorFeedback, Header, PayloadScratch, decode_header
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import BadRequest, Conflict, ProtocolError, WrongRound
@@ -42,6 +42,9 @@ class BlockState:
     sum: EncodedSum  # the pushes of the round under way, summed once all have come
     round: int = 0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # server-side error feedback's residual
+    # where a max-min result is encoded, round after round (aggregator._round_encoder): its memory
+    # is not allocated and faulted in afresh each round; the result leaves it framed (a copy)
+    result_scratch: PayloadScratch = field(default_factory=PayloadScratch)
     pushed: dict[str, int] = field(default_factory=dict)  # node -> member, this round
     first_push_at: float = 0.0
     timer: asyncio.TimerHandle | None = None
