@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from .. import timeline
+from .allocator import keep_freed_memory
 from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
 from .config import GRPC_OPTIONS, ServerConfig
@@ -213,6 +214,7 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"cgx-ps server: {exc}") from None
     setup_logging(config.log_level, config.shard_index)
+    keep_freed_memory()  # this process is a shard: its buffers come back every round (allocator.py)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
