@@ -6,24 +6,28 @@ the frames of each result. All are freed within the round and needed again the n
 malloc, by default, gives the free memory at the top of a heap back to the kernel once more
 than its trim threshold is free (a threshold that follows the largest chunk freed, so about
 2 MiB here), and maps a larger request with mmap of its own: so every round's buffers came back
-as fresh pages, each zeroed and faulted in by the kernel on its first write (about 3,400 minor
-faults per round, py-spy showing ``madvise`` under the free of each read message).
+as fresh pages, each zeroed and faulted in by the kernel on its first write (11-15k minor faults
+per round, py-spy showing ``madvise`` under the free of each read message).
 
 ``allocator_settings`` raises both thresholds: requests up to ``MMAP_THRESHOLD`` come from the
 heaps, and up to ``TRIM_THRESHOLD`` of free memory stays with each heap. That caps what is kept,
 and keeps only memory the shard already held at its peak, so the peak resident memory that
-server/sizing.py's rule describes does not grow by it; what a shard holds between rounds does
-(measured in BENCHMARKS.md, "The shard's result framed once").
+server/sizing.py's rule describes grows at most by what each thread's heap keeps: measured, no
+change beyond the run-to-run spread of an attack at the caps, and +0-80 MiB after 20 honest rounds
+(BENCHMARKS.md, "The shard's buffers kept between rounds").
 
 Only for the shard process (``run_server``), whose memory is sized for this: a library must not
-change its host process's allocator.
+change its host process's allocator. An operator's own malloc settings (glibc's ``MALLOC_*_``
+variables or a malloc tunable in ``GLIBC_TUNABLES``) stand: the shard then sets nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
+from typing import Mapping
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "allocator_settings", "keep_freed_memory"]
 
@@ -34,21 +38,31 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 MMAP_THRESHOLD = 16 << 20  # above gRPC's 8 MiB message limit: every message and block buffer from the heaps
-TRIM_THRESHOLD = 64 << 20  # free memory a heap keeps: more than one round's messages of one thread
+# Free memory a heap keeps. benchmarks/shard_allocator.py, 4 nodes x 100 MB: 16 MiB still faulted
+# 0.8-3k pages per round, 32 and 64 MiB 0.4-1.3k (glibc's defaults 11-15k) for the same CPU; a
+# thread's heap may keep its peak's free memory up to this, so the smaller of the two
+TRIM_THRESHOLD = 32 << 20
 
 
-def allocator_settings(libc: str) -> dict[int, int]:
-    """The mallopt settings for a shard on the C library ``libc`` (``platform.libc_ver()[0]``):
-    glibc's thresholds, or none for another one (musl's malloc has neither threshold)."""
-    if libc != "glibc":
+def allocator_settings(libc: str, env: Mapping[str, str]) -> dict[int, int]:
+    """The mallopt settings for a shard on the C library ``libc`` (``platform.libc_ver()[0]``)
+    started with the environment ``env``: glibc's thresholds; none for another C library (musl's
+    malloc has neither threshold), nor where the environment already tunes glibc's malloc."""
+    if libc != "glibc" or _operator_tuned(env):
         return {}
     # M_MMAP_THRESHOLD first: setting either one turns off glibc's dynamic thresholds
     return {_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: TRIM_THRESHOLD}
 
 
+def _operator_tuned(env: Mapping[str, str]) -> bool:
+    """Does ``env`` set glibc's malloc already (read by glibc at start, before any mallopt)?"""
+    return any(name.startswith("MALLOC_") and name.endswith("_") for name in env) or \
+        "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+
+
 def keep_freed_memory() -> bool:
-    """Apply ``allocator_settings`` to this process; False where they do not apply or mallopt refused one."""
-    settings = allocator_settings(platform.libc_ver()[0])
+    """Apply ``allocator_settings`` to this process; False where none apply or mallopt refused one."""
+    settings = allocator_settings(platform.libc_ver()[0], os.environ)
     if not settings:
         return False
     try:
