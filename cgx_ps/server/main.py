@@ -17,9 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from .. import timeline
-from .allocator import keep_freed_memory
 from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
+from .allocator import keep_freed_memory
 from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
