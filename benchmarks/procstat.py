@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 __all__ = ["HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds",
-           "resident_mb", "thread_cpu_seconds"]
+           "proc_minor_faults", "resident_mb", "thread_cpu_seconds"]
 
 # pids of the cgx-ps shards on a worker's host (shards.run_cgx sets it): HostCpu adds their CPU
 # to the host's per step
@@ -38,6 +38,13 @@ def _stat_cpu_seconds(stat: Path) -> float | None:
 def proc_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process ``pid`` (all its threads), None if gone."""
     return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def proc_minor_faults(pid: int) -> int | None:
+    """Minor page faults of process ``pid`` so far (all its threads; pages it touched for the
+    first time since they were mapped: fresh memory the kernel zeroed), None if gone."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return None if fields is None else int(fields[7])  # field 10
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.procstat import proc_cpu_seconds, resident_mb, thread_cpu_seconds
+from benchmarks.procstat import proc_cpu_seconds, proc_minor_faults, resident_mb, thread_cpu_seconds
 from cgx_ps.kernels import quantize
 from cgx_ps.security import ChannelSecurity, new_token_file
 from cgx_ps.server import LocalCluster
@@ -171,6 +171,7 @@ class Measured:
     client_cpu: float = 0.0  # CPU seconds this process (the N nodes) spent in them
     threads: dict[str, float] = field(default_factory=dict)  # shard CPU seconds by thread group, in them
     rss_mb: float = 0.0  # the shard's resident memory after the rounds
+    minflt: int = 0  # the shard's minor page faults in the timed rounds (fresh pages faulted in)
 
 
 async def one_round(clients: list[ShardClient], layout, payloads: dict[int, bytes], r: int) -> float:
@@ -198,11 +199,13 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
             schedule = [(r, name) for name in names for r in range(rounds + 1)]
         started: dict[str, float] = {}
         threads: dict[str, dict[str, float]] = {}
+        faults: dict[str, int] = {}
         for r, name in schedule:
             pid = targets[name][1]
             if r == 1:  # the shard's CPU from its first timed round to the end: work it finishes
                 started[name] = shard_cpu_seconds(pid)  # after a round ends is counted too
                 threads[name] = thread_cpu_seconds(pid)
+                faults[name] = proc_minor_faults(pid) or 0
             client0 = time.process_time()
             t = await one_round(clients[name], layout, payloads, r)
             if r:
@@ -214,6 +217,7 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
             end = thread_cpu_seconds(targets[name][1])
             out[name].threads = {group: end[group] - threads[name][group] for group in end}
             out[name].rss_mb = resident_mb(targets[name][1])
+            out[name].minflt = (proc_minor_faults(targets[name][1]) or 0) - faults[name]
     finally:
         for group in clients.values():
             for c in group:
@@ -335,8 +339,8 @@ def main() -> None:
     for name in configs:
         split = ", ".join(f"{group} {seconds / args.rounds * 1e3:.0f} ms" for group, seconds in
                           measured[name].threads.items())
-        print(f"{name} shard CPU per round by thread: {split}; resident memory after the rounds "
-              f"{measured[name].rss_mb:.0f} MB")
+        print(f"{name} shard CPU per round by thread: {split}; minor page faults per round "
+              f"{measured[name].minflt / args.rounds:.0f}; resident memory after the rounds {measured[name].rss_mb:.0f} MB")
     for name in configs:
         wall = mb_s(statistics.median(measured[name].wall))
         per_cpu = mb_s(measured[name].shard_cpu / args.rounds)

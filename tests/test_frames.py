@@ -82,6 +82,14 @@ def test_result_frames_are_the_bytes_protobuf_would_write(round_, block_id, size
                                                           offset=off, data=data[off:off + CHUNK_BYTES]))
             .SerializeToString() for off in range(0, max(size, 1), CHUNK_BYTES)]
     assert got == want
+    # framed where the sum is encoded (a kernel thread: from the numpy encode buffer, which is
+    # then reused): the same bytes, kept when that buffer changes, and its payload read back
+    buffer = np.frombuffer(data, dtype=np.uint8).copy()
+    framed = frames.ResultFrames.of(block_id, round_, memoryview(buffer))
+    buffer[:] = 7
+    assert list(framed.frames) == want and len(framed) == size and bytes(framed) == data
+    if len(want) == 1:  # the payload is a view into the one frame, not a second copy
+        assert framed.payload.obj is framed.frames[0]
 
 
 @settings(max_examples=60, deadline=None)

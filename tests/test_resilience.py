@@ -389,7 +389,8 @@ class _Sink:
         self.delivered: list[tuple[int, int, bytes, dict]] = []
 
     def deliver(self, block_id, round_, result, pushers) -> None:
-        self.delivered.append((block_id, round_, result, dict(pushers)))
+        assert (result.block_id, result.round) == (block_id, round_)  # frames of this result
+        self.delivered.append((block_id, round_, bytes(result), dict(pushers)))
 
     def round_failed(self, failure) -> None:
         raise AssertionError(failure)
@@ -418,7 +419,7 @@ async def test_a_resumed_block_gives_a_restored_result_to_the_nodes_still_waitin
     if restore_first:
         assert (await agg.restore("n0", 0, 0, 5, result5)).accepted
         outcome = await agg.push("n1", 0, 0, 5, payload)  # n1's kept push of round 5
-        assert outcome.resend == result5 and not sink.delivered
+        assert bytes(outcome.resend) == result5 and outcome.resend.round == 5 and not sink.delivered
     else:
         assert (await agg.push("n1", 0, 0, 5, payload)).accepted  # round 5 starts here...
         assert (await agg.restore("n0", 0, 0, 5, result5)).accepted  # ...but finished before the restart

@@ -136,7 +136,7 @@ async def test_a_round_costs_one_kernel_thread_hop_its_last_push() -> None:
             self.results: list[bytes] = []
 
         def deliver(self, block_id, round_, result, pushers) -> None:
-            self.results.append(result)
+            self.results.append(bytes(result))
 
         def round_failed(self, failure) -> None:
             raise AssertionError(failure)

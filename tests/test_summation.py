@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cgx_ps.kernels import Codec, CodecError, EncodedSum, ErrorFeedback, dequantize, encode, encode_block
+from cgx_ps.kernels import Codec, CodecError, EncodedSum, ErrorFeedback, PayloadScratch, dequantize, encode, encode_block
 
 
 def accumulator_path(payloads: list[bytes], numel: int, codec: Codec, bits: int, bucket: int, stochastic: bool,
@@ -44,13 +44,14 @@ def test_fused_sum_writes_the_accumulator_paths_bytes(numel: int, bits: int, buc
     total = EncodedSum(numel, parts=max(1, nodes if keep is None else keep), keep_bytes=0 if keep == 0 else None,
                        threads=threads)
     want_fb, got_fb = (ErrorFeedback(), ErrorFeedback()) if feedback else (None, None)
+    scratch = PayloadScratch()  # encoded into round after round, as a shard's block does
     for round_ in range(3):
         payloads = pushes(gen, nodes, numel, Codec.MAXMIN, bits, bucket, round_)
         want = accumulator_path(payloads, numel, Codec.MAXMIN, bits, bucket, stochastic, seed + round_, want_fb)
         for payload in payloads:
             total.add(payload)
         got = total.encode(Codec.MAXMIN, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed + round_,
-                           feedback=got_fb).to_bytes()
+                           feedback=got_fb, scratch=scratch).to_bytes()
         total.clear()
         assert got == want
         if feedback:

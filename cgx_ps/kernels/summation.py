@@ -39,7 +39,7 @@ import torch
 
 from . import cpu
 from .decoding import check_payload, dequantize
-from .encoding import BytesLike, EncodedBlock, non_finite_block
+from .encoding import BytesLike, EncodedBlock, PayloadScratch, non_finite_block
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block
 from .wire import FLAG_STOCHASTIC, HEADER_SIZE, Codec, Header, pack_header, split_maxmin_body
@@ -119,9 +119,12 @@ class EncodedSum:
                                     and self._kept_format == (header.bits, header.bucket_size))
 
     def encode(self, codec: Codec | int, *, bits: int, bucket_size: int, stochastic: bool, seed: int,
-               feedback: ErrorFeedback | None = None, allow_non_finite: bool = False) -> EncodedBlock:
+               feedback: ErrorFeedback | None = None, allow_non_finite: bool = False,
+               scratch: PayloadScratch | None = None) -> EncodedBlock:
         """The sum, encoded as ``encode_block`` would encode the accumulated sum (CodecError as
-        it raises them; after one, the residual of ``feedback`` is unspecified)."""
+        it raises them; after one, the residual of ``feedback`` is unspecified). ``scratch``:
+        the payload's reused memory (``PayloadScratch``: the block is valid until the next
+        encode into it)."""
         if self.count == 0:
             raise CodecError("nothing to encode: no block was added to the sum")
         if self.non_finite:
@@ -132,10 +135,10 @@ class EncodedSum:
                  # a non-finite result must leave the residual untouched: the accumulator path does
                  and not (allow_non_finite and feedback is not None))
         if fused:
-            return self._encode_fused(bits, bucket_size, stochastic, seed, feedback, allow_non_finite)
+            return self._encode_fused(bits, bucket_size, stochastic, seed, feedback, allow_non_finite, scratch)
         self._fold()
         return encode_block(self._accumulator(), codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic,
-                            seed=seed, feedback=feedback, allow_non_finite=allow_non_finite)
+                            seed=seed, feedback=feedback, allow_non_finite=allow_non_finite, scratch=scratch)
 
     def clear(self) -> None:
         """Start a new sum (the buffers are kept for it, after a fold only the metadata rows; the
@@ -182,9 +185,11 @@ class EncodedSum:
         self._acc_holds_sum, self._levels, self._levels_hold = True, [], 0
 
     def _encode_fused(self, bits: int, bucket_size: int, stochastic: bool, seed: int,
-                      feedback: ErrorFeedback | None, allow_non_finite: bool) -> EncodedBlock:
+                      feedback: ErrorFeedback | None, allow_non_finite: bool,
+                      scratch: PayloadScratch | None) -> EncodedBlock:
         header = Header(Codec.MAXMIN, bits, FLAG_STOCHASTIC if stochastic else 0, self.numel, bucket_size, 0)
-        payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
+        payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8) if scratch is None \
+            else scratch.payload(header)
         meta, packed = split_maxmin_body(payload[HEADER_SIZE:], self.numel, bucket_size)
         residual = None
         if feedback is not None:

@@ -15,6 +15,7 @@
     metrics.py     Prometheus metrics of one shard
     tls.py         server TLS whose certificate files may be rotated under a running shard
     main.py        the process: uvloop, health, metrics, graceful drain
+    allocator.py   the process's malloc thresholds: a round's freed buffers kept for the next
     status.py      the Status RPC (`cgx-ps status`) and the session gauges
     cluster.py     several local shard processes (development, demo, tests)
 """

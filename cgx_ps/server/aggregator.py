@@ -49,13 +49,14 @@ from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Protocol
 
 from .. import timeline
-from ..kernels import HEADER_SIZE, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
+from ..kernels import HEADER_SIZE, Codec, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
 from ..kernels.wire import validate_settings
 from ..layout import block_payload_size, codec_of
 from ..v1 import ps_pb2
 from .blockstate import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState, PushOutcome, adoption_conflict,
                          check_header, check_result, check_round, prune_schedule, result_seed, resume_conflict)
 from .errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
+from .frames import ResultFrames
 from .metrics import ShardMetrics
 from .threads import keeps_on_loop
 
@@ -66,9 +67,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RoundSum:
-    """A round's sum as the kernel thread left it: the encoded result, or why it cannot be encoded."""
+    """A round's sum as the kernel thread left it: the encoded result, framed for every node, or
+    why it cannot be encoded."""
 
-    result: bytes | None
+    result: ResultFrames | None
     error: str = ""
 
 
@@ -83,8 +85,9 @@ class RoundFailure:
 class RoundSink(Protocol):
     """Who hears of finished and failed rounds (the session)."""
 
-    def deliver(self, block_id: int, round_: int, result: bytes, pushers: Mapping[str, int]) -> None:
-        """``result`` of a round, for each node's member in ``pushers`` (node id -> member)."""
+    def deliver(self, block_id: int, round_: int, result: ResultFrames, pushers: Mapping[str, int]) -> None:
+        """``result`` of a round (framed once: the same frames go to every node), for each node's
+        member in ``pushers`` (node id -> member)."""
 
     def round_failed(self, failure: RoundFailure) -> None: ...
 
@@ -267,7 +270,8 @@ class Aggregator:
             self._finish(block, round_, kept, arrived)
         return PushOutcome(accepted=True)
 
-    async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes) -> PushOutcome:
+    async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes | memoryview
+                      ) -> PushOutcome:
         """A node's copy of a round's result from the lost shard instance (resumed sessions only):
         adopt it unless the block is already past that round (module doc)."""
         block = self._block(block_id)
@@ -286,16 +290,17 @@ class Aggregator:
                 raise WrongRound(f"block {block_id}: cannot restore round {round_}, the block is at round "
                                  f"{block.round}{' and has summed rounds since the restart' if block.summed_here else ''}")
             check_result(block, result)
+            framed = ResultFrames.of(block_id, round_, result)
             waiting = block.pushed  # nodes that pushed this round here: they get the restored bytes
             if block.timer is not None:
                 block.timer.cancel()
-            block.last_result, block.last_pushed, block.pushed = result, waiting, {}
+            block.last_result, block.last_pushed, block.pushed = framed, waiting, {}
             block.sum.clear()  # the pushes of the round it replaces are not summed
             block.round, block.adopting, block.restored, block.round_encoding = round_ + 1, False, True, None
             log.info("block %d: round %d restored from node %s (%d node(s) were waiting for it)", block_id, round_,
                      node_id, len(waiting))
             if waiting:
-                self.sink.deliver(block_id, round_, result, waiting)
+                self.sink.deliver(block_id, round_, framed, waiting)
             return PushOutcome(accepted=True)
 
     def _round_encoder(self, block: BlockState, round_: int, encoding: tuple[int, int, int], stochastic: bool,
@@ -303,11 +308,16 @@ class Aggregator:
         """How the round's sum is encoded: the way its pushes were (a resumed session's block, which
         learns its settings from the pushes, with their rounding too), seeded by block and round."""
         codec, bits, bucket = encoding
+        # A compressed result is encoded into the block's reused buffer (at most ~1/4 of the block's
+        # fp32 bytes, at 8 bits); an uncompressed one (warm-up rounds) into a fresh one, let go once
+        # framed: a scratch of the block's full size kept besides its accumulator would break the
+        # shard's memory rule (server/sizing.py)
+        scratch = block.result_scratch if codec == Codec.MAXMIN else None
         return functools.partial(block.sum.encode, codec, bits=bits, bucket_size=bucket,
                                  stochastic=stochastic if block.learning else block.settings_for(round_).stochastic,
                                  seed=result_seed(block.spec.block_id, round_),
                                  feedback=block.feedback if self.error_feedback else None,
-                                 allow_non_finite=non_finite)
+                                 allow_non_finite=non_finite, scratch=scratch)
 
     @staticmethod
     def _keep(block: BlockState, round_: int, node_id: str, payload: bytes | memoryview,
@@ -330,7 +340,8 @@ class Aggregator:
             return None
         with timeline.span("re-encode", round_, block=block.spec.block_id):
             try:
-                return RoundSum(encode().to_bytes())
+                # framed straight from the encode buffer: the result's one copy (frames.ResultFrames)
+                return RoundSum(ResultFrames.of(block.spec.block_id, round_, encode().stamped()))
             except CodecError as exc:  # one node sent huge finite values: the sum is not encodable
                 return RoundSum(None, str(exc))
             except Exception as exc:  # noqa: BLE001 - see above

@@ -13,10 +13,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..kernels import Codec, CodecError, EncodedSum, ErrorFeedback, Header, decode_header
+from ..kernels import Codec, CodecError, EncodedSum, ErrorFeedback, Header, PayloadScratch, decode_header
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .errors import BadRequest, Conflict, ProtocolError, WrongRound
+from .frames import ResultFrames
 
 __all__ = ["BlockState", "MAX_PENDING_CODEC_CHANGES", "MAX_RESUME_ROUND", "PushOutcome", "adoption_conflict",
            "check_header", "check_result", "check_round", "prune_schedule", "result_seed", "resume_conflict"]
@@ -31,7 +32,7 @@ MAX_RESUME_ROUND = 1 << 32
 @dataclass(frozen=True)
 class PushOutcome:
     accepted: bool  # False: a duplicate, ignored
-    resend: bytes | None = None  # a retry of the round just finished: its result again
+    resend: ResultFrames | None = None  # a retry of the round just finished: its result again
 
 
 @dataclass(eq=False)
@@ -41,11 +42,14 @@ class BlockState:
     sum: EncodedSum  # the pushes of the round under way, summed once all have come
     round: int = 0
     feedback: ErrorFeedback = field(default_factory=ErrorFeedback)  # server-side error feedback's residual
+    # where a max-min result is encoded, round after round (aggregator._round_encoder): its memory
+    # is not allocated and faulted in afresh each round; the result leaves it framed (a copy)
+    result_scratch: PayloadScratch = field(default_factory=PayloadScratch)
     pushed: dict[str, int] = field(default_factory=dict)  # node -> member, this round
     first_push_at: float = 0.0
     timer: asyncio.TimerHandle | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_result: bytes | None = None  # result of round - 1, for retried pushes
+    last_result: ResultFrames | None = None  # result of round - 1, for retried pushes
     last_pushed: Mapping[str, int] = field(default_factory=dict)  # node -> member, round - 1
     round_encoding: tuple[int, int, int] | None = None  # (codec, bits, bucket) of this round
     round_non_finite: bool = False  # a node pushed a non-finite block this round: the result is one
@@ -168,7 +172,7 @@ def check_header(block: BlockState, h: Header) -> tuple[int, int, int]:
     return got
 
 
-def check_result(block: BlockState, result: bytes) -> None:
+def check_result(block: BlockState, result: bytes | memoryview) -> None:
     """A restored result must be a well-formed block of the right size (it is decoded by every
     node that receives it, so the codec checks everything else there)."""
     try:

@@ -11,16 +11,23 @@ loop's time (BENCHMARKS.md, "Where the shard's time goes").
 ``chunkframes.read_chunk``, the chunk's data a view into the received bytes; anything else (a
 Hello, unknown or repeated fields, truncation) goes to the protobuf parser, whose answer, or
 refusal, stands (tests/test_frames.py checks this on arbitrary bytes).
+
+``ResultFrames`` is a round's result as the frames every node is sent. The kernel thread that
+encodes the sum frames it straight from the encode buffer (aggregator.py): the result's one copy,
+off the event loop. Those same frames are what a retried push gets again and what the block keeps
+as its last result; the result's bytes are never held a second time (``payload`` views them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, chunk_frames, read_chunk
 from ..v1 import ps_pb2
 from .errors import BadRequest
 from .rpc import parse_message
 
-__all__ = ["PushFrame", "read_push", "result_frames"]
+__all__ = ["PushFrame", "ResultFrames", "read_push", "result_frames"]
 
 # One chunk as read from the wire (``chunkframes.read_chunk``, shared with the worker's results).
 PushFrame = ChunkFrame
@@ -49,3 +56,36 @@ def result_frames(block_id: int, round_: int, data: bytes) -> list[bytes]:
     once and written as they are to every node's stream; at least one (so an empty result still
     tells its total_bytes)."""
     return chunk_frames(PULL_FIELD, block_id, round_, data)
+
+
+@dataclass(frozen=True, slots=True)
+class ResultFrames:
+    """A round's result for a block, framed once as PullChunks (``result_frames``) and written as
+    it is to every node's stream. Immutable: kept as the block's last result for a retried push,
+    and queued on several streams at once. ``len()``: the result's bytes."""
+
+    block_id: int
+    round: int
+    frames: tuple[bytes, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, block_id: int, round_: int, result: bytes | memoryview) -> "ResultFrames":
+        """``result`` (any bytes-like object, read once here: it may be reused afterwards) framed
+        for ``block_id`` and ``round_``."""
+        return cls(block_id, round_, tuple(result_frames(block_id, round_, result)), len(result))
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    @property
+    def payload(self) -> bytes | memoryview:
+        """The result's bytes: a view into the frame when there is one (a PullChunk's data is its
+        last field: it ends the frame), else read back from the frames."""
+        if len(self.frames) == 1:
+            frame = self.frames[0]
+            return memoryview(frame)[len(frame) - self.nbytes:]
+        return b"".join(bytes(read_chunk(frame, PULL_FIELD).data) for frame in self.frames)
+
+    def __bytes__(self) -> bytes:
+        return bytes(self.payload)

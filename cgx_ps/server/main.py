@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 from .. import timeline
 from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
+from .allocator import keep_freed_memory
 from .config import GRPC_OPTIONS, ServerConfig
 from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
@@ -213,6 +214,7 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"cgx-ps server: {exc}") from None
     setup_logging(config.log_level, config.shard_index)
+    keep_freed_memory()  # this process is a shard: its buffers come back every round (allocator.py)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS

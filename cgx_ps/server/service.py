@@ -30,7 +30,7 @@ from .budget import ByteBudget
 from .config import ServerConfig
 from .errors import (BadRequest, Conflict, Forbidden, InternalError, LimitExceeded, NotMember, ProtocolError,
                      SessionEnded, ShuttingDown, StreamAborted, TimedOut, shown, without_tracebacks)
-from .frames import PushFrame, read_push, result_frames
+from .frames import PushFrame, read_push
 from .metrics import ShardMetrics
 from .reassembly import InflightPushes, PushAssembler
 from .rpc import discard_rest, grpc_status, read_message
@@ -219,8 +219,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self.inflight.release(len(payload))
         self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
         if outcome.resend is not None:  # a retry of the round just finished: its result again
-            stream.send(result_frames(chunk.block_id, chunk.round, outcome.resend), len(outcome.resend),
-                        chunk.block_id, chunk.round)
+            stream.send(outcome.resend.frames, len(outcome.resend), chunk.block_id, chunk.round)
 
     # ---- blobs (broadcasts) ---------------------------------------------------------------------
 

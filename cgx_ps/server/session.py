@@ -30,7 +30,7 @@ from .blobs import BlobStore
 from .config import ServerConfig
 from .errors import ProtocolError, StreamAborted
 from .metrics import ShardMetrics
-from .frames import result_frames
+from .frames import ResultFrames
 from .stream import NodeStream
 from .threads import per_call_threads, usable_cpus
 
@@ -118,12 +118,12 @@ class Session:
 
     # ---- the aggregator's sink ------------------------------------------------------------------
 
-    def deliver(self, block_id: int, round_: int, result: bytes, pushers: Mapping[str, int]) -> None:
-        """Send a round's result to the stream of every member that pushed it (one per node)."""
-        messages = result_frames(block_id, round_, result)
+    def deliver(self, block_id: int, round_: int, result: ResultFrames, pushers: Mapping[str, int]) -> None:
+        """Send a round's result (its frames, the same for every node) to the stream of every
+        member that pushed it (one per node)."""
         streams = [s for s in map(self.streams.get, pushers.items()) if s is not None]
         for stream in streams:
-            stream.send(messages, len(result), block_id, round_)
+            stream.send(result.frames, len(result), block_id, round_)
         if self._metrics:
             self._metrics.bytes_out.inc(len(result) * len(streams))
 

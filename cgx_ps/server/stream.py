@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from .. import timeline
 from ..v1 import ps_pb2
@@ -34,8 +34,8 @@ class NodeStream:
     push_tasks: set[asyncio.Task] = field(default_factory=set)  # its pushes still being summed
     stopping: bool = False
 
-    def send(self, messages: list[bytes], nbytes: int, block_id: int, round_: int) -> None:
-        """Queue a result of (block, round) (serialized once, frames.result_frames, and shared by
+    def send(self, messages: Sequence[bytes], nbytes: int, block_id: int, round_: int) -> None:
+        """Queue a result of (block, round) (serialized once, frames.ResultFrames, and shared by
         every node's stream) for the writer, unless the client has stopped reading."""
         if self.queued_bytes + nbytes > self.result_cap:
             self.stop(LimitExceeded(f"node {self.node_id} member {self.member} is not reading its results "
