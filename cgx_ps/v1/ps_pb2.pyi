@@ -114,7 +114,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ..., resume: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id", "incarnation")
+    __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id", "incarnation", "data_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class RegisterResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,7 +134,8 @@ class RegisterResponse(_message.Message):
     session_id: str
     instance_id: str
     incarnation: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., next_rounds: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., round_timeout_s: _Optional[float] = ..., session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., next_rounds: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., round_timeout_s: _Optional[float] = ..., session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("hello", "push")
