@@ -117,6 +117,7 @@ async def test_hostile_connections_are_refused_and_the_members_rounds_stay_exact
                 check_aggregate(block, pushed[block.block_id], got[0], round_)
         assert all(c.error is None and c.recoveries == 0 for c in members)
         assert shard.service.session.failed is None
+        assert shard.status.snapshot().data_port == shard.data_port > 0  # cgx-ps status shows it
         # stopping: the listener closes first, the members' streams end UNAVAILABLE (recoverable)
         await shard.stop(drain=True)
         with pytest.raises(OSError):

@@ -262,9 +262,12 @@ class DataPlane:
                 frame = await asyncio.wait_for(connection.read(MAX_PREFACE), self.first_frame_timeout_s)
             except asyncio.TimeoutError:
                 raise TimedOut(f"no preface within {self.first_frame_timeout_s:g}s of connecting") from None
-            preface = parse_preface(frame[1]) if frame is not None and not frame[0] else None
-            if preface is None or preface.problem:
-                raise BadRequest(preface.problem if preface else "the connection ended before its preface")
+            if frame is None or frame[0]:
+                raise BadRequest("the connection ended before its preface" if frame is None else
+                                 "a client sends no status frames")
+            preface = parse_preface(frame[1])
+            if preface.problem:
+                raise BadRequest(preface.problem)
             context = _PlaneContext(connection, preface.token)
             await self.gate.run("Exchange", context, lambda: self.service.Exchange(context))
             await context.end(grpc.StatusCode.OK)

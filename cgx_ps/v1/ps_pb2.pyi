@@ -282,7 +282,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_version", "instance_id", "uptime_s", "draining", "session_state", "job_id", "num_nodes", "nodes_registered", "members_registered", "streams_open", "blocks_owned", "rounds_completed", "idle_s", "rounds_total", "rounds_failed", "bytes_in", "bytes_out", "pushes_rejected", "inflight_bytes", "max_inflight_bytes", "last_error", "last_error_age_s")
+    __slots__ = ("shard_index", "num_shards", "server_version", "instance_id", "uptime_s", "draining", "session_state", "job_id", "num_nodes", "nodes_registered", "members_registered", "streams_open", "blocks_owned", "rounds_completed", "idle_s", "rounds_total", "rounds_failed", "bytes_in", "bytes_out", "pushes_rejected", "inflight_bytes", "max_inflight_bytes", "last_error", "last_error_age_s", "data_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class StatusResponse(_message.Message):
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_version: str
@@ -331,4 +332,5 @@ class StatusResponse(_message.Message):
     max_inflight_bytes: int
     last_error: str
     last_error_age_s: float
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., session_state: _Optional[_Union[SessionState, str]] = ..., job_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., nodes_registered: _Optional[int] = ..., members_registered: _Optional[int] = ..., streams_open: _Optional[int] = ..., blocks_owned: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., idle_s: _Optional[float] = ..., rounds_total: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_age_s: _Optional[float] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., session_state: _Optional[_Union[SessionState, str]] = ..., job_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., nodes_registered: _Optional[int] = ..., members_registered: _Optional[int] = ..., streams_open: _Optional[int] = ..., blocks_owned: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., idle_s: _Optional[float] = ..., rounds_total: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_age_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
