@@ -25,11 +25,13 @@ from cgx_ps.layout import layout_hash
 from cgx_ps.rawframes import MAX_FRAME, frame_header, parse_status, preface, split_header
 from cgx_ps.security import read_token
 from cgx_ps.server import LocalCluster, ShardServer
+from cgx_ps.server.rpc import STATUS_CODES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.dataplane import DataplaneChoice, decide_dataplane
 from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
 from rounds import check_aggregate, close, make_layout, run_round
+from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
 from support import SECURITY, TOKEN_FILE
 from test_resilience import finish, start_workers, wait_for_rounds
 from test_worker import expected_params
@@ -37,6 +39,7 @@ from test_worker import expected_params
 SHARD_SETTINGS = dict(round_timeout_s=10.0, data_port=0)
 LAYOUT = make_layout()
 TOKEN = read_token(TOKEN_FILE).encode()
+FRAME_CASES = 240  # the frame-layer fuzz's connections (about 4 s)
 
 
 def _frame(body: bytes) -> bytes:
@@ -199,6 +202,26 @@ async def test_auto_falls_back_to_grpc_once_and_raw_insists(start_shard, caplog)
     plain = await start_shard(data_port=-1)
     with pytest.raises(ConfigError, match=f"shard 127.0.0.1:{plain.port} advertises no data port"):
         await _members(plain, 1, plane="raw")
+
+
+async def test_frame_layer_fuzz_ends_every_connection_cleanly_and_the_members_train_on(shard, caplog) -> None:
+    shard.dataplane.first_frame_timeout_s = shard.dataplane.frame_timeout_s = 0.5
+    members = await _members(shard, 2)
+    caplog.set_level("WARNING")
+    try:
+        endings = await fuzz_frames("127.0.0.1", shard.data_port, TOKEN, FRAME_CASES, seed=0)
+        assert {kind for kind, _ in endings} == set(FRAME_MUTATIONS), endings
+        refusals = {code.name for code in STATUS_CODES.values()} - {"INTERNAL"}
+        assert {ending for _, ending in endings} <= refusals | {"closed"}, endings  # no hang, no INTERNAL
+        assert not [r for r in caplog.records if r.exc_info], "a traceback in the log"
+        assert len([r for r in caplog.records if r.levelname != "INFO"]) <= FRAME_CASES  # one line per bad call at most
+        await _until(lambda: len(shard.dataplane.connections) == 2)  # every hostile connection let go
+        pushed, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        for block in LAYOUT.blocks:
+            check_aggregate(block, pushed[block.block_id], bytes(results[0][block.block_id]))
+        assert shard.service.budget.used == 0
+    finally:
+        await close(members)
 
 
 @pytest.mark.parametrize("requested, port, tls, expected", [

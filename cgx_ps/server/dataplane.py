@@ -129,7 +129,9 @@ class _Connection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         partial = self._body is not None or self._got > 0
-        self._deliver(ConnectionResetError("connection closed inside a frame") if partial else None)
+        # the client's fault, as a malformed message is (a ConnectionResetError would reach the gate
+        # as an unexpected error: INTERNAL, and a log line saying so)
+        self._deliver(BadRequest("the connection closed inside a frame") if partial else None)
         return True  # half-closed: results due may still be written
 
     def connection_lost(self, exc: Exception | None) -> None:
