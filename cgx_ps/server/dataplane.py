@@ -73,6 +73,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._got = 0
         self._status = False
         self._deadline: asyncio.TimerHandle | None = None  # the frame under way must be whole by then
+        self._failed: Exception | None = None  # what broke the framing: every later read raises it
         self._frames: asyncio.Queue = asyncio.Queue()
         self._writable = asyncio.Event()
         self._writable.set()
@@ -120,6 +121,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._deadline = None
         if not self.transport.is_closing():
             self.transport.pause_reading()
+        if isinstance(item, Exception):
+            self._failed = self._failed or item  # the bytes after it are not frames any more
         self._frames.put_nowait(item)
 
     def _timed_out(self) -> None:
@@ -153,6 +156,8 @@ class _Connection(asyncio.BufferedProtocol):
 
     async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
         """(is a status frame, body) of the next frame; None at EOF between frames."""
+        if self._frames.empty() and self._failed is not None:
+            raise self._failed
         if self._frames.empty() and not self.transport.is_closing():
             self._limit = limit
             self.transport.resume_reading()

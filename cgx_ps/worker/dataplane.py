@@ -27,6 +27,7 @@ from .errors import ConfigError
 __all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane"]
 
 _SMALL = 1 << 16  # frames below this are handed on as bytes, larger ones as the buffer read
+CONNECT_TIMEOUT_S = 5.0  # a data port that does not answer by then is unreachable (auto: gRPC instead)
 
 
 @dataclass(frozen=True)
@@ -110,20 +111,27 @@ class RawCall:
         self._read_message = read_message
 
     @classmethod
-    async def open(cls, host: str, port: int, token: bytes, read_message: Any) -> "RawCall":
+    async def open(cls, host: str, port: int, token: bytes, read_message: Any,
+                   connect_timeout_s: float = CONNECT_TIMEOUT_S) -> "RawCall":
         """Connect and send the preface; ``read_message`` reads a result frame (client.read_result).
-        Raises an UNAVAILABLE AioRpcError when the port cannot be reached."""
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
+        Raises an UNAVAILABLE AioRpcError when the port cannot be reached within
+        ``connect_timeout_s`` (a firewall that drops packets would hold a connect for minutes)."""
+        loop = asyncio.get_running_loop()
+        sock = None
         try:
-            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+            async with asyncio.timeout(connect_timeout_s):
+                family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, address)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             call = cls(_FrameSocket(sock), read_message)
             await call._frames.write(preface(token))
-        except OSError as exc:
-            sock.close()
-            raise _unavailable(f"data plane {host}:{port}: {exc}") from None
+        except (OSError, TimeoutError) as exc:
+            if sock is not None:
+                sock.close()
+            raise _unavailable(f"data plane {host}:{port}: {exc or type(exc).__name__}") from None
         return call
 
     async def write(self, frame: Any) -> None:
