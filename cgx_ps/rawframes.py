@@ -19,13 +19,15 @@ byte of the body is allocated. The plane is plaintext only: with TLS, gRPC is as
 
 from __future__ import annotations
 
+import socket
 import struct
 from dataclasses import dataclass
 
 from .transport import GRPC_OPTIONS
 
 __all__ = ["HEADER", "MAGIC", "MAX_FRAME", "MAX_PREFACE", "MAX_TOKEN", "STATUS_BIT", "VERSION",
-           "Preface", "frame_header", "parse_preface", "parse_status", "preface", "split_header", "status_body"]
+           "Preface", "frame_header", "parse_preface", "parse_status", "preface", "set_stream_options", "split_header",
+           "status_body"]
 
 MAGIC = b"CGXD"  # "cgx-ps data": the first bytes of every connection
 VERSION = 1  # of this framing; a shard refuses another with a status that names both
@@ -34,6 +36,17 @@ STATUS_BIT = 1 << 31  # a status frame: the stream's last
 MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces on a message
 MAX_TOKEN = 4096  # read_token's own limit on a token file is far below this
 MAX_PREFACE = len(MAGIC) + 1 + MAX_TOKEN
+# TCP keepalive as gRPC's (transport.GRPC_OPTIONS: a probe after 30 s idle), so either end notices
+# a peer that vanished (a powered-off node, a dropped NAT entry) within about a minute
+_KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
+
+
+def set_stream_options(sock: socket.socket) -> None:
+    """Both ends' socket options: no Nagle delay on a frame's tail, and keepalive."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in _KEEPALIVE:
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def frame_header(nbytes: int, status: bool = False) -> bytes:

@@ -28,14 +28,13 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
 from __future__ import annotations
 
 import asyncio
-import logging
-import socket
 from typing import Any
 
 import grpc
 import numpy as np
 
-from ..rawframes import HEADER, MAX_FRAME, MAX_PREFACE, frame_header, parse_preface, split_header, status_body
+from ..rawframes import (HEADER, MAX_FRAME, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
+                         split_header, status_body)
 from ..security import AUTH_HEADER
 from .errors import BadRequest, ProtocolError, TimedOut
 from .rpc import Gate, clip, grpc_status
@@ -43,17 +42,8 @@ from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 
 __all__ = ["DataPlane", "FRAME_TIMEOUT_S"]
 
-log = logging.getLogger(__name__)
-
 FRAME_TIMEOUT_S = 30.0  # from a frame's first byte to its last: 8 MiB at under 300 kB/s is cut off
-_KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))  # as GRPC_OPTIONS
 _SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
-
-
-def _keepalive(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in _KEEPALIVE:
-        sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -87,9 +77,7 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.plane.admit(self):
             transport.abort()  # past the cap: closed before a byte is read
             return
-        sock = transport.get_extra_info("socket")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _keepalive(sock)
+        set_stream_options(transport.get_extra_info("socket"))
         self.task = asyncio.get_running_loop().create_task(self.plane.serve(self))
 
     def get_buffer(self, sizehint: int) -> memoryview:

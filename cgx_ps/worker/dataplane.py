@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 import grpc
 import numpy as np
 
-from ..rawframes import HEADER, MAX_FRAME, frame_header, parse_status, preface, split_header
+from ..rawframes import HEADER, MAX_FRAME, frame_header, parse_status, preface, set_stream_options, split_header
 from .config import DATAPLANES
 from .errors import ConfigError
 
@@ -124,8 +124,7 @@ class RawCall:
                 sock = socket.socket(family, kind, proto)
                 sock.setblocking(False)
                 await loop.sock_connect(sock, address)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            set_stream_options(sock)
             call = cls(_FrameSocket(sock), read_message)
             await call._frames.write(preface(token))
         except (OSError, TimeoutError) as exc:
