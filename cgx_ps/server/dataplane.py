@@ -199,7 +199,12 @@ class _PlaneContext:
     async def write(self, message: Any) -> None:
         # results come serialized once for every node (bytes, or buffers), a RoundError as a message
         data = message.SerializeToString() if hasattr(message, "SerializeToString") else message
-        await self.connection.write(data)
+        try:
+            await self.connection.write(data)
+        except OSError:
+            # the client is gone: end the handler quietly, as a gRPC write to a cancelled call does
+            # (an OSError would reach the gate as an unexpected error, logged as one)
+            raise _Aborted() from None
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         await self.end(code, details)
