@@ -1,5 +1,8 @@
-"""A minimal raw data plane for the Exchange stream, to measure what Python gRPC costs the shard
-(benchmarks/dataplane.py drives it). A benchmark, not a transport: nothing in cgx_ps uses it.
+"""The raw data plane's measured prototype, kept for its variants (benchmarks/dataplane.py drives
+it): what Python gRPC costs the shard, and what TLS costs a plane written in Python. The shipped
+plane is cgx_ps/server/dataplane.py (the listener) and cgx_ps/worker/dataplane.py (a worker's
+stream), over the one framing in cgx_ps/rawframes.py, which this module speaks too; its
+"protocol" receive path *is* the shipped listener.
 
     python -m benchmarks.rawplane server FLAGS...   # `cgx-ps server FLAGS...` plus a raw listener
 
@@ -13,8 +16,9 @@ aggregator (header/crc/meta checks, the fused kernel, the result's encode) as ov
 result through the same ``NodeStream`` writer (its cap and write timeout); only the bytes' way in
 and out differs.
 
-The wire: frames of a 4-byte little-endian length and that many bytes. A connection's first
-frame is the job token (checked once, ``hmac.compare_digest``), then the Exchange stream's
+The wire (cgx_ps/rawframes.py): frames of a 4-byte little-endian length and that many bytes. A
+connection's first frame is the preface (magic, version, the job token: checked once,
+``hmac.compare_digest``), then the Exchange stream's
 messages exactly as gRPC carries them (a serialized Hello, then ``chunkframes`` pushes; results
 are ``frames.result_frames``' bytes, built once and sent to every node as they are, by
 ``sock_sendall`` on the same object: no per-node copy). The shard receives each frame into a
@@ -23,16 +27,15 @@ before it allocates. A stream's end carries a status frame (the length's top bit
 "CODE\\ndetails"), standing in for gRPC's trailers.
 
 The shard has two receive paths (``serve_raw``'s ``io``; the shard process reads IO_ENV):
-``FrameSocket`` awaits ``sock_recv_into`` per receive, ``ProtocolFrames`` is a BufferedProtocol
-that uvloop fills from its own callback (no coroutine per receive). The nodes always use
-FrameSocket.
+``FrameSocket`` awaits ``sock_recv_into`` per receive; "protocol" is the shipped listener
+(``cgx_ps.server.dataplane.DataPlane``, a BufferedProtocol that uvloop fills from its own
+callback: no coroutine per receive). The nodes always use FrameSocket.
 
 With ``--tls-cert`` (and ``--tls-client-ca``) the listener speaks TLS with the same files, through
 Python's ``ssl`` on memory BIOs (``TlsFrameSocket``): what TLS costs a data plane written in
 Python; a native one would use its TLS library (or kernel TLS) directly.
 
-What it leaves out, compared with gRPC (what a shippable data plane would have to add:
-BENCHMARKS.md, "What Python gRPC costs the shard, measured"):
+What the "sock" and TLS variants leave out, compared with gRPC (the shipped listener adds them):
 - certificate reloading (tls.py) and ALPN; the token goes in the clear without --tls-cert,
   as it does over gRPC;
 - HTTP/2 flow control and multiplexing: a slow reader is held up by TCP's window and the
@@ -55,26 +58,23 @@ import os
 import signal
 import socket
 import ssl
-import struct
 import sys
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+from cgx_ps.rawframes import (HEADER, MAX_FRAME, MAX_PREFACE, frame_header, parse_preface, parse_status, preface,
+                              split_header, status_body)
+from cgx_ps.server.dataplane import DataPlane
 from cgx_ps.server.errors import BadRequest, ProtocolError, TimedOut, Unauthenticated
-from cgx_ps.server.rpc import grpc_status
+from cgx_ps.server.rpc import Gate, grpc_status
 from cgx_ps.server.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
-from cgx_ps.transport import GRPC_OPTIONS
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
 
-__all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "ProtocolFrames", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
+__all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
 
-_HEADER = struct.Struct("<I")
-_STATUS = 1 << 31  # the length's top bit: a status frame, the stream's last
-MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces
-MAX_TOKEN = 4096
 IO_ENV = "CGX_PS_BENCH_RAW_IO"  # "sock" (default) or "protocol": serve_raw's io, for the shard process
 _SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
 
@@ -87,7 +87,7 @@ class FrameSocket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.loop = asyncio.get_running_loop()
-        self._header = bytearray(_HEADER.size)
+        self._header = bytearray(HEADER.size)
 
     async def _fill(self, view: memoryview) -> int:
         """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
@@ -105,10 +105,9 @@ class FrameSocket:
         got = await self._fill(memoryview(self._header))
         if got == 0:
             return None
-        if got < _HEADER.size:
+        if got < HEADER.size:
             raise ConnectionResetError("connection closed inside a frame header")
-        (word,) = _HEADER.unpack(self._header)
-        size, status = word & ~_STATUS, bool(word & _STATUS)
+        size, status = split_header(self._header)
         if size > limit:
             raise BadRequest(f"frame of {size} bytes; at most {limit}")
         # Not zeroed (a bytearray would be, a memset of every byte the socket then overwrites):
@@ -120,7 +119,7 @@ class FrameSocket:
 
     async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
         """One frame; ``data`` is sent as it is (the kernel copies it, Python does not)."""
-        await self.loop.sock_sendall(self.sock, _HEADER.pack(len(data) | (_STATUS if status else 0)))
+        await self.loop.sock_sendall(self.sock, frame_header(len(data), status))
         await self.loop.sock_sendall(self.sock, data)
 
     def close(self) -> None:
@@ -185,7 +184,7 @@ class TlsFrameSocket(FrameSocket):
         return got
 
     async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
-        self.tls.write(_HEADER.pack(len(data) | (_STATUS if status else 0)))
+        self.tls.write(frame_header(len(data), status))
         self.tls.write(data)
         await self._flush()
 
@@ -200,94 +199,6 @@ def _server_tls(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(client_ca)
     return context
-
-
-class ProtocolFrames(asyncio.BufferedProtocol):
-    """The shard's side of the same frames as a BufferedProtocol (``serve_raw(io="protocol")``):
-    uvloop reads straight into the frame's buffer from its own callback, with no coroutine, future
-    or reader registration per receive as ``sock_recv_into`` has. Reading pauses after each
-    complete frame until ``read`` asks for the next one, so a frame's size limit applies as with
-    FrameSocket, and a stream holds at most one unread frame. Writes go to the transport, waiting
-    while it asks to pause (its buffer over the high-water mark)."""
-
-    def __init__(self, on_connect) -> None:
-        self._on_connect = on_connect
-        self.transport: asyncio.Transport | None = None
-        self._limit = MAX_TOKEN
-        self._header = bytearray(_HEADER.size)
-        self._body: memoryview | None = None  # the frame being received, once its header is in
-        self._status = False
-        self._view = memoryview(self._header)
-        self._got = 0
-        self._frames: asyncio.Queue = asyncio.Queue()  # complete frames, None at EOF, or an exception
-        self._writable = asyncio.Event()
-        self._writable.set()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.pause_reading()  # until the first read() says how large a frame may be
-        self._on_connect(self, transport.get_extra_info("peername"))
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._view[self._got:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._got += nbytes
-        if self._got < len(self._view):
-            return
-        self._got = 0
-        if self._body is None:
-            (word,) = _HEADER.unpack(self._header)
-            size, self._status = word & ~_STATUS, bool(word & _STATUS)
-            if size > self._limit:
-                self._deliver(BadRequest(f"frame of {size} bytes; at most {self._limit}"))
-                return
-            if size:
-                self._body = self._view = memoryview(np.empty(size, np.uint8))  # not zeroed, as FrameSocket
-                return
-            self._body = memoryview(b"")
-        body, self._body, self._view = self._body, None, memoryview(self._header)
-        self._deliver((self._status, body.tobytes() if len(body) < _SMALL else body))
-
-    def _deliver(self, item) -> None:
-        self.transport.pause_reading()
-        self._frames.put_nowait(item)
-
-    def eof_received(self) -> bool:
-        self._frames.put_nowait(None if self._body is None and self._got == 0 else
-                                ConnectionResetError("connection closed inside a frame"))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
-        self._writable.set()
-
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
-
-    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
-        if self._frames.empty() and not self.transport.is_closing():
-            self._limit = limit
-            self.transport.resume_reading()
-        item = await self._frames.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
-        if self.transport.is_closing():
-            raise ConnectionResetError("connection closed")
-        self.transport.write(_HEADER.pack(len(data) | (_STATUS if status else 0)))
-        self.transport.write(data)
-        await self._writable.wait()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
 
 # ---- the shard's side ------------------------------------------------------------------------------
@@ -315,7 +226,7 @@ class _RawContext:
         await self.frames.write(message)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        await self.frames.write(f"{code.name}\n{details}".encode(), status=True)
+        await self.frames.write(status_body(code.name, details), status=True)
         raise _Aborted(code.name)
 
     def peer(self) -> str:
@@ -323,17 +234,17 @@ class _RawContext:
 
 
 async def _serve_connection(service: ParameterServerService, token: bytes | None,
-                            frames: FrameSocket | ProtocolFrames, peer: str) -> None:
+                            frames: FrameSocket, peer: str) -> None:
     context = _RawContext(frames, peer)
     try:
         try:
             if isinstance(frames, TlsFrameSocket):
                 await asyncio.wait_for(frames.handshake(), FIRST_MESSAGE_TIMEOUT_S)
-            presented = await asyncio.wait_for(frames.read(MAX_TOKEN), FIRST_MESSAGE_TIMEOUT_S)
+            presented = await asyncio.wait_for(frames.read(MAX_PREFACE), FIRST_MESSAGE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise TimedOut(f"no token within {FIRST_MESSAGE_TIMEOUT_S:g}s of connecting") from None
-        if presented is None or presented[0] or (token is not None
-                                                 and not hmac.compare_digest(bytes(presented[1]), token)):
+        first = parse_preface(presented[1]) if presented is not None and not presented[0] else None
+        if first is None or first.problem or (token is not None and not hmac.compare_digest(first.token, token)):
             raise Unauthenticated("missing or wrong job token")
         await service.Exchange(context)
     except ProtocolError as exc:  # as rpc.py's gate maps a refusal to a status
@@ -350,8 +261,8 @@ async def _serve_connection(service: ParameterServerService, token: bytes | None
 async def serve_raw(service: ParameterServerService, token: bytes | None, host: str,
                     tls: ssl.SSLContext | None = None, io: str = "sock") -> tuple[int, asyncio.Task]:
     """Listen on ``host``, a free port; (the port, the task serving it: cancel it to stop).
-    ``io``: "sock" (FrameSocket, or TlsFrameSocket with ``tls``) or "protocol" (ProtocolFrames,
-    plaintext only)."""
+    ``io``: "sock" (FrameSocket, or TlsFrameSocket with ``tls``) or "protocol" (the shipped
+    listener, server/dataplane.py; plaintext only)."""
     if io == "protocol":
         if tls is not None:
             raise ValueError("the protocol variant is plaintext only")
@@ -382,24 +293,17 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
 
 async def _serve_protocol(service: ParameterServerService, token: bytes | None, host: str
                           ) -> tuple[int, asyncio.Task]:
-    connections: set[asyncio.Task] = set()
-
-    def connected(frames: ProtocolFrames, addr) -> None:
-        task = asyncio.create_task(_serve_connection(service, token, frames, f"ipv4:{addr[0]}:{addr[1]}"))
-        connections.add(task)
-        task.add_done_callback(connections.discard)
-
-    server = await asyncio.get_running_loop().create_server(lambda: ProtocolFrames(connected), host, 0)
+    """The shipped listener (its gate, cap, timeouts) on a free port; cancel the task to close it."""
+    plane = DataPlane(service, Gate(service, token), max_connections=1024)
+    port = await plane.start(host, 0)
 
     async def serve() -> None:
         try:
             await asyncio.Event().wait()  # until cancelled
         finally:
-            server.close()
-            for task in connections:
-                task.cancel()
+            await plane.close(grace_s=0)
 
-    return server.sockets[0].getsockname()[1], asyncio.create_task(serve())
+    return port, asyncio.create_task(serve())
 
 
 async def _serve(argv: list[str]) -> int:
@@ -463,7 +367,7 @@ class RawCall:
             sock.close()
             raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
         call = cls(frames)
-        await call.write(token)
+        await call.write(preface(token))
         return call
 
     async def write(self, frame: bytes | memoryview) -> None:
@@ -483,8 +387,10 @@ class RawCall:
             while (frame := await self.frames.read(MAX_FRAME)) is not None:
                 status, body = frame
                 if status:
-                    name, _, details = bytes(body).decode("utf-8", "replace").partition("\n")
-                    code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+                    name, details = parse_status(body)
+                    if name == "OK":  # the shipped listener's clean end
+                        return
+                    code = grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
                     raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
                 yield read_result(body)
         except (OSError, ssl.SSLError, BadRequest) as exc:

@@ -32,6 +32,8 @@ removed at exit: no key material is ever written into the repository.
     token  the job token on every call (authorization: Bearer ...)
     tls    token + TLS (the shard's certificate checked against the CA)
     mtls   token + mutual TLS (the shard also requires a client certificate signed by the CA)
+    raw    plaintext, no token, the Exchange streams over the shard's raw data plane
+           (``--data-port``, the nodes' ShardClient with CGX_PS_DATAPLANE=raw): compare with plain
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ from cgx_ps.server import LocalCluster
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
-CONFIG_ORDER = ("plain", "token", "tls", "mtls")
+CONFIG_ORDER = ("plain", "token", "tls", "mtls", "raw")
 DESCRIPTIONS = {"baseline": "plaintext, the --baseline code", "plain": "plaintext, no token", "token": "token only", "tls": "TLS + token",
-                "mtls": "mutual TLS + token"}
+                "mtls": "mutual TLS + token", "raw": "plaintext, no token, raw data plane"}
+DATAPLANE = {"raw": "raw"}  # the nodes' CGX_PS_DATAPLANE per configuration; the others: grpc
 TLS_TARGET = 0.8  # issue: TLS must keep >= 0.8x of plaintext throughput
 
 
@@ -100,6 +103,8 @@ def shard_setup(config: str, creds: Credentials) -> tuple[str, list[str], Channe
     tls_args = ["--tls-cert", creds.server_cert, "--tls-key", creds.server_key]
     if config in ("plain", "baseline"):
         return "", [], ChannelSecurity()
+    if config == "raw":
+        return "", ["--data-port", "0"], ChannelSecurity()
     if config == "token":
         return creds.token, [], ChannelSecurity(token_file=creds.token)
     if config == "tls":
@@ -183,7 +188,8 @@ async def one_round(clients: list[ShardClient], layout, payloads: dict[int, byte
 async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes: int, layout,
                      payloads: dict[int, bytes], rounds: int, interleave: bool) -> dict[str, Measured]:
     """Round times and CPU per configuration; round 0 of each warms up (JIT, allocations, handshakes)."""
-    clients = {name: [ShardClient(address, f"node-{i}", nodes, layout, security=security) for i in range(nodes)]
+    clients = {name: [ShardClient(address, f"node-{i}", nodes, layout, security=security,
+                                  dataplane=DATAPLANE.get(name, "grpc")) for i in range(nodes)]
                for name, (address, _, security) in targets.items()}
     out = {name: Measured() for name in targets}
     try:

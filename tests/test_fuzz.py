@@ -18,7 +18,7 @@ from grpc._cython import cygrpc
 from cgx_ps.layout import layout_hash
 from cgx_ps.security import read_token
 from cgx_ps.server import ServerConfig, ShardServer
-from cgx_ps.server.rpc import _Gate
+from cgx_ps.server.rpc import Gate
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from shard_fuzzer import (DETAILS_LIMIT, KINDS, METHODS, SCENARIOS, STYLES, FuzzReport, fuzz_layout,
                           run_fuzz)
@@ -225,7 +225,7 @@ async def test_the_gate_aborts_once_when_the_client_is_gone() -> None:
     async def exchange() -> None:  # the service refusing a Hello, as in service.py Exchange
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "node 'x' has not registered with this shard")
 
-    gate = _Gate(types.SimpleNamespace(draining=False), read_token(TOKEN_FILE).encode())
+    gate = Gate(types.SimpleNamespace(draining=False), read_token(TOKEN_FILE).encode())
     # grpc ignores an ExecuteBatchError once the client has closed, and logs an error if an
     # abort is swallowed: the gate must let it through without aborting a second time
     with pytest.raises((cygrpc.ExecuteBatchError, grpc.aio.AbortError, asyncio.CancelledError)):

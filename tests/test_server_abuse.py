@@ -15,16 +15,18 @@ import torch
 from cgx_ps.kernels import Codec, CodecError, dequantize, encode
 from cgx_ps.kernels.wire import HEADER_SIZE, parse_header
 from cgx_ps.layout import LayoutError, layout_hash, validate_layout
+from cgx_ps.security import read_token
 from cgx_ps.server import ShardServer
 from cgx_ps.server import service as service_module
 from cgx_ps.server.blobs import BlobUpload
 from cgx_ps.server.budget import ByteBudget
 from cgx_ps.transport import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.client import ShardClient, read_result
+from cgx_ps.worker.dataplane import RawCall
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from support import METADATA, SECURITY, connect
+from support import METADATA, SECURITY, TOKEN_FILE, connect
 
 ROUND_TIMEOUT = 1.5
 SHARD_SETTINGS = dict(round_timeout_s=ROUND_TIMEOUT, drain_timeout_s=3.0)  # conftest.start_shard
@@ -39,10 +41,28 @@ def fp32(n: int, value: float = 1.0) -> bytes:
     return encode(torch.full((n,), value), Codec.FP32).to_bytes()
 
 
+class _PlaneStream:
+    """An Exchange stream over the shard's raw data plane, driven as ``raw_stream``'s gRPC call
+    (messages in, results and the final status out) and closed as its channel."""
+
+    def __init__(self, call: RawCall) -> None:
+        self.call = call
+
+    async def write(self, message: ps_pb2.ExchangeRequest) -> None:
+        await self.call.write(message.SerializeToString())
+
+    def __aiter__(self):
+        return aiter(self.call)
+
+    async def close(self) -> None:
+        self.call.cancel()
+
+
 async def raw_stream(server: ShardServer, node: str, layout, member: int = 0, register: bool = False,
-                     num_nodes: int = 2, session_id: str = ""):
+                     num_nodes: int = 2, session_id: str = "", transport: str = "grpc"):
     """An Exchange stream we drive message by message (after an optional Register, whose
-    session id the Hello then carries)."""
+    session id the Hello then carries); ``transport`` "raw": over the shard's raw data plane
+    (the stream is then its own channel)."""
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     if register:
@@ -50,7 +70,12 @@ async def raw_stream(server: ShardServer, node: str, layout, member: int = 0, re
                                                            layout_hash=layout_hash(layout), member=member),
                                     metadata=METADATA)
         session_id = reply.session_id
-    call = stub.Exchange(metadata=METADATA)
+    if transport == "raw":
+        await channel.close()
+        channel = call = _PlaneStream(await RawCall.open("127.0.0.1", server.data_port, read_token(TOKEN_FILE).encode(),
+                                                                 read_result))
+    else:
+        call = stub.Exchange(metadata=METADATA)
     await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout),
                                                                member=member, session_id=session_id)))
     return channel, call
@@ -127,14 +152,15 @@ async def test_overlong_ids_are_refused_at_register(start_shard):
 # ---- the byte budget: stalls, interleaving, cancellation --------------------------------------------
 
 
-async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_it(start_shard):
+@pytest.mark.parametrize("transport", ["grpc", "raw"])  # the raw data plane's memory bound is the same
+async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_it(start_shard, transport):
     """Before: half a block held the budget forever; the good node's push waited on it, no
     round timer started, and everyone hung."""
     layout = layout_of((384, 1024), block_bytes=4 << 20)  # one 1.5 MiB block
     total = HEADER_SIZE + 4 * layout.blocks[0].numel
-    server = await start_shard(max_inflight_bytes=2 << 20)
+    server = await start_shard(max_inflight_bytes=2 << 20, data_port=0)
     good, _ = await connect(server, layout, 2)
-    channel, call = await raw_stream(server, "node-1", layout, member=1, register=True)
+    channel, call = await raw_stream(server, "node-1", layout, member=1, register=True, transport=transport)
     await call.write(chunk(0, 0, total, 0, b"\0" * (1 << 20)))  # the first MiB, then nothing
     for _attempt in range(100):  # the shard holds the half block before the good node pushes
         if server.service.budget.used >= total:
@@ -211,14 +237,16 @@ async def test_budget_waiter_cancelled_while_released_raises_cancelled():
 # ---- streams --------------------------------------------------------------------------------------
 
 
-async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays_bounded(start_shard):
+@pytest.mark.parametrize("transport", ["grpc", "raw"])  # over the raw data plane, TCP's window holds the writes
+async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays_bounded(start_shard, transport):
     """Before: results queued without limit for a client pushing without reading (~1 MiB a round)."""
     layout = layout_of((256, 1024), block_bytes=2 << 20)  # one 1 MiB block
     n = layout.blocks[0].numel
     payload = fp32(n)
-    server = await start_shard(max_inflight_bytes=4 << 20)
+    server = await start_shard(max_inflight_bytes=4 << 20, data_port=0)
     good, _ = await connect(server, layout, 2)
-    channel, call = await raw_stream(server, "node-1", layout, session_id=_.session_id)  # replaces node-1's stream; never reads
+    # replaces node-1's stream; never reads
+    channel, call = await raw_stream(server, "node-1", layout, session_id=_.session_id, transport=transport)
     cap = server.service.session.result_cap
     for r in range(12):
         for off in range(0, len(payload), 1 << 20):

@@ -214,6 +214,7 @@ def test_config_standalone_per_node_with_template():
     ({"CGX_PS_SERVERS": "a:1", "RANK": "x"}, "RANK='x' is not an integer"),
     ({"CGX_PS_SERVERS": "a:1", "RANK": "4", "WORLD_SIZE": "2"}, "RANK=4 is not in 0..WORLD_SIZE-1=1"),
     ({"CGX_PS_SERVERS": "a:1", "CGX_PS_CODEC_THREADS": "-1"}, "CGX_PS_CODEC_THREADS=-1 is not in 0..256"),
+    ({"CGX_PS_SERVERS": "a:1", "CGX_PS_DATAPLANE": "quic"}, "CGX_PS_DATAPLANE='quic' is not one of auto, grpc, raw"),
 ])
 def test_config_errors_name_the_variable(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

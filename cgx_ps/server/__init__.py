@@ -2,6 +2,7 @@
 
     service.py     the gRPC servicer: maps each call to the session, the blob store or the codecs
     rpc.py         the gate on every call: job token, draining, parsing, errors -> status codes
+    dataplane.py   the raw data plane (--data-port): Exchange streams over plain TCP, through the gate
     errors.py      what a shard refuses, as plain exceptions (rpc.STATUS_CODES maps them)
     admission.py   who may join: the checks of a Register and the join/restart/refuse decision
     session.py     one job's session: members, their streams, where each result goes

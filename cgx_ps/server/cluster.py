@@ -48,6 +48,7 @@ class LocalCluster:
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.metrics_ports: list[int] = []
+        self.data_ports: list[int] = []  # the raw data planes' (--data-port in extra_args), else -1
         self._tmp = tempfile.TemporaryDirectory(prefix="cgx-ps-cluster-")
         if token_file is None:  # the job's token, if the environment names one, else a fresh one
             token_file = os.environ.get("CGX_PS_TOKEN_FILE") or new_token_file(self._tmp.name)
@@ -83,6 +84,7 @@ class LocalCluster:
                 raise type(exc)(f"shard {i} {exc}") from None
             self.ports.append(info["port"])
             self.metrics_ports.append(info["metrics_port"])
+            self.data_ports.append(info.get("data_port", -1))
         return self
 
     def _spawn(self, i: int, port: int, metrics_port: int) -> tuple[subprocess.Popen, Path]:
@@ -103,9 +105,10 @@ class LocalCluster:
         proc, port_file = self._spawn(i, self.ports[i], mport)
         self.procs[i] = proc
         try:
-            wait_for_port_file(proc, port_file, time.monotonic() + self.startup_timeout_s)
+            info = wait_for_port_file(proc, port_file, time.monotonic() + self.startup_timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             raise type(exc)(f"shard {i} restarted on port {self.ports[i]} {exc}") from None
+        self.data_ports[i] = info.get("data_port", -1)  # --data-port 0: another free port
 
     def stop(self, timeout_s: float = 30.0) -> list[int]:
         """SIGTERM every shard (they drain), wait, SIGKILL stragglers; return exit codes. The

@@ -54,6 +54,9 @@ class ServerConfig:
     tls_client_ca: str | None = None
     # a plaintext port serving only the gRPC health service (for kubelet probes when TLS is on)
     health_port: int = -1
+    # the raw data plane (server/dataplane.py): Exchange streams over plain TCP, token-checked;
+    # -1 off (the default: a second listener is a second attack surface), 0 a free port (tests)
+    data_port: int = -1
     # where metrics listen; None: the same address as the gRPC port
     metrics_host: str | None = None
     log_level: str = "INFO"
@@ -71,7 +74,7 @@ class ServerConfig:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard_index must be in 0..{self.num_shards - 1}, got {self.shard_index}")
-        for name, off in (("port", None), ("metrics_port", -1), ("health_port", -1)):
+        for name, off in (("port", None), ("metrics_port", -1), ("health_port", -1), ("data_port", -1)):
             value = getattr(self, name)
             if value != off and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be a port, 0..65535{'' if off is None else f' or {off} (off)'}, "
@@ -88,6 +91,11 @@ class ServerConfig:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.data_port != -1 and self.tls_cert:
+            # The plane is plaintext: over TLS it saves nothing (Python's ssl costs what gRPC's
+            # does, BENCHMARKS.md), and a plaintext port beside a TLS one would undo the TLS.
+            raise ValueError("--data-port cannot be used with --tls-cert: the raw data plane is plaintext and gains "
+                             "nothing under TLS (the crypto dominates); TLS deployments keep the gRPC stream")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         parse_steps(self.timeline_steps, f"--timeline-steps ({TIMELINE_STEPS_ENV})")
@@ -139,6 +147,9 @@ SETTINGS: dict[str, Setting] = {
                             "address the metrics listen on; empty: the --host address", per_shard=True),
     "health_port": Setting("CGX_PS_HEALTH_PORT", "--health-port", "plaintext port serving only the gRPC health "
                            "service, for probes that cannot speak TLS; -1 disables", int, per_shard=True),
+    "data_port": Setting("CGX_PS_DATA_PORT", "--data-port", "port of the raw data plane (Exchange streams over "
+                         "plain TCP, token-checked; workers use it under CGX_PS_DATAPLANE=auto|raw); -1 (default) "
+                         "off, 0 picks a free one; not with --tls-cert", int, per_shard=True),
     "round_timeout_s": Setting("CGX_PS_ROUND_TIMEOUT", "--round-timeout",
                                "seconds a round may wait for its last node before it fails for everyone", float),
     "max_inflight_bytes": Setting("CGX_PS_MAX_INFLIGHT_MB", "--max-inflight-mb",

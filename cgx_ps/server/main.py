@@ -21,6 +21,7 @@ from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
 from .allocator import keep_freed_memory
 from .config import GRPC_OPTIONS, ServerConfig
+from .dataplane import DataPlane
 from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService
@@ -74,6 +75,8 @@ class ShardServer:
                     if config.tls_cert else None)
         self.port = 0
         self.health_port = -1
+        self.data_port = -1  # the raw data plane's, when --data-port asks for one
+        self.dataplane: DataPlane | None = None
         self._stopping = False
         self.metrics_port = -1
         self._server: grpc.aio.Server | None = None
@@ -103,7 +106,7 @@ class ShardServer:
         await asyncio.get_running_loop().run_in_executor(self.executor, warm_kernels)
         server = grpc.aio.server(options=GRPC_OPTIONS + _EXCLUSIVE_PORT,
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
-        add_parameter_server(server, self.service, self.token, status=self.status)
+        gate = add_parameter_server(server, self.service, self.token, status=self.status)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.port = self._bind(server, self.config.port, secure=True, flag="--port")
         if self.config.health_port >= 0:
@@ -122,6 +125,11 @@ class ShardServer:
                 raise OSError(f"cannot serve metrics on {host}:{self.config.metrics_port}: {exc.strerror}; "
                               f"choose another --metrics-port (or -1 to disable)") from None
             self.metrics_port = self._metrics_httpd.server_port
+        if self.config.data_port >= 0:
+            # same gate, same service, same cap on streams as the gRPC port (server/dataplane.py)
+            self.dataplane = DataPlane(self.service, gate, self.config.max_concurrent_rpcs)
+            self.data_port = self.service.data_port = await self.dataplane.start(self.config.host,
+                                                                                 self.config.data_port)
         await server.start()
         self._server = server
         if self._health_server is not None:
@@ -131,8 +139,9 @@ class ShardServer:
             log.warning(warning)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving on %s:%d (shard %d of %d, metrics port %d)", self.config.host, self.port,
-                 self.config.shard_index, self.config.num_shards, self.metrics_port)
+        log.info("serving on %s:%d (shard %d of %d, metrics port %d, data port %s)", self.config.host, self.port,
+                 self.config.shard_index, self.config.num_shards, self.metrics_port,
+                 self.data_port if self.dataplane is not None else "off")
 
     async def stop(self, drain: bool = True) -> None:
         """NOT_SERVING, finish the rounds in flight (up to drain_timeout_s), then stop. Idempotent."""
@@ -141,6 +150,8 @@ class ShardServer:
         self._stopping = True
         await self.health.enter_graceful_shutdown()
         self.service.draining = True
+        if self.dataplane is not None:
+            self.dataplane.stop_accepting()  # the streams open finish their rounds in the drain
         if drain:
             deadline = time.monotonic() + self.config.drain_timeout_s
             while self.service.rounds_in_flight() and time.monotonic() < deadline:
@@ -149,6 +160,8 @@ class ShardServer:
             if left:
                 log.warning("drain timeout: %d block rounds still incomplete", left)
         self.service.close_streams("shard is shutting down")
+        if self.dataplane is not None:
+            await self.dataplane.close(grace_s=1.0)
         if self._server is not None:
             await self._server.stop(grace=1.0)
         if self._health_server is not None:
@@ -200,7 +213,7 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
         tmp = port_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"port": server.port, "metrics_port": server.metrics_port, "health_port": server.health_port,
-                       "pid": os.getpid()}, f)
+                       "data_port": server.data_port, "pid": os.getpid()}, f)
         os.replace(tmp, port_file)  # readers never see a half-written file
     await stop.wait()
     log.info("signal received: draining")

@@ -31,8 +31,8 @@ from ..v1 import ps_pb2
 from .errors import (AlreadyExists, BadRequest, Busy, Conflict, Forbidden, InternalError, LimitExceeded, NotMember,
                      ProtocolError, SessionEnded, ShuttingDown, StreamAborted, TimedOut, Unauthenticated, WrongRound)
 
-__all__ = ["SERVICE_NAME", "STATUS_CODES", "RateLimitedLog", "add_parameter_server", "grpc_status", "read_message",
-           "parse_message"]
+__all__ = ["MAX_DETAILS_CHARS", "SERVICE_NAME", "STATUS_CODES", "Gate", "RateLimitedLog", "add_parameter_server",
+           "clip", "grpc_status", "read_message", "parse_message"]
 
 SERVICE_NAME = "cgx_ps.v1.ParameterServer"
 log = logging.getLogger("cgx_ps.server.rpc")
@@ -143,8 +143,9 @@ async def discard_rest(context: grpc.aio.ServicerContext, timeout_s: float) -> N
 Handler = Callable[..., Awaitable[Any]]
 
 
-class _Gate:
-    """Token, draining and error mapping around every method of the service."""
+class Gate:
+    """Token, draining and error mapping around every method of the service (and around the raw
+    data plane's Exchange streams: server/dataplane.py passes them through ``run`` too)."""
 
     def __init__(self, service: Any, token: bytes | None) -> None:
         self.service = service
@@ -189,10 +190,11 @@ class _Gate:
 _ExecuteBatchError = getattr(_cygrpc, "ExecuteBatchError", asyncio.CancelledError)
 
 
-def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | None, status: Any = None) -> None:
+def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | None, status: Any = None) -> Gate:
     """Register ``service`` (a ParameterServerService) behind the gate, and ``status`` (a
-    ShardStatus, cgx_ps/server/status.py) for the Status method."""
-    gate = _Gate(service, token)
+    ShardStatus, cgx_ps/server/status.py) for the Status method; the gate, which the raw data
+    plane shares."""
+    gate = Gate(service, token)
     def serialize(message: Message | bytes) -> bytes:
         # results are serialized once for all nodes (frames.result_frames) and pass as they are
         return message if isinstance(message, bytes) else message.SerializeToString()
@@ -225,3 +227,4 @@ def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | N
         handlers["Status"] = grpc.unary_unary_rpc_method_handler(unary("Status", ps_pb2.StatusRequest, status),
                                                                  response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    return gate

@@ -57,6 +57,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self._push_tasks: set[asyncio.Task] = set()  # holds them: the event loop keeps tasks weakly
         self._last_ended: Session | None = None  # replaced or shut down last: its members learn why
         self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
+        self.data_port = 0  # the raw data plane's port, advertised at Register; 0: none (ShardServer sets it)
 
     @property
     def budget(self) -> ByteBudget:
@@ -89,6 +90,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             next_rounds=[session.aggregator.next_round(b) for b in owned],
             server_version=__version__, round_timeout_s=self.config.round_timeout_s,
             session_id=session.session_id, instance_id=self.instance_id, incarnation=session.incarnation,
+            data_port=self.data_port,
         )
 
     def _start_session(self, request: ps_pb2.RegisterRequest, digest: str, reason: str) -> None:

@@ -81,7 +81,7 @@ class ShardStatus:
             rounds_failed=self._counter("cgx_ps_rounds_failed_total"),
             bytes_in=self._counter("cgx_ps_bytes_in_total"), bytes_out=self._counter("cgx_ps_bytes_out_total"),
             pushes_rejected=self._rejected(), inflight_bytes=max(service.budget.used, 0),
-            max_inflight_bytes=service.budget.capacity,
+            max_inflight_bytes=service.budget.capacity, data_port=service.data_port,
         )
         session = service.session
         if session is not None:

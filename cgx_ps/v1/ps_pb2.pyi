@@ -114,7 +114,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ..., resume: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id", "incarnation")
+    __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id", "incarnation", "data_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class RegisterResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,7 +134,8 @@ class RegisterResponse(_message.Message):
     session_id: str
     instance_id: str
     incarnation: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., next_rounds: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., round_timeout_s: _Optional[float] = ..., session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., next_rounds: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ..., round_timeout_s: _Optional[float] = ..., session_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
     __slots__ = ("hello", "push")
@@ -280,7 +282,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_version", "instance_id", "uptime_s", "draining", "session_state", "job_id", "num_nodes", "nodes_registered", "members_registered", "streams_open", "blocks_owned", "rounds_completed", "idle_s", "rounds_total", "rounds_failed", "bytes_in", "bytes_out", "pushes_rejected", "inflight_bytes", "max_inflight_bytes", "last_error", "last_error_age_s")
+    __slots__ = ("shard_index", "num_shards", "server_version", "instance_id", "uptime_s", "draining", "session_state", "job_id", "num_nodes", "nodes_registered", "members_registered", "streams_open", "blocks_owned", "rounds_completed", "idle_s", "rounds_total", "rounds_failed", "bytes_in", "bytes_out", "pushes_rejected", "inflight_bytes", "max_inflight_bytes", "last_error", "last_error_age_s", "data_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +307,7 @@ class StatusResponse(_message.Message):
     MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_version: str
@@ -329,4 +332,5 @@ class StatusResponse(_message.Message):
     max_inflight_bytes: int
     last_error: str
     last_error_age_s: float
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., session_state: _Optional[_Union[SessionState, str]] = ..., job_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., nodes_registered: _Optional[int] = ..., members_registered: _Optional[int] = ..., streams_open: _Optional[int] = ..., blocks_owned: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., idle_s: _Optional[float] = ..., rounds_total: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_age_s: _Optional[float] = ...) -> None: ...
+    data_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., session_state: _Optional[_Union[SessionState, str]] = ..., job_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., nodes_registered: _Optional[int] = ..., members_registered: _Optional[int] = ..., streams_open: _Optional[int] = ..., blocks_owned: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., idle_s: _Optional[float] = ..., rounds_total: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_age_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...

@@ -21,6 +21,7 @@ or, under DDP (and every trainer built on it: Lightning, Accelerate, the HF Trai
     buffers.py    the blocks' flat buffers              engine.py     the communication thread
     client.py     one shard connection, kept alive     broadcast.py  root -> all via shard 0
     recovery.py   what to do when a shard connection breaks (reopen, rejoin, give up, hung)
+    dataplane.py  the Exchange stream over a shard's raw data plane (CGX_PS_DATAPLANE), and the choice
     intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
     autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py
     metrics.py    optional Prometheus exporter (CGX_PS_WORKER_METRICS_PORT), fed by step()

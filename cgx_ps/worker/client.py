@@ -34,11 +34,12 @@ import grpc
 
 from .. import __version__, timeline
 from ..layout import layout_hash
-from ..security import ChannelSecurity
+from ..security import ChannelSecurity, read_token
 from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, PushFrames, chunk_frames, read_chunk
 from ..transport import CHUNK_BYTES
 from ..v1 import ps_pb2, ps_pb2_grpc
-from .errors import CgxPsError, RoundFailedError, ShardRejectedError, ShardUnavailableError
+from .dataplane import DATAPLANES, RawCall, decide_dataplane
+from .errors import CgxPsError, ConfigError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
 from .supervisor import ConnectionSupervisor
 
@@ -89,7 +90,7 @@ class ShardClient(ConnectionSupervisor):
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
                  connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
                  security: ChannelSecurity = _PLAIN, incarnation: int = 0,
-                 recovery_timeout_s: float = 0.0) -> None:
+                 recovery_timeout_s: float = 0.0, dataplane: str = "auto") -> None:
         self.address = address
         self.node_id = node_id
         self.num_nodes = num_nodes
@@ -102,6 +103,15 @@ class ShardClient(ConnectionSupervisor):
         self.security = security
         self.recovery_timeout_s = recovery_timeout_s  # how long to wait for a lost shard; 0: fail at once
         self._metadata = security.metadata()  # the job token, sent with every call
+        # the Exchange stream's transport (worker/dataplane.py): CGX_PS_DATAPLANE, and what the
+        # last registration decided with it
+        self.dataplane = dataplane
+        if dataplane not in DATAPLANES:
+            raise ConfigError(f"CGX_PS_DATAPLANE={dataplane!r} is not one of {', '.join(DATAPLANES)}")
+        self._dataplane_warned = False
+        self._data_port = 0  # the shard's raw data plane, when the stream takes it
+        self._raw_worked = False  # a stream went over it: a later failure is the shard's, not a firewall's
+        self._raw_refused = False  # under auto, its first connect failed: gRPC for this client from then on
         self.registration: ps_pb2.RegisterResponse | None = None
         self._channel: grpc.aio.Channel | None = None
         self._call = None
@@ -146,7 +156,10 @@ class ShardClient(ConnectionSupervisor):
                 await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: nodes retry apart
                 delay = min(delay * 2, 2.0)
         async with self._write_lock:
-            await self._open_stream()
+            try:
+                await self._open_stream()
+            except grpc.aio.AioRpcError as exc:  # CGX_PS_DATAPLANE=raw, and its port cannot be reached
+                raise ShardUnavailableError(f"shard {self.address}: {exc.details()} (CGX_PS_DATAPLANE=raw)") from None
         self._supervise()
         return self.registration
 
@@ -160,6 +173,12 @@ class ShardClient(ConnectionSupervisor):
                                          incarnation=incarnation)
         self.registration = await self._stub().Register(request, timeout=timeout, wait_for_ready=False,
                                                         metadata=self._metadata)
+        # a restarted shard may listen on another data port, or none
+        choice = decide_dataplane(self.dataplane, self.registration.data_port, self.security.tls, self.address)
+        if choice.warning and not self._dataplane_warned:
+            self._dataplane_warned = True
+            log.warning("%s", choice.warning)
+        self._data_port = self.registration.data_port if choice.plane == "raw" else 0
 
     def _stub(self) -> ps_pb2_grpc.ParameterServerStub:
         return ps_pb2_grpc.ParameterServerStub(self._channel)
@@ -175,12 +194,34 @@ class ShardClient(ConnectionSupervisor):
         what must go first."""
         self._generation += 1
         self._incoming.clear()
-        self._call = call = self._exchange_call()
+        self._call = call = await self._open_call()
         await call.write(ps_pb2.ExchangeRequest(
             hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
                                session_id=self.session_id)).SerializeToString())
         self._reader = asyncio.create_task(self._read_results(call, self._generation))
         self._ready.set()
+
+    async def _open_call(self):
+        """The Exchange call: over the shard's raw data plane when chosen and reachable, else gRPC.
+        Under auto, a first connect that fails (a NetworkPolicy without the port) falls back to
+        gRPC with one warning; once a stream went over the plane, a failure is the shard's (raised:
+        UNAVAILABLE, which recovery retries)."""
+        if self._data_port and not self._raw_refused:
+            host = self.address.rsplit(":", 1)[0].strip("[]")
+            token = read_token(self.security.token_file).encode() if self.security.token_file else b""
+            try:
+                call = await RawCall.open(host, self._data_port, token, read_result)
+            except grpc.aio.AioRpcError as exc:
+                if self.dataplane == "raw" or self._raw_worked:
+                    raise
+                self._raw_refused = True
+                log.warning("shard %s: its data port %d cannot be reached (%s): the Exchange stream goes over gRPC "
+                            "(set CGX_PS_DATAPLANE=grpc to skip the attempt, or open the port)", self.address,
+                            self._data_port, exc.details())
+            else:
+                self._raw_worked = True
+                return call
+        return self._exchange_call()
 
     def _drop_stream(self) -> None:
         """Forget the current stream: its reader's end is old news from now on."""

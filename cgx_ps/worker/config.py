@@ -20,6 +20,9 @@
                                                        (default 180; 0: fail at once)
     CGX_PS_CODEC_THREADS                               codec threads of this process (default 0:
                                                        sized for the host, threads.plan_threads)
+    CGX_PS_DATAPLANE                                   how pushes and results travel: auto (the
+                                                       shard's raw data plane when it advertises one
+                                                       and TLS is off, else gRPC), grpc, or raw
     CGX_PS_TOKEN_FILE                                  the job token the shards require
     CGX_PS_TLS_CA, CGX_PS_TLS_CERT, CGX_PS_TLS_KEY     TLS: the CA of the shards' certificates;
                                                        a client certificate for mutual TLS
@@ -37,9 +40,10 @@ from ..envparse import env_float, env_int
 from ..security import ChannelSecurity
 from .errors import ConfigError
 
-__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS"]
+__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES"]
 
 INTRANODE_TRANSPORTS = ("auto", "shm", "cuda")
+DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/dataplane.py decides with it)
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class WorkerConfig:
     codec_threads: int = 0
     # how to reach the shards: job token, TLS (docs/security.md)
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    # the Exchange stream's transport: "auto", "grpc" or "raw" (worker/dataplane.py)
+    dataplane: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +89,10 @@ class WorkerConfig:
              f"WORLD_SIZE={self.world_size} != {self.num_nodes} nodes x LOCAL_WORLD_SIZE={self.local_world_size}"),
             (self.intranode in INTRANODE_TRANSPORTS,
              f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
+            (self.dataplane in DATAPLANES,
+             f"CGX_PS_DATAPLANE={self.dataplane!r} is not one of {', '.join(DATAPLANES)}"),
+            (self.dataplane != "raw" or not self.security.tls,
+             "CGX_PS_DATAPLANE=raw with TLS (CGX_PS_TLS_CA): the raw data plane is plaintext; use auto or grpc"),
             (0 <= self.codec_threads <= 256, f"CGX_PS_CODEC_THREADS={self.codec_threads} is not in 0..256"),
             (0 <= self.incarnation < 1 << 32, f"incarnation {self.incarnation} is not in 0..2^32-1"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
@@ -140,6 +150,7 @@ class WorkerConfig:
                      incarnation=num("CGX_PS_INCARNATION", num("TORCHELASTIC_RESTART_COUNT", 0)),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
                      codec_threads=num("CGX_PS_CODEC_THREADS", 0),
+                     dataplane=env.get("CGX_PS_DATAPLANE", "auto").strip().lower() or "auto",
                      security=security)
         return replace(config, **overrides) if overrides else config
 

@@ -70,7 +70,8 @@ class CommEngine:
         self.clients = [ShardClient(a, self.node_id, self.num_nodes, layout, self.config.connect_timeout_s,
                                     self.config.job_id, self.member, self.config.security,
                                     incarnation=self.config.incarnation,
-                                    recovery_timeout_s=self.config.recovery_timeout_s)
+                                    recovery_timeout_s=self.config.recovery_timeout_s,
+                                    dataplane=self.config.dataplane)
                         for a in self.config.servers]
 
         async def connect_all() -> None:

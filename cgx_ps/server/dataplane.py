@@ -1,0 +1,306 @@
+"""The raw data plane's listener: Exchange streams over plain TCP beside the gRPC port (off unless
+``--data-port`` is given; plaintext, token-authenticated, never with TLS).
+
+Why: Python gRPC costs the shard about a quarter of its CPU per round and the workers about 40%
+of theirs for pushes and results; a plain TCP stream read by an asyncio BufferedProtocol gets it
+back (BENCHMARKS.md, "What Python gRPC costs the shard"). Under TLS the crypto dominates and gRPC
+is as fast, so TLS deployments keep gRPC.
+
+Each connection is one Exchange stream (framing: cgx_ps/rawframes.py). Its frames go into
+``ParameterServerService.Exchange`` unchanged, through a small context (read, write, abort), and
+through the same ``Gate.run`` as a gRPC call: the token check (``bearer_matches``), the error
+table, the clipped details and the rate-limited refusal log are the gRPC port's own. What this
+module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hostile network:
+
+- the preface (magic, version, token) must arrive within ``first_frame_timeout_s``, and nothing
+  else is read before the gate has passed the token;
+- a frame, once its first byte is in, must be whole within ``frame_timeout_s`` (a header
+  trickled byte by byte is cut off, not held forever);
+- a frame is refused on its header when it is over gRPC's message limit, before its body is
+  allocated; reading pauses after each frame until the service asks for the next, so a stream
+  holds at most one unread frame and the push budget's backpressure reaches TCP;
+- at most ``max_connections`` connections (the gRPC port's --max-concurrent-rpcs); one past it
+  is closed without a byte read;
+- SO_KEEPALIVE with gRPC's keepalive timing, so a dead peer is noticed;
+- a peer that goes away cancels its handler, as gRPC cancels a call whose client is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ..rawframes import (HEADER, MAX_FRAME, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
+                         split_header, status_body)
+from ..security import AUTH_HEADER
+from .errors import BadRequest, ProtocolError, TimedOut
+from .rpc import Gate, clip, grpc_status
+from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
+
+__all__ = ["DataPlane", "FRAME_TIMEOUT_S"]
+
+FRAME_TIMEOUT_S = 30.0  # from a frame's first byte to its last: 8 MiB at under 300 kB/s is cut off
+_SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One connection's frames. The transport fills the frame's own buffer (no copy in Python);
+    reading pauses after each whole frame until ``read`` asks for the next. Complete frames,
+    EOF (None) or an error wait in ``_frames`` for the handler."""
+
+    def __init__(self, plane: "DataPlane") -> None:
+        self.plane = plane
+        self.transport: asyncio.Transport | None = None
+        self.peer = "unknown"
+        self.task: asyncio.Task | None = None
+        self._limit = MAX_PREFACE
+        self._header = bytearray(HEADER.size)
+        self._view = memoryview(self._header)
+        self._body: memoryview | None = None  # the frame being received, once its header is in
+        self._got = 0
+        self._status = False
+        self._deadline: asyncio.TimerHandle | None = None  # the frame under way must be whole by then
+        self._failed: Exception | None = None  # what broke the framing: every later read raises it
+        self._frames: asyncio.Queue = asyncio.Queue()
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    # ---- the transport's callbacks ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        host, port = (transport.get_extra_info("peername") or ("unknown", 0))[:2]
+        self.peer = f"ipv{6 if ':' in str(host) else 4}:{host}:{port}"
+        if not self.plane.admit(self):
+            transport.abort()  # past the cap: closed before a byte is read
+            return
+        set_stream_options(transport.get_extra_info("socket"))
+        self.task = asyncio.get_running_loop().create_task(self.plane.serve(self))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._got == 0 and self._body is None:  # a frame's first bytes: its clock starts
+            self._deadline = asyncio.get_running_loop().call_later(self.plane.frame_timeout_s, self._timed_out)
+        self._got += nbytes
+        if self._got < len(self._view):
+            return
+        self._got = 0
+        if self._body is None:
+            size, self._status = split_header(self._header)
+            if size > self._limit:  # refused on its header: nothing is allocated for it
+                self._deliver(BadRequest(f"frame of {size} bytes; at most {self._limit}"))
+                return
+            if size:
+                # not zeroed (a bytearray would be: a memset of every byte the socket then overwrites)
+                self._body = self._view = memoryview(np.empty(size, np.uint8))
+                return
+            self._body = memoryview(b"")
+        body, self._body, self._view = self._body, None, memoryview(self._header)
+        self._deliver((self._status, body.tobytes() if len(body) < _SMALL else body))
+
+    def _deliver(self, item: Any) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.pause_reading()
+        if isinstance(item, Exception):
+            self._failed = self._failed or item  # the bytes after it are not frames any more
+        self._frames.put_nowait(item)
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        self._body, self._got, self._view = None, 0, memoryview(self._header)
+        self._deliver(TimedOut(f"a frame was not complete {self.plane.frame_timeout_s:g}s after its first byte"))
+
+    def eof_received(self) -> bool:
+        partial = self._body is not None or self._got > 0
+        # the client's fault, as a malformed message is (a ConnectionResetError would reach the gate
+        # as an unexpected error: INTERNAL, and a log line saying so)
+        self._deliver(BadRequest("the connection closed inside a frame") if partial else None)
+        return True  # half-closed: results due may still be written
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
+        self._writable.set()
+        self.plane.forget(self)
+        if self.task is not None:
+            self.task.cancel()  # as gRPC cancels the handler of a call whose client is gone
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # ---- the handler's side ----------------------------------------------------------------------
+
+    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
+        """(is a status frame, body) of the next frame; None at EOF between frames."""
+        if self._frames.empty() and self._failed is not None:
+            raise self._failed
+        if self._frames.empty() and not self.transport.is_closing():
+            self._limit = limit
+            self.transport.resume_reading()
+        item = await self._frames.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def write(self, data: Any, status: bool = False) -> None:
+        """One frame; ``data`` (bytes or any buffer) goes to the transport as it is, not copied."""
+        if self.transport.is_closing():
+            raise ConnectionResetError("connection closed")
+        view = memoryview(data)
+        self.transport.write(frame_header(view.nbytes, status))
+        self.transport.write(view)
+        await self._writable.wait()  # the transport's buffer is over its high-water mark: the peer reads slowly
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _Aborted(grpc.aio.AbortError):
+    """The stream ended with a status frame (grpc.aio's own abort raises AbortError: Gate.run
+    passes it on)."""
+
+
+class _PlaneContext:
+    """What ``ParameterServerService.Exchange`` and ``Gate.run`` use of a grpc.aio
+    ServicerContext, over one connection."""
+
+    def __init__(self, connection: _Connection, token: bytes) -> None:
+        self.connection = connection
+        self._metadata = ((AUTH_HEADER, b"Bearer " + token),)  # what the gate checks: bearer_matches
+        self.ended = False
+
+    def invocation_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self.connection.peer
+
+    async def read(self) -> Any:
+        frame = await self.connection.read(MAX_FRAME)
+        if frame is None:
+            return grpc.aio.EOF
+        if frame[0]:
+            raise BadRequest("a client sends no status frames")
+        return frame[1]
+
+    async def write(self, message: Any) -> None:
+        # results come serialized once for every node (bytes, or buffers), a RoundError as a message
+        data = message.SerializeToString() if hasattr(message, "SerializeToString") else message
+        try:
+            await self.connection.write(data)
+        except OSError:
+            # the client is gone: end the handler quietly, as a gRPC write to a cancelled call does
+            # (an OSError would reach the gate as an unexpected error, logged as one)
+            raise _Aborted() from None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        await self.end(code, details)
+        raise _Aborted()
+
+    async def end(self, code: grpc.StatusCode, details: str = "") -> None:
+        if not self.ended:
+            self.ended = True
+            await self.connection.write(status_body(code.name, clip(details)), status=True)
+
+
+class DataPlane:
+    """The listener: ``await start(host, port)``, then ``stop_accepting()`` and ``close()`` (what
+    ShardServer.stop does around its drain)."""
+
+    def __init__(self, service: ParameterServerService, gate: Gate, max_connections: int,
+                 first_frame_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S,
+                 frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
+        self.service = service
+        self.gate = gate
+        self.max_connections = max_connections
+        self.first_frame_timeout_s = first_frame_timeout_s
+        self.frame_timeout_s = frame_timeout_s
+        self.connections: set[_Connection] = set()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; the port bound (``port`` 0: a free one)."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
+        except OSError as exc:
+            raise OSError(f"cannot bind the data plane to {host}:{port}: {exc.strerror}; choose another "
+                          f"--data-port") from None
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    def admit(self, connection: _Connection) -> bool:
+        if len(self.connections) >= self.max_connections:
+            self.gate.log.warning("refused:dataplane", "data plane connection from %s refused: %d connections "
+                                  "open (the cap, --max-concurrent-rpcs)", connection.peer, len(self.connections))
+            return False
+        self.connections.add(connection)
+        return True
+
+    def forget(self, connection: _Connection) -> None:
+        self.connections.discard(connection)
+
+    async def serve(self, connection: _Connection) -> None:
+        """One connection: its preface, then one Exchange stream through the gate."""
+        context: _PlaneContext | None = None
+        try:
+            try:
+                frame = await asyncio.wait_for(connection.read(MAX_PREFACE), self.first_frame_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimedOut(f"no preface within {self.first_frame_timeout_s:g}s of connecting") from None
+            if frame is None or frame[0]:
+                raise BadRequest("the connection ended before its preface" if frame is None else
+                                 "a client sends no status frames")
+            preface = parse_preface(frame[1])
+            if preface.problem:
+                raise BadRequest(preface.problem)
+            context = _PlaneContext(connection, preface.token)
+            await self.gate.run("Exchange", context, lambda: self.service.Exchange(context))
+            await context.end(grpc.StatusCode.OK)
+        except ProtocolError as exc:  # the preface's refusals (the gate maps everything after it)
+            self.gate.log.warning("refused:dataplane", "data plane connection from %s refused: %s", connection.peer,
+                                  exc.message)
+            await _quietly(_PlaneContext(connection, b"").end(*grpc_status(exc)))
+        except (grpc.aio.AbortError, OSError):
+            pass  # the stream's status went out, or the peer is gone
+        finally:
+            connection.close()
+
+    def stop_accepting(self) -> None:
+        """No new connections; those open go on (their rounds finish in the drain)."""
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        """After the drain: give the handlers ``grace_s`` to send their statuses, then end them."""
+        self.stop_accepting()
+        tasks = {c.task for c in self.connections if c.task is not None}
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        for connection in list(self.connections):
+            if connection.task is not None:
+                connection.task.cancel()
+            if connection.transport is not None:
+                connection.transport.abort()
+        self.connections.clear()
+
+
+async def _quietly(write: Any) -> None:
+    try:
+        await write
+    except OSError:
+        pass

@@ -1,0 +1,169 @@
+"""A worker's side of the raw data plane (the shard's: server/dataplane.py; the wire:
+cgx_ps/rawframes.py): which transport a shard's Exchange stream takes, and the stream itself.
+
+* ``decide_dataplane``: the raw plane when the shard advertises a data port (RegisterResponse)
+  and the worker does not use TLS (the plane is plaintext, and under TLS it saves nothing), else
+  gRPC. A pure function of its inputs, as ``gpu_setup.decide_transport``.
+* ``RawCall``: one Exchange stream over a data plane connection, shaped as the grpc.aio call
+  ``ShardClient`` uses (``write``, ``cancel``, async iteration over the results). Its end is an
+  ``AioRpcError`` with the shard's status, and a connection that breaks (reset, EOF without a
+  status) is UNAVAILABLE, so recovery.py's decisions apply to it as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import grpc
+import numpy as np
+
+from ..rawframes import HEADER, MAX_FRAME, frame_header, parse_status, preface, set_stream_options, split_header
+from .config import DATAPLANES
+from .errors import ConfigError
+
+__all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane"]
+
+_SMALL = 1 << 16  # frames below this are handed on as bytes, larger ones as the buffer read
+CONNECT_TIMEOUT_S = 5.0  # a data port that does not answer by then is unreachable (auto: gRPC instead)
+
+
+@dataclass(frozen=True)
+class DataplaneChoice:
+    """How a shard's Exchange stream travels, and what to tell the user about it."""
+
+    plane: str  # "grpc" or "raw"
+    warning: str = ""  # one log line when the choice is not what might be expected
+
+
+def decide_dataplane(requested: str, advertised_port: int, tls: bool, shard: str = "") -> DataplaneChoice:
+    """The transport for the Exchange stream to ``shard``; ``requested``: CGX_PS_DATAPLANE,
+    ``advertised_port``: the shard's RegisterResponse.data_port (0: none), ``tls``: this worker
+    reaches the shards over TLS. Raises ConfigError where ``raw`` cannot be had."""
+    if requested not in DATAPLANES:
+        raise ConfigError(f"CGX_PS_DATAPLANE={requested!r} is not one of {', '.join(DATAPLANES)}")
+    if requested == "grpc":
+        return DataplaneChoice("grpc")
+    if requested == "raw" and tls:
+        raise ConfigError(f"CGX_PS_DATAPLANE=raw with TLS (CGX_PS_TLS_CA): the raw data plane is plaintext; "
+                          f"use auto or grpc to reach shard {shard} over TLS")
+    if requested == "raw" and not advertised_port:
+        raise ConfigError(f"CGX_PS_DATAPLANE=raw, but shard {shard} advertises no data port: start it with "
+                          f"--data-port (CGX_PS_DATA_PORT), or use CGX_PS_DATAPLANE=auto")
+    if not advertised_port:
+        return DataplaneChoice("grpc")
+    if tls:
+        return DataplaneChoice("grpc", f"shard {shard} advertises a plaintext data port, but this worker uses "
+                                       f"TLS: its Exchange stream stays on gRPC")
+    return DataplaneChoice("raw")
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _FrameSocket:
+    """Frames on a non-blocking socket, through the running loop's sock_* calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self._header = bytearray(HEADER.size)
+
+    async def _fill(self, view: memoryview) -> int:
+        """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                return got
+            got += n
+        return got
+
+    async def read(self) -> tuple[bool, bytes | memoryview] | None:
+        """(is a status frame, body) of the next frame; None at EOF between frames."""
+        got = await self._fill(memoryview(self._header))
+        if got == 0:
+            return None
+        if got < HEADER.size:
+            raise ConnectionResetError("connection closed inside a frame header")
+        size, status = split_header(self._header)
+        if size > MAX_FRAME:  # a shard sends none: refused before it is allocated
+            raise ConnectionResetError(f"frame of {size} bytes from the shard; at most {MAX_FRAME}")
+        body = memoryview(np.empty(size, np.uint8))  # not zeroed: the socket overwrites every byte
+        if await self._fill(body) < size:
+            raise ConnectionResetError(f"connection closed inside a frame of {size} bytes")
+        return status, body.tobytes() if size < _SMALL else body
+
+    async def write(self, data: Any) -> None:
+        view = memoryview(data)
+        await self.loop.sock_sendall(self.sock, frame_header(view.nbytes))
+        await self.loop.sock_sendall(self.sock, view)  # the kernel copies it, Python does not
+
+
+class RawCall:
+    """One Exchange stream over a data plane connection, as ShardClient uses a grpc.aio call."""
+
+    def __init__(self, frames: _FrameSocket, read_message: Any) -> None:
+        self._frames = frames
+        self._read_message = read_message
+
+    @classmethod
+    async def open(cls, host: str, port: int, token: bytes, read_message: Any,
+                   connect_timeout_s: float = CONNECT_TIMEOUT_S) -> "RawCall":
+        """Connect and send the preface; ``read_message`` reads a result frame (client.read_result).
+        Raises an UNAVAILABLE AioRpcError when the port cannot be reached within
+        ``connect_timeout_s`` (a firewall that drops packets would hold a connect for minutes)."""
+        loop = asyncio.get_running_loop()
+        sock = None
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, address)
+            set_stream_options(sock)
+            call = cls(_FrameSocket(sock), read_message)
+            await call._frames.write(preface(token))
+        except (OSError, TimeoutError) as exc:
+            if sock is not None:
+                sock.close()
+            raise _unavailable(f"data plane {host}:{port}: {exc or type(exc).__name__}") from None
+        return call
+
+    async def write(self, frame: Any) -> None:
+        try:
+            await self._frames.write(frame)
+        except OSError as exc:
+            raise _unavailable(f"data plane stream closed: {exc}") from None
+
+    def cancel(self) -> None:
+        self._frames.sock.close()
+
+    def _parsed(self, body: bytes | memoryview) -> Any:
+        try:
+            return self._read_message(body)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and kin: as a gRPC deserializer's failure
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"malformed message from the shard: {type(exc).__name__}") from None
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._results()
+
+    async def _results(self) -> AsyncIterator[Any]:
+        try:
+            while (frame := await self._frames.read()) is not None:
+                status, body = frame
+                if not status:
+                    yield self._parsed(body)
+                    continue
+                name, details = parse_status(body)
+                if name == "OK":
+                    return  # the stream's clean end, as a gRPC call's OK status
+                code = grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
+                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        except OSError as exc:
+            raise _unavailable(f"data plane stream broke: {exc}") from None
+        raise _unavailable("data plane connection closed without a status")  # the shard died or was cut off

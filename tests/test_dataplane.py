@@ -1,0 +1,287 @@
+"""The raw data plane (server/dataplane.py, worker/dataplane.py, rawframes.py): a second listener
+on a shared network, attacked the way the gRPC port is.
+
+In-process shards with ``data_port=0`` and connections driven by hand: what is refused (a wrong
+or missing token before anything else is read, garbage, a bad magic or version, a frame over
+gRPC's limit before it is allocated, a bad session id), what is cut off (a silent connection, a
+trickled frame, connections past the cap), and that none of it harms the members' rounds, whose
+sums are exact. Real processes: two workers on CGX_PS_DATAPLANE=raw survive a shard killed and
+restarted under them with exactly the reference's parameters (those the gRPC stream gives:
+tests/test_worker.py). And the choice of plane, as a table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgx_ps.layout import layout_hash
+from cgx_ps.rawframes import MAX_FRAME, frame_header, parse_status, preface, split_header
+from cgx_ps.security import read_token
+from cgx_ps.server import LocalCluster, ShardServer
+from cgx_ps.server.rpc import STATUS_CODES
+from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.dataplane import DataplaneChoice, decide_dataplane
+from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
+from rounds import check_aggregate, close, make_layout, run_round
+from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
+from support import SECURITY, TOKEN_FILE
+from test_resilience import finish, start_workers, wait_for_rounds
+from test_worker import expected_params
+
+SHARD_SETTINGS = dict(round_timeout_s=10.0, data_port=0)
+LAYOUT = make_layout()
+TOKEN = read_token(TOKEN_FILE).encode()
+FRAME_CASES = 240  # the frame-layer fuzz's connections (about 4 s)
+
+
+def _frame(body: bytes) -> bytes:
+    return frame_header(len(body)) + body
+
+
+def _hello(node: str, session_id: str) -> bytes:
+    return _frame(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(LAYOUT),
+                                                            session_id=session_id)).SerializeToString())
+
+
+async def _ending(reader: asyncio.StreamReader, timeout_s: float = 5.0) -> tuple[str, str] | None:
+    """The status a connection ends with ((code, details)), or None if it closes without one."""
+    async def read() -> tuple[str, str] | None:
+        while True:
+            try:
+                header = await reader.readexactly(4)
+                size, status = split_header(header)
+                body = await reader.readexactly(size)
+            except (asyncio.IncompleteReadError, ConnectionResetError):
+                return None
+            if status:
+                return parse_status(body)
+    return await asyncio.wait_for(read(), timeout_s)
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _members(shard: ShardServer, n: int, plane: str = "raw") -> list[ShardClient]:
+    clients = [ShardClient(f"127.0.0.1:{shard.port}", f"node-{i}", n, LAYOUT, connect_timeout_s=5, security=SECURITY,
+                           dataplane=plane) for i in range(n)]
+    for c in clients:
+        await c.connect()
+    return clients
+
+
+async def test_hostile_connections_are_refused_and_the_members_rounds_stay_exact(shard: ShardServer) -> None:
+    members = await _members(shard, 2)
+    await _until(lambda: len(shard.dataplane.connections) == 2)  # their streams went over the plane, not gRPC
+    session = members[0].session_id
+    # (what the connection sends, the status it must end with, words of its details)
+    hostile = {
+        # a registered member's Hello behind the token: refused on the token, the Hello never read
+        "wrong token": (_frame(preface(b"not-the-job-token")) + _hello("node-0", session), "UNAUTHENTICATED", "token"),
+        "no token": (_frame(preface(b"")) + _hello("node-0", session), "UNAUTHENTICATED", "token"),
+        "garbage": (b"GET / HTTP/1.1\r\nHost: shard\r\n\r\n", "INVALID_ARGUMENT", "at most"),
+        "bad magic": (_frame(b"XXXX\x01" + TOKEN), "INVALID_ARGUMENT", "not a cgx-ps data plane"),
+        "bad version": (_frame(b"CGXD\x09" + TOKEN), "INVALID_ARGUMENT", "version 9"),
+        # announced only: answered at once, so nothing waited for (or was allocated for) its body
+        "frame over the limit": (_frame(preface(TOKEN)) + frame_header(0x7FFFFFFF), "INVALID_ARGUMENT",
+                                 f"at most {MAX_FRAME}"),
+        "bad session id": (_frame(preface(TOKEN)) + _hello("node-0", "f" * 32), "FAILED_PRECONDITION",
+                           "has not registered"),
+    }
+
+    async def attack(sent: bytes) -> tuple[str, str] | None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+        writer.write(sent)
+        try:
+            return await _ending(reader)
+        finally:
+            writer.close()
+
+    try:
+        rounds = asyncio.gather(*(run_round(members, LAYOUT, r, seed=7) for r in range(3)))
+        endings = await asyncio.gather(*(attack(sent) for sent, _, _ in hostile.values()))
+        for (case, (_, code, words)), ending in zip(hostile.items(), endings):
+            assert ending is not None and ending[0] == code and words in ending[1], (case, ending)
+        for round_, (pushed, results) in enumerate(await asyncio.wait_for(rounds, 60)):
+            for block in LAYOUT.blocks:
+                got = [bytes(results[k][block.block_id]) for k in range(2)]
+                assert got[0] == got[1]
+                check_aggregate(block, pushed[block.block_id], got[0], round_)
+        assert all(c.error is None and c.recoveries == 0 for c in members)
+        assert shard.service.session.failed is None
+        assert shard.status.snapshot().data_port == shard.data_port > 0  # cgx-ps status shows it
+        # stopping: the listener closes first, the members' streams end UNAVAILABLE (recoverable)
+        await shard.stop(drain=True)
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", shard.data_port)
+    finally:
+        await close(members)
+
+
+async def test_silent_and_trickling_connections_are_cut_at_their_timeouts(shard: ShardServer) -> None:
+    shard.dataplane.first_frame_timeout_s = 0.5
+    shard.dataplane.frame_timeout_s = 0.5
+
+    async def ending_of(whole: bytes, trickle: bytes, every_s: float) -> tuple[tuple[str, str] | None, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+        started = time.monotonic()
+        writer.write(whole)
+
+        async def send() -> None:
+            with contextlib.suppress(OSError):
+                for i in range(len(trickle)):
+                    writer.write(trickle[i:i + 1])
+                    await asyncio.sleep(every_s)
+
+        sender = asyncio.create_task(send())
+        try:
+            return await _ending(reader), time.monotonic() - started
+        finally:
+            sender.cancel()
+            writer.close()
+
+    silent, trickled_preface, trickled_hello = await asyncio.gather(
+        ending_of(b"", b"", 0),  # connects and says nothing
+        ending_of(b"", _frame(preface(TOKEN)), 0.2),  # a byte every 0.2 s: never idle 0.5 s, never whole
+        # the preface at once, then the Hello's frame a byte every 0.2 s: the Hello itself may take
+        # 30 s (FIRST_MESSAGE_TIMEOUT_S), but a frame under way must be whole 0.5 s after its first byte
+        ending_of(_frame(preface(TOKEN)), _hello("node-0", ""), 0.2))
+    for (ending, took), words in ((silent, "no preface"), (trickled_preface, "no preface"),
+                                  (trickled_hello, "not complete")):
+        assert ending is not None and ending[0] == "DEADLINE_EXCEEDED" and words in ending[1], ending
+        assert took < 3.0, took
+
+
+async def test_connections_past_the_cap_are_closed_without_a_byte_read(start_shard) -> None:
+    shard = await start_shard(max_concurrent_rpcs=8)
+    held = [await asyncio.open_connection("127.0.0.1", shard.data_port) for _ in range(8)]
+    try:
+        await _until(lambda: len(shard.dataplane.connections) == 8)
+        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+        writer.write(_frame(preface(TOKEN)))
+        assert await _ending(reader, 2.0) is None  # closed, no status: nothing of it was read
+        writer.close()
+        held.pop()[1].close()  # one leaves: there is room again
+        await _until(lambda: len(shard.dataplane.connections) == 7)
+        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+        writer.write(_frame(preface(TOKEN)) + _hello("node-9", "0" * 32))
+        assert (await _ending(reader))[0] == "FAILED_PRECONDITION"  # read and answered
+        writer.close()
+    finally:
+        for _, w in held:
+            w.close()
+
+
+async def test_auto_falls_back_to_grpc_once_and_raw_insists(start_shard, caplog) -> None:
+    shard = await start_shard()
+    with socket.socket() as unused:  # a port nobody listens on: as a NetworkPolicy without the data port
+        unused.bind(("127.0.0.1", 0))
+        shard.service.data_port = unused.getsockname()[1]
+    caplog.set_level("WARNING", logger="cgx_ps.worker.client")
+    members = await _members(shard, 1, plane="auto")
+    try:
+        _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        assert len(results[0]) == len(LAYOUT.blocks) and not shard.dataplane.connections
+        await members[0].reopen()  # a second stream: no second attempt, no second warning
+        assert len([r for r in caplog.records if "cannot be reached" in r.message]) == 1
+    finally:
+        await close(members)
+    with pytest.raises(ShardUnavailableError, match="data plane"):
+        await _members(shard, 1, plane="raw")
+    plain = await start_shard(data_port=-1)
+    with pytest.raises(ConfigError, match=f"shard 127.0.0.1:{plain.port} advertises no data port"):
+        await _members(plain, 1, plane="raw")
+
+
+async def test_frame_layer_fuzz_ends_every_connection_cleanly_and_the_members_train_on(shard, caplog) -> None:
+    shard.dataplane.first_frame_timeout_s = shard.dataplane.frame_timeout_s = 0.5
+    members = await _members(shard, 2)
+    caplog.set_level("WARNING")
+    try:
+        endings = await fuzz_frames("127.0.0.1", shard.data_port, TOKEN, FRAME_CASES, seed=0)
+        assert {kind for kind, _ in endings} == set(FRAME_MUTATIONS), endings
+        refusals = {code.name for code in STATUS_CODES.values()} - {"INTERNAL"}
+        assert {ending for _, ending in endings} <= refusals | {"closed"}, endings  # no hang, no INTERNAL
+        assert not [r for r in caplog.records if r.exc_info], "a traceback in the log"
+        assert len([r for r in caplog.records if r.levelname != "INFO"]) <= FRAME_CASES  # one line per bad call at most
+        await _until(lambda: len(shard.dataplane.connections) == 2)  # every hostile connection let go
+        pushed, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        for block in LAYOUT.blocks:
+            check_aggregate(block, pushed[block.block_id], bytes(results[0][block.block_id]))
+        assert shard.service.budget.used == 0
+    finally:
+        await close(members)
+
+
+@pytest.mark.parametrize("requested, port, tls, expected", [
+    ("auto", 7072, False, DataplaneChoice("raw")),
+    ("auto", 0, False, DataplaneChoice("grpc")),
+    ("grpc", 7072, False, DataplaneChoice("grpc")),
+    ("raw", 7072, False, DataplaneChoice("raw")),
+    ("raw", 0, False, ConfigError("advertises no data port")),
+    ("raw", 7072, True, ConfigError("plaintext")),
+    ("auto", 0, True, DataplaneChoice("grpc")),
+    ("bogus", 7072, False, ConfigError("not one of auto, grpc, raw")),
+])
+def test_decide_dataplane(requested, port, tls, expected) -> None:
+    if isinstance(expected, ConfigError):
+        with pytest.raises(ConfigError, match=str(expected)):
+            decide_dataplane(requested, port, tls, "shard-0:7070")
+        return
+    assert decide_dataplane(requested, port, tls, "shard-0:7070") == expected
+
+
+def test_auto_under_tls_stays_on_grpc_and_says_why() -> None:
+    choice = decide_dataplane("auto", 7072, True, "shard-0:7070")
+    assert choice.plane == "grpc" and "TLS" in choice.warning and "shard-0:7070" in choice.warning
+
+
+def _established(port: int) -> int:
+    """Established TCP connections whose local end is ``port`` on this host (the shard's side)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        count += int(local.rsplit(":", 1)[1], 16) == port and state == "01"
+    return count
+
+
+@pytest.mark.slow
+def test_workers_on_the_raw_plane_survive_a_shard_restart_exactly(tmp_path: Path) -> None:
+    steps = 16
+    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING", "--data-port", "0"]) as cluster:
+        workers = start_workers(cluster.addresses, tmp_path, steps, CGX_PS_DATAPLANE="raw",
+                                CGX_PS_RECOVERY_TIMEOUT="30")
+        try:
+            wait_for_rounds(cluster.addresses[1], 4, workers)
+            assert all(_established(port) == 2 for port in cluster.data_ports)  # a stream per worker and shard
+            cluster.procs[1].kill()  # SIGKILL: the raw streams see a reset, not a status
+            cluster.procs[1].wait()
+            cluster.restart(1)  # a new instance on the same gRPC port, and a new data port (0: a free one)
+            wait_for_rounds(cluster.addresses[1], 6, workers)
+            assert _established(cluster.data_ports[1]) == 2  # the rejoin found the new port
+            results = finish(workers, timeout_s=120)
+        finally:
+            for p in workers:
+                if p.poll() is None:
+                    p.kill()
+    everything = "\n".join(f"rank {r} (exit {code}):\n{err[-3000:]}" for r, (code, err, _) in enumerate(results))
+    for code, err, _ in results:
+        assert code == 0, everything
+        assert "rejoined the restarted shard" in err, everything
+    saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    expected = expected_params(saved[0], 2, steps, 1, torch.float32)
+    for name, value in expected.items():
+        assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name
+        assert torch.equal(saved[0]["final"][name], value), name  # every step applied exactly once
+
