@@ -18,8 +18,11 @@ threads per worker:
     ddp-cgx-4bit  DDP (gloo group) + the cgx-ps DDP comm hook, 4-bit   (ddp_step.py --hook cgx)
     ddp-cgx-auto  the same hook in auto mode, deciding every --auto-interval steps (uncompressed:
                   DDP's allreduce)
+    cgx-4bit-raw, ddp-cgx-4bit-raw
+                  cgx-4bit and ddp-cgx-4bit with the shards' raw data plane open (``--data-port``):
+                  the workers' pushes and results over plain TCP instead of gRPC streams
 
-The last two are the second front end of the same block pipeline: DDP's buckets and overlap,
+ddp-cgx-4bit and ddp-cgx-auto are the second front end of the same block pipeline: DDP's buckets and overlap,
 cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
 within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%),
 as cgx-auto's with the faster of ddp-fp32 and cgx-4bit.
@@ -85,7 +88,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import netcluster as nc  # noqa: E402
-from benchmarks.cluster_configs import CONFIGS  # noqa: E402
+from benchmarks.cluster_configs import CONFIGS, SHARD_ARGS, WORKER_ENV  # noqa: E402
 from benchmarks.cluster_report import markdown, write_outputs  # noqa: E402
 from benchmarks.cluster_rows import add_cpu_usage, add_link_figures, job_row  # noqa: E402
 from benchmarks.cluster_stats import fmt  # noqa: E402
@@ -160,6 +163,7 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
                     res = nc.run_cgx(cluster, compression=compression_arg(variant, args.auto_interval),
                                      worker_hosts=worker_hosts,
                                      shard_hosts=shard_hosts, timeout=timeout, extra_args=extra,
+                                     shard_args=SHARD_ARGS.get(name, ()), worker_env=WORKER_ENV.get(name),
                                      front_end=front_end, **kw)
             except nc.ClusterError as e:  # e.g. a shard failed to start
                 res = nc.JobResult(f"{system}/{model}/{variant}", [], [], False, 0.0, [str(e)])

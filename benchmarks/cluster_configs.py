@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CONFIGS"]
+__all__ = ["CONFIGS", "SHARD_ARGS", "WORKER_ENV"]
 
 CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compression, label)
     "ddp-fp32": ("ddp", "none", "DDP gloo fp32"),
@@ -15,4 +15,15 @@ CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compres
     "cgx-auto": ("cgx-group", "auto", "cgx-ps auto"),  # "auto": every --auto-interval steps (cluster.py)
     "ddp-cgx-4bit": ("ddp-hook", "4bit", "DDP + cgx-ps hook 4-bit"),
     "ddp-cgx-auto": ("ddp-hook", "auto", "DDP + cgx-ps hook auto"),
+    "cgx-4bit-raw": ("cgx", "4bit", "cgx-ps 4-bit, raw plane"),
+    "ddp-cgx-4bit-raw": ("ddp-hook", "4bit", "DDP + cgx-ps hook 4-bit, raw plane"),
 }
+
+# Shard options and worker variables a configuration adds: the "-raw" ones open the shards' raw
+# data plane and make the workers use it (raw, not auto: a port that cannot be reached fails the
+# row instead of measuring gRPC under the raw plane's name).
+SHARD_ARGS: dict[str, tuple[str, ...]] = {
+    "cgx-4bit-raw": ("--data-port", "0"),
+    "ddp-cgx-4bit-raw": ("--data-port", "0"),
+}
+WORKER_ENV: dict[str, dict[str, str]] = {name: {"CGX_PS_DATAPLANE": "raw"} for name in SHARD_ARGS}

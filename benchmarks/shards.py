@@ -175,7 +175,7 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
             batch_size: int = 64, threads: int = 1, seed: int = 0, timeout: float = 180.0,
             worker_hosts: Sequence[int] | None = None, shard_hosts: Sequence[int] | None = None,
             extra_args: Sequence[str] = (), shard_args: Sequence[str] = (),
-            front_end: str = "optimizer") -> JobResult:
+            front_end: str = "optimizer", worker_env: Mapping[str, str] | None = None) -> JobResult:
     """``cgx_step.py`` on ``worker_hosts`` (default all hosts), one worker (= one node)
     per host, against fresh shards on ``shard_hosts`` (default: the worker hosts,
     i.e. one colocated shard per worker host).  The shards are stopped before
@@ -187,7 +187,8 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
     process group on the same links, its buckets averaged by the cgx-ps DDP comm hook through
     the same shards (``extra_args`` go to ddp_step.py, e.g. ``["--block-mb", "4"]``).
     ``front_end="optimizer-group"``: ``cgx_step.py --process-group``, the optimizer with a gloo
-    group on the same links for auto mode's uncompressed steps."""
+    group on the same links for auto mode's uncompressed steps. ``worker_env``: more variables
+    for every worker (say ``CGX_PS_DATAPLANE``)."""
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end {front_end!r}: choose from {FRONT_ENDS}")
     worker_hosts = list(range(cluster.hosts)) if worker_hosts is None else list(worker_hosts)
@@ -210,7 +211,8 @@ def run_cgx(cluster: Cluster, model: str = "mlp17m", compression: str = "4bit", 
                               # DDP's own gloo group (for the broadcast at wrap time and barriers),
                               # or the optimizer's for auto mode's uncompressed steps
                               **({"MASTER_ADDR": cluster.address(worker_hosts[0]), "MASTER_PORT": port,
-                                  "GLOO_SOCKET_IFNAME": HOST_IFACE} if group else {})})
+                                  "GLOO_SOCKET_IFNAME": HOST_IFACE} if group else {}),
+                              **(worker_env or {})})
 
         if hook:
             argv = ddp_argv(model, "cgx", steps, warmup, batch_size, threads, seed, timeout,
