@@ -14,7 +14,7 @@ length, its top bit set for a status frame) and that many bytes.
 
 A frame is limited to gRPC's own receive limit (``MAX_FRAME``), checked on the header, before a
 byte of the body is allocated. The plane is plaintext only: with TLS, gRPC is as fast
-(/work/notes/s25/dataplane-bench.md, BENCHMARKS.md), so TLS deployments keep it.
+(BENCHMARKS.md, "What Python gRPC costs the shard"; docs/data-plane.md), so TLS deployments keep it.
 """
 
 from __future__ import annotations
