@@ -1,14 +1,17 @@
 """What many tests share: the job token their shards require, clients that carry it, a worker's
-environment, and stopping a process."""
+environment, stopping a process, and waiting for what happens in the background."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
+from typing import Callable
 
 from cgx_ps.security import ChannelSecurity, new_token_file
 from cgx_ps.worker.client import ShardClient
@@ -53,3 +56,14 @@ def terminate(proc: subprocess.Popen, timeout: float) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Wait until ``condition()`` holds: what a shard or a client does in the background (a
+    timer, a repair, a push arriving) takes its time on a loaded machine, so a test waits for it
+    rather than sleeping a fixed time. Fails the test, saying ``what`` did not happen, if it does
+    not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g}s"
+        await asyncio.sleep(0.01)

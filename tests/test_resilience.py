@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
@@ -28,7 +27,7 @@ import torch
 
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from support import METADATA, SECURITY
+from support import METADATA, SECURITY, until
 from test_worker import env_for, expected_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,15 +220,6 @@ def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp
 
 
 # ---- a connection that breaks while a push is being written, in-process --------------------------
-
-async def until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Wait until ``condition()`` holds (what happens in the background takes its time on a
-    loaded machine); fail the test, saying ``what`` did not happen, if not within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g}s"
-        await asyncio.sleep(0.01)
-
 
 SHARD_SETTINGS = dict(round_timeout_s=30.0)  # the conftest `start_shard` fixture's
 
