@@ -122,10 +122,18 @@ def test_first_contact_help():
 
 def cluster_process(*args: str) -> subprocess.Popen:
     """`cgx-ps cluster` in a process group of its own, with Ctrl-C handled as in a terminal (a
-    test runner started in the background may hand its children SIGINT ignored)."""
-    return subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    test runner started in the background has SIGINT ignored, and its children inherit that).
+    Not through a ``preexec_fn``: that forks with this process's gRPC threads running, which
+    can crash the child in gRPC's fork handlers (grpc/grpc#43055; launch_shard avoids it too)."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:  # a disposition passes through exec (a Python handler does not: it becomes SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def children(pid: int) -> list[int]:
