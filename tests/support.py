@@ -1,5 +1,6 @@
 """What many tests share: the job token their shards require, clients that carry it, a worker's
-environment, stopping a process, and waiting for what happens in the background."""
+environment, starting a process Ctrl-C can stop and stopping one, and waiting for what happens in
+the background."""
 
 from __future__ import annotations
 
@@ -43,6 +44,23 @@ async def connect(server, layout, nodes: int, prefix: str = "node") -> list[Shar
     for c in clients:
         await c.connect()
     return clients
+
+
+def interruptible(args: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(args, ...)`` with SIGINT at its default disposition in the child, as a
+    terminal's foreground command has it, for tests that stop a process with Ctrl-C. A test run
+    started in the background (``pytest ... &`` in a script) has SIGINT ignored, and a child
+    inherits that through exec: it would never see the test's Ctrl-C. Not through a
+    ``preexec_fn``: that forks with this process's gRPC threads running, which can crash the
+    child in gRPC's fork handlers (grpc/grpc#43055; cluster.launch_shard avoids it too)."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:  # an ignored disposition passes through exec; a Python handler becomes SIG_DFL
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        return subprocess.Popen(args, **popen_kwargs)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def terminate(proc: subprocess.Popen, timeout: float) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cgx_ps.server.cluster import launch_shard, wait_for_port_file
-from support import TOKEN_FILE
+from support import TOKEN_FILE, interruptible
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,19 +121,9 @@ def test_first_contact_help():
 
 
 def cluster_process(*args: str) -> subprocess.Popen:
-    """`cgx-ps cluster` in a process group of its own, with Ctrl-C handled as in a terminal (a
-    test runner started in the background has SIGINT ignored, and its children inherit that).
-    Not through a ``preexec_fn``: that forks with this process's gRPC threads running, which
-    can crash the child in gRPC's fork handlers (grpc/grpc#43055; launch_shard avoids it too)."""
-    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    if ignored:  # a disposition passes through exec (a Python handler does not: it becomes SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-    try:
-        return subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True)
-    finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """`cgx-ps cluster` in a process group of its own, with Ctrl-C handled as in a terminal."""
+    return interruptible([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True)
 
 
 def children(pid: int) -> list[int]:

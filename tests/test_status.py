@@ -25,7 +25,7 @@ from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 from cgx_ps.server.cluster import wait_for_port_file
-from support import METADATA, SECURITY, TOKEN_FILE
+from support import METADATA, SECURITY, TOKEN_FILE, interruptible
 
 SHARD_SETTINGS = dict(metrics_port=0, round_timeout_s=5.0)  # conftest.start_shard
 
@@ -241,10 +241,9 @@ def test_cgx_ps_status_command(tmp_path):
         row = down.stdout.splitlines()[3].split()
         assert row[:3] == ["1", "127.0.0.1:1", "DOWN"] and "UNAVAILABLE" in down.stdout
 
-        watch = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "status", "--watch", "0.3"],
-                                 stdout=subprocess.PIPE, text=True,
-                                 env={**{k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")},
-                                      **env})
+        watch = interruptible([sys.executable, "-m", "cgx_ps.cli", "status", "--watch", "0.3"],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**{k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}, **env})
         # two samples shown, then Ctrl-C: a clean stop, no traceback (a fixed 4 s sleep assumed the
         # process had started and shown two samples by then; on a loaded machine the signal could
         # come during its start-up, before `status` handles it)
