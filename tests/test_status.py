@@ -242,7 +242,7 @@ def test_cgx_ps_status_command(tmp_path):
         assert row[:3] == ["1", "127.0.0.1:1", "DOWN"] and "UNAVAILABLE" in down.stdout
 
         watch = interruptible([sys.executable, "-m", "cgx_ps.cli", "status", "--watch", "0.3"],
-                              stdout=subprocess.PIPE, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # a traceback too
                               env={**{k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}, **env})
         # two samples shown, then Ctrl-C: a clean stop, no traceback (a fixed 4 s sleep assumed the
         # process had started and shown two samples by then; on a loaded machine the signal could
