@@ -1,14 +1,18 @@
 """What many tests share: the job token their shards require, clients that carry it, a worker's
-environment, and stopping a process."""
+environment, starting a process Ctrl-C can stop and stopping one, and waiting for what happens in
+the background."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
+from typing import Callable
 
 from cgx_ps.security import ChannelSecurity, new_token_file
 from cgx_ps.worker.client import ShardClient
@@ -42,6 +46,23 @@ async def connect(server, layout, nodes: int, prefix: str = "node") -> list[Shar
     return clients
 
 
+def interruptible(args: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(args, ...)`` with SIGINT at its default disposition in the child, as a
+    terminal's foreground command has it, for tests that stop a process with Ctrl-C. A test run
+    started in the background (``pytest ... &`` in a script) has SIGINT ignored, and a child
+    inherits that through exec: it would never see the test's Ctrl-C. Not through a
+    ``preexec_fn``: that forks with this process's gRPC threads running, which can crash the
+    child in gRPC's fork handlers (grpc/grpc#43055; cluster.launch_shard avoids it too)."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:  # an ignored disposition passes through exec; a Python handler becomes SIG_DFL
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        return subprocess.Popen(args, **popen_kwargs)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def terminate(proc: subprocess.Popen, timeout: float) -> None:
     """SIGTERM ``proc`` and wait up to ``timeout`` s for it to tear down; SIGKILL it if it is
     still there then (or if the test failed before the SIGTERM), so no test leaves it behind."""
@@ -53,3 +74,14 @@ def terminate(proc: subprocess.Popen, timeout: float) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Wait until ``condition()`` holds: what a shard or a client does in the background (a
+    timer, a repair, a push arriving) takes its time on a loaded machine, so a test waits for it
+    rather than sleeping a fixed time. Fails the test, saying ``what`` did not happen, if it does
+    not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g}s"
+        await asyncio.sleep(0.01)

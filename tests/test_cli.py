@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cgx_ps.server.cluster import launch_shard, wait_for_port_file
-from support import TOKEN_FILE
+from support import TOKEN_FILE, interruptible
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,11 +121,22 @@ def test_first_contact_help():
 
 
 def cluster_process(*args: str) -> subprocess.Popen:
-    """`cgx-ps cluster` in a process group of its own, with Ctrl-C handled as in a terminal (a
-    test runner started in the background may hand its children SIGINT ignored)."""
-    return subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    """`cgx-ps cluster` in a process group of its own, with Ctrl-C handled as in a terminal."""
+    return interruptible([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(), start_new_session=True)
+
+
+def test_a_ctrl_c_tests_child_takes_sigint_also_from_a_test_run_that_ignores_it():
+    """A test run started in the background has SIGINT ignored; the processes the Ctrl-C tests
+    start must not inherit that (the status --watch test then waited out its timeout, every run)."""
+    show = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT))"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background run has it
+    try:
+        out, _ = interruptible(show, stdout=subprocess.PIPE, text=True).communicate(timeout=60)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # this process's own is as it was
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "default_int_handler" in out, out  # Python's Ctrl-C handler: SIGINT arrived at its default
 
 
 def children(pid: int) -> list[int]:

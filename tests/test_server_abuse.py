@@ -26,7 +26,7 @@ from cgx_ps.worker.client import ShardClient, read_result
 from cgx_ps.worker.dataplane import RawCall
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from support import METADATA, SECURITY, TOKEN_FILE, connect
+from support import METADATA, SECURITY, TOKEN_FILE, connect, until
 
 ROUND_TIMEOUT = 1.5
 SHARD_SETTINGS = dict(round_timeout_s=ROUND_TIMEOUT, drain_timeout_s=3.0)  # conftest.start_shard
@@ -193,7 +193,7 @@ async def test_a_stalled_blob_upload_never_blocks_gradients(start_shard):
         await never.wait()
 
     put = asyncio.ensure_future(ps_pb2_grpc.ParameterServerStub(channel).PutBlob(stalled(), metadata=METADATA))
-    await asyncio.sleep(0.3)
+    await until(lambda: server.service.blobs.used > 0, 10, "the stalled upload reached the shard")
     assert server.service.blobs.used == cap - 100 + len("evil")  # reserved by the upload
     results = await asyncio.wait_for(asyncio.gather(a.exchange(0, 0, fp32(4096)), b.exchange(0, 0, fp32(4096))), 10)
     assert all(torch.equal(dequantize(r), torch.full((4096,), 2.0)) for r in results)
@@ -269,7 +269,7 @@ async def test_two_members_of_a_node_pushing_the_same_block_is_refused(start_sha
     twin = ShardClient(f"127.0.0.1:{server.port}", "node-0", 2, layout, connect_timeout_s=5, member=1, security=SECURITY)
     await twin.connect()
     first = asyncio.ensure_future(a.exchange(0, 0, fp32(4096, 1.0)))
-    await asyncio.sleep(0.3)
+    await until(lambda: "node-0" in server.service.session.aggregator.pushed_nodes(), 10, "member 0's push")
     with pytest.raises(ShardRejectedError, match="already pushed by member 0 of node node-0"):
         await asyncio.wait_for(twin.exchange(0, 0, fp32(4096, 100.0)), 10)
     result, other = await asyncio.wait_for(asyncio.gather(first, b.exchange(0, 0, fp32(4096, 1.0))), 10)
@@ -311,9 +311,10 @@ async def test_results_already_due_are_delivered_while_the_shard_drains(start_sh
     a, b = await connect(server, layout, 2)
     f0 = a.expect(0, 0)
     await a.push(0, 0, fp32(4096))
-    await asyncio.sleep(0.2)
+    # node-0's push opened the round before the drain (a round opened during it is refused)
+    await until(lambda: "node-0" in server.service.session.aggregator.pushed_nodes(), 10, "node-0's push")
     stopping = asyncio.ensure_future(server.stop(drain=True))
-    await asyncio.sleep(0.2)
+    await until(lambda: server.service.draining, 10, "the drain")
     g0, g1 = b.expect(0, 0), b.expect(1, 0)
     await b.push(0, 0, fp32(4096))  # completes round 0 of block 0
     try:
