@@ -30,7 +30,7 @@ from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.dataplane import DataplaneChoice, decide_dataplane
 from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
-from rounds import check_aggregate, close, make_layout, run_round
+from rounds import check_aggregate, close, encode_block, make_layout, run_round
 from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
 from support import SECURITY, TOKEN_FILE
 from test_resilience import finish, start_workers, wait_for_rounds
@@ -285,3 +285,37 @@ def test_workers_on_the_raw_plane_survive_a_shard_restart_exactly(tmp_path: Path
         assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name
         assert torch.equal(saved[0]["final"][name], value), name  # every step applied exactly once
 
+
+
+async def test_a_member_that_stops_reading_is_let_go_not_held_forever(start_shard) -> None:
+    """A member whose stream times out because it stopped reading: the shard's status frame must
+    not wait for the reader that will never come, and the connection must be closed, not kept
+    (with its unsent results) in the cap's count for as long as the peer acks a zero window."""
+    shard = await start_shard(round_timeout_s=0.5)
+    shard.dataplane.frame_timeout_s = 1.0  # also how long a closed connection's unsent bytes may wait
+    member, = await _members(shard, 1)
+    pusher = None
+    try:
+        await _until(lambda: len(shard.dataplane.connections) == 1)
+        connection, = shard.dataplane.connections
+        # a slow network: both ends' kernel buffers small, so the shard's transport buffer fills
+        shard_socket = connection.transport.get_extra_info("socket")
+        shard_socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        member._reader.cancel()  # the member never reads again
+        member._call._frames.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+
+        async def push() -> None:  # ~0.4 MB of results: far past the buffers and the transport's high-water mark
+            gen = torch.Generator().manual_seed(0)
+            for round_ in range(12):
+                for block in LAYOUT.blocks:
+                    await member.push(block.block_id, round_,
+                                      encode_block(block, torch.randn(block.numel, generator=gen), seed=0))
+
+        pusher = asyncio.create_task(push())  # its writes may wait too, once the shard stops reading
+        started = time.monotonic()
+        await _until(lambda: connection not in shard.dataplane.connections, timeout_s=8.0)
+        assert connection.task.done() and time.monotonic() - started < 8.0
+    finally:
+        if pusher is not None:
+            pusher.cancel()
+        await close([member])

@@ -22,6 +22,9 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
 - at most ``max_connections`` connections (the gRPC port's --max-concurrent-rpcs); one past it
   is closed without a byte read;
 - SO_KEEPALIVE with gRPC's keepalive timing, so a dead peer is noticed;
+- a stream's status frame never waits for its peer to read, and a closed connection whose peer
+  does not take its last bytes is aborted ``frame_timeout_s`` later (a client that acks a zero
+  window would otherwise hold its handler, its unsent results and a place under the cap forever);
 - a peer that goes away cancels its handler, as gRPC cancels a call whose client is gone.
 """
 
@@ -67,6 +70,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._frames: asyncio.Queue = asyncio.Queue()
         self._writable = asyncio.Event()
         self._writable.set()
+        self._linger: asyncio.TimerHandle | None = None  # a closed connection's unsent bytes are dropped then
 
     # ---- the transport's callbacks ---------------------------------------------------------------
 
@@ -126,8 +130,9 @@ class _Connection(asyncio.BufferedProtocol):
         return True  # half-closed: results due may still be written
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
+        for timer in (self._deadline, self._linger):
+            if timer is not None:
+                timer.cancel()
         self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
         self._writable.set()
         self.plane.forget(self)
@@ -155,17 +160,28 @@ class _Connection(asyncio.BufferedProtocol):
         return item
 
     async def write(self, data: Any, status: bool = False) -> None:
-        """One frame; ``data`` (bytes or any buffer) goes to the transport as it is, not copied."""
+        """One frame; ``data`` (bytes or any buffer) goes to the transport as it is, not copied.
+        A result waits while the transport's buffer is over its high-water mark (the peer reads
+        slowly: NodeStream's timeout bounds the wait). A status frame, the stream's last and small,
+        does not: it often ends a stream precisely because its peer stopped reading, and waiting
+        for that peer would hold the handler, and the connection, forever."""
         if self.transport.is_closing():
             raise ConnectionResetError("connection closed")
         view = memoryview(data)
         self.transport.write(frame_header(view.nbytes, status))
         self.transport.write(view)
-        await self._writable.wait()  # the transport's buffer is over its high-water mark: the peer reads slowly
+        if not status:
+            await self._writable.wait()
 
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+    def close(self, linger_s: float) -> None:
+        """Close once the bytes written are sent, or abort after ``linger_s`` when the peer does not
+        take them: a peer that acks a zero window keeps a TCP connection alive forever, and with it
+        the unsent results and a place under the connection cap."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.close()
+        if self.transport.get_write_buffer_size():
+            self._linger = asyncio.get_running_loop().call_later(linger_s, self.transport.abort)
 
 
 class _Aborted(grpc.aio.AbortError):
@@ -278,7 +294,7 @@ class DataPlane:
         except (grpc.aio.AbortError, OSError):
             pass  # the stream's status went out, or the peer is gone
         finally:
-            connection.close()
+            connection.close(linger_s=self.frame_timeout_s)
 
     def stop_accepting(self) -> None:
         """No new connections; those open go on (their rounds finish in the drain)."""
