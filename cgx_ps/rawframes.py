@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .transport import GRPC_OPTIONS
 
-__all__ = ["HEADER", "MAGIC", "MAX_FRAME", "MAX_PREFACE", "MAX_TOKEN", "STATUS_BIT", "VERSION",
+__all__ = ["HEADER", "MAGIC", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_TOKEN", "STATUS_BIT", "VERSION",
            "Preface", "frame_header", "parse_preface", "parse_status", "preface", "set_stream_options", "split_header",
            "status_body"]
 
@@ -35,6 +35,10 @@ HEADER = struct.Struct("<I")
 STATUS_BIT = 1 << 31  # a status frame: the stream's last
 MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces on a message
 MAX_TOKEN = 4096  # read_token's own limit on a token file is far below this
+# The stream's first message, its Hello, before the shard has checked its session id: far above a
+# Hello's size (two ids, a hash, a member), and far below MAX_FRAME, so that the token alone (a
+# member's session id is not needed to get this far) cannot park a large frame per connection
+MAX_HELLO = 1 << 16
 MAX_PREFACE = len(MAGIC) + 1 + MAX_TOKEN
 # TCP keepalive as gRPC's (transport.GRPC_OPTIONS: a probe after 30 s idle), so either end notices
 # a peer that vanished (a powered-off node, a dropped NAT entry) within about a minute

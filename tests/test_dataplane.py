@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cgx_ps.layout import layout_hash
-from cgx_ps.rawframes import MAX_FRAME, frame_header, parse_status, preface, split_header
+from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
 from cgx_ps.security import read_token
 from cgx_ps.server import LocalCluster, ShardServer
 from cgx_ps.server.rpc import STATUS_CODES
@@ -95,7 +95,11 @@ async def test_hostile_connections_are_refused_and_the_members_rounds_stay_exact
         "bad version": (_frame(b"CGXD\x09" + TOKEN), "INVALID_ARGUMENT", "version 9"),
         # announced only: answered at once, so nothing waited for (or was allocated for) its body
         "frame over the limit": (_frame(preface(TOKEN)) + frame_header(0x7FFFFFFF), "INVALID_ARGUMENT",
-                                 f"at most {MAX_FRAME}"),
+                                 f"at most {MAX_HELLO}"),
+        # within gRPC's limit, but a Hello, before the session is proven: with the token alone no
+        # one parks 8 MiB on each of --max-concurrent-rpcs connections (beside the gRPC port's own)
+        "an 8 MiB Hello": (_frame(preface(TOKEN)) + frame_header(MAX_FRAME), "INVALID_ARGUMENT",
+                           f"at most {MAX_HELLO}"),
         "bad session id": (_frame(preface(TOKEN)) + _hello("node-0", "f" * 32), "FAILED_PRECONDITION",
                            "has not registered"),
     }

@@ -16,8 +16,8 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
   else is read before the gate has passed the token;
 - a frame, once its first byte is in, must be whole within ``frame_timeout_s`` (a header
   trickled byte by byte is cut off, not held forever);
-- a frame is refused on its header when it is over gRPC's message limit, before its body is
-  allocated; reading pauses after each frame until the service asks for the next, so a stream
+- a frame is refused on its header when it is over gRPC's message limit (the Hello, read before
+  its session is proven, over ``MAX_HELLO``), before its body is allocated; reading pauses after each frame until the service asks for the next, so a stream
   holds at most one unread frame and the push budget's backpressure reaches TCP;
 - at most ``max_connections`` connections (the gRPC port's --max-concurrent-rpcs); one past it
   is closed without a byte read;
@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ..rawframes import (HEADER, MAX_FRAME, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
+from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
                          split_header, status_body)
 from ..security import AUTH_HEADER
 from .errors import BadRequest, ProtocolError, TimedOut
@@ -197,6 +197,7 @@ class _PlaneContext:
         self.connection = connection
         self._metadata = ((AUTH_HEADER, b"Bearer " + token),)  # what the gate checks: bearer_matches
         self.ended = False
+        self._limit = MAX_HELLO  # until the Hello is read: Exchange reads on only once its session is proven
 
     def invocation_metadata(self) -> tuple[tuple[str, bytes], ...]:
         return self._metadata
@@ -205,7 +206,8 @@ class _PlaneContext:
         return self.connection.peer
 
     async def read(self) -> Any:
-        frame = await self.connection.read(MAX_FRAME)
+        frame = await self.connection.read(self._limit)
+        self._limit = MAX_FRAME
         if frame is None:
             return grpc.aio.EOF
         if frame[0]:
