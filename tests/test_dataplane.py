@@ -18,6 +18,7 @@ import socket
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -25,10 +26,10 @@ from cgx_ps.layout import layout_hash
 from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
 from cgx_ps.security import read_token
 from cgx_ps.server import LocalCluster, ShardServer
-from cgx_ps.server.rpc import STATUS_CODES
+from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.dataplane import DataplaneChoice, decide_dataplane
+from cgx_ps.worker.client import ShardClient, read_result
+from cgx_ps.worker.dataplane import DataplaneChoice, RawCall, decide_dataplane
 from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
 from rounds import check_aggregate, close, encode_block, make_layout, run_round
 from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
@@ -323,3 +324,32 @@ async def test_a_member_that_stops_reading_is_let_go_not_held_forever(start_shar
         if pusher is not None:
             pusher.cancel()
         await close([member])
+
+
+@pytest.mark.parametrize("answer, code, words", [
+    # a status longer than any the shard writes (clipped at rpc.MAX_DETAILS_CHARS): clipped here too,
+    # not an 8 MiB exception message and log line
+    (frame_header(1 << 20, status=True) + b"ABORTED\n" + b"x" * ((1 << 20) - 8), "ABORTED", "clipped"),
+    (frame_header(12, status=True) + b"\xff\xfenot a code", "UNKNOWN", "not a code"),
+    (frame_header(0x7FFFFFFF), "UNAVAILABLE", f"at most {MAX_FRAME}"),  # refused before it is allocated
+    (_frame(b"\x08\x01garbage"), "INTERNAL", "malformed message"),
+    (frame_header(100) + b"cut", "UNAVAILABLE", "inside a frame"),
+    (b"", "UNAVAILABLE", "without a status"),
+])
+async def test_a_broken_shard_gives_the_worker_a_clear_error(answer: bytes, code: str, words: str) -> None:
+    async def shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(4 + len(preface(TOKEN)))
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(shard, "127.0.0.1", 0)
+    try:
+        call = await RawCall.open("127.0.0.1", server.sockets[0].getsockname()[1], TOKEN, read_result)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await asyncio.wait_for(anext(aiter(call)), 5)
+        assert raised.value.code().name == code and words in raised.value.details(), raised.value
+        assert len(raised.value.details()) <= MAX_DETAILS_CHARS
+        call.cancel()
+    finally:
+        server.close()

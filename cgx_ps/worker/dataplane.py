@@ -162,7 +162,9 @@ class RawCall:
                 name, details = parse_status(body)
                 if name == "OK":
                     return  # the stream's clean end, as a gRPC call's OK status
-                code = grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
+                code = grpc.StatusCode.__members__.get(name)
+                if code is None:  # no status a shard writes: say what came, not an empty UNKNOWN
+                    code, details = grpc.StatusCode.UNKNOWN, f"malformed status from the shard: {name[:40]!r} {details}"
                 raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
         except OSError as exc:
             raise _unavailable(f"data plane stream broke: {exc}") from None
