@@ -24,7 +24,7 @@ import torch
 
 from cgx_ps.layout import layout_hash
 from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
-from cgx_ps.security import read_token
+from cgx_ps.security import ChannelSecurity, read_token
 from cgx_ps.server import LocalCluster, ShardServer
 from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
@@ -353,3 +353,22 @@ async def test_a_broken_shard_gives_the_worker_a_clear_error(answer: bytes, code
         call.cancel()
     finally:
         server.close()
+
+
+async def test_the_raw_stream_carries_the_token_the_grpc_calls_do(shard: ShardServer, tmp_path: Path) -> None:
+    """Both planes authenticate with the token read when the client was made (the gRPC calls'
+    metadata): a token file gone or unreadable later (a Secret's volume remounted) must not fail a
+    repair on the raw plane, with a traceback, where the gRPC stream would go on."""
+    token_file = tmp_path / "job.token"
+    token_file.write_bytes(TOKEN)
+    token_file.chmod(0o600)
+    member = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=5,
+                         security=ChannelSecurity(token_file=str(token_file)), dataplane="raw")
+    await member.connect()
+    try:
+        token_file.unlink()
+        await member.reopen()
+        _, results = await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+        assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
+    finally:
+        await close([member])
