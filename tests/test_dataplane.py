@@ -168,14 +168,17 @@ async def test_silent_and_trickling_connections_are_cut_at_their_timeouts(shard:
         assert took < 3.0, took
 
 
-async def test_connections_past_the_cap_are_closed_without_a_byte_read(start_shard) -> None:
+async def test_streams_past_the_cap_are_refused(start_shard) -> None:
     shard = await start_shard(max_concurrent_rpcs=8)
     held = [await asyncio.open_connection("127.0.0.1", shard.data_port) for _ in range(8)]
     try:
-        await _until(lambda: len(shard.dataplane.connections) == 8)
+        for _, writer in held:  # past the preface: streams waiting for their Hello
+            writer.write(_frame(preface(TOKEN)))
+        await _until(lambda: len(shard.dataplane.connections) == 8 and not shard.dataplane.pending)
         reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
-        writer.write(_frame(preface(TOKEN)))
-        assert await _ending(reader, 2.0) is None  # closed, no status: nothing of it was read
+        writer.write(_frame(preface(TOKEN)) + _hello("node-9", "0" * 32))
+        code, details = await _ending(reader, 2.0)
+        assert code == "RESOURCE_EXHAUSTED" and "the cap" in details  # as gRPC refuses a call past it
         writer.close()
         held.pop()[1].close()  # one leaves: there is room again
         await _until(lambda: len(shard.dataplane.connections) == 7)
@@ -372,3 +375,21 @@ async def test_the_raw_stream_carries_the_token_the_grpc_calls_do(shard: ShardSe
         assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
     finally:
         await close([member])
+
+
+async def test_connections_without_a_preface_cannot_lock_the_members_out(start_shard) -> None:
+    """Without the token, a client can open connections and say nothing: they must not fill the
+    cap that members' streams need (on the gRPC port a call without the token is refused at once,
+    and an idle HTTP/2 connection holds no call slot). The oldest silent one makes way."""
+    shard = await start_shard(max_concurrent_rpcs=8)
+    silent = [await asyncio.open_connection("127.0.0.1", shard.data_port) for _ in range(12)]
+    members: list[ShardClient] = []
+    try:
+        members = await _members(shard, 2)
+        _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        assert len(results[1]) == len(LAYOUT.blocks) and all(c.recoveries == 0 for c in members)
+        assert len(shard.dataplane.connections) <= 8 + 2  # the silent ones beyond the cap were let go
+    finally:
+        await close(members)
+        for _, writer in silent:
+            writer.close()

@@ -19,8 +19,12 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
 - a frame is refused on its header when it is over gRPC's message limit (the Hello, read before
   its session is proven, over ``MAX_HELLO``), before its body is allocated; reading pauses after each frame until the service asks for the next, so a stream
   holds at most one unread frame and the push budget's backpressure reaches TCP;
-- at most ``max_connections`` connections (the gRPC port's --max-concurrent-rpcs); one past it
-  is closed without a byte read;
+- at most ``max_connections`` streams (the gRPC port's --max-concurrent-rpcs: one past it is
+  refused, RESOURCE_EXHAUSTED, as gRPC refuses a call past it), and at most ``max_pending``
+  connections that have not yet sent their preface (so before the token): one more closes the
+  oldest of them. A client without the token cannot fill the cap members need (on the gRPC port
+  it holds no call slot at all); to push an honest client out it must open ``max_pending``
+  connections within the time that client takes to send its first frame;
 - SO_KEEPALIVE with gRPC's keepalive timing, so a dead peer is noticed;
 - a stream's status frame never waits for its peer to read, and a closed connection whose peer
   does not take its last bytes is aborted ``frame_timeout_s`` later (a client that acks a zero
@@ -39,7 +43,7 @@ import numpy as np
 from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
                          split_header, status_body)
 from ..security import AUTH_HEADER
-from .errors import BadRequest, ProtocolError, TimedOut
+from .errors import BadRequest, LimitExceeded, ProtocolError, TimedOut
 from .rpc import Gate, clip, grpc_status
 from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 
@@ -240,13 +244,17 @@ class DataPlane:
 
     def __init__(self, service: ParameterServerService, gate: Gate, max_connections: int,
                  first_frame_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S,
-                 frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
+                 frame_timeout_s: float = FRAME_TIMEOUT_S, max_pending: int | None = None) -> None:
         self.service = service
         self.gate = gate
-        self.max_connections = max_connections
+        self.max_connections = max_connections  # streams: connections past their preface
+        # connections still to send their preface; as many as streams by default: a burst of every
+        # worker reconnecting at once after a restart is accepted before any preface is read
+        self.max_pending = max_connections if max_pending is None else max_pending
         self.first_frame_timeout_s = first_frame_timeout_s
         self.frame_timeout_s = frame_timeout_s
-        self.connections: set[_Connection] = set()
+        self.connections: set[_Connection] = set()  # every connection open, pending or not
+        self.pending: dict[_Connection, None] = {}  # those before their preface, oldest first
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -262,15 +270,30 @@ class DataPlane:
         return self.port
 
     def admit(self, connection: _Connection) -> bool:
-        if len(self.connections) >= self.max_connections:
-            self.gate.log.warning("refused:dataplane", "data plane connection from %s refused: %d connections "
-                                  "open (the cap, --max-concurrent-rpcs)", connection.peer, len(self.connections))
+        """A new connection, before a byte of it is read: it waits for its preface among the
+        pending ones, the oldest of which makes way when they are ``max_pending``."""
+        if self.max_pending <= 0:
             return False
+        if len(self.pending) >= self.max_pending:
+            oldest = next(iter(self.pending))
+            self.gate.log.warning("refused:dataplane", "data plane connection from %s closed: no preface yet, and "
+                                  "%d newer connections wait for theirs", oldest.peer, len(self.pending))
+            self.forget(oldest)
+            oldest.transport.abort()
+        self.pending[connection] = None
         self.connections.add(connection)
         return True
 
+    def promote(self, connection: _Connection) -> None:
+        """A connection whose preface came: a stream now, if there is room under the cap."""
+        self.pending.pop(connection, None)
+        streams = len(self.connections) - len(self.pending) - 1  # the others past their preface
+        if streams >= self.max_connections:
+            raise LimitExceeded(f"{streams} data plane streams open (the cap, --max-concurrent-rpcs)")
+
     def forget(self, connection: _Connection) -> None:
         self.connections.discard(connection)
+        self.pending.pop(connection, None)
 
     async def serve(self, connection: _Connection) -> None:
         """One connection: its preface, then one Exchange stream through the gate."""
@@ -286,6 +309,7 @@ class DataPlane:
             preface = parse_preface(frame[1])
             if preface.problem:
                 raise BadRequest(preface.problem)
+            self.promote(connection)
             context = _PlaneContext(connection, preface.token)
             await self.gate.run("Exchange", context, lambda: self.service.Exchange(context))
             await context.end(grpc.StatusCode.OK)
@@ -315,6 +339,7 @@ class DataPlane:
             if connection.transport is not None:
                 connection.transport.abort()
         self.connections.clear()
+        self.pending.clear()
 
 
 async def _quietly(write: Any) -> None:
