@@ -393,3 +393,35 @@ async def test_connections_without_a_preface_cannot_lock_the_members_out(start_s
         await close(members)
         for _, writer in silent:
             writer.close()
+
+
+async def test_cancel_ends_a_write_the_shard_does_not_read() -> None:
+    """A hung shard (stopped, cut off) reads nothing, so a push waits in the socket's send; when the
+    worker gives the stream up (its hung detection, a repair, close) that write must fail, as a
+    cancelled gRPC call's does: it holds the client's write lock, which the repair needs next."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hung_shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing
+
+    server = await asyncio.start_server(hung_shard, "127.0.0.1", 0)
+    try:
+        call = await RawCall.open("127.0.0.1", server.sockets[0].getsockname()[1], TOKEN, read_result)
+        call._frames.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+        async def push() -> None:
+            while True:
+                await call.write(bytes(1 << 20))
+
+        writing = asyncio.create_task(push())
+        await asyncio.sleep(0.3)
+        assert not writing.done()  # waiting in the send
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await asyncio.wait_for(writing, 2.0)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        await _until(lambda: call._frames.sock.fileno() == -1, 2.0)  # and the socket is closed
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()

@@ -71,12 +71,38 @@ class _FrameSocket:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self._header = bytearray(HEADER.size)
+        self._busy = 0  # sends and receives under way: the socket is closed after the last of them
+        self._shut = False
+
+    def shut(self) -> None:
+        """End the connection now. A send or receive waiting on the socket fails at once: the
+        shutdown wakes it (closing the socket alone would leave it waiting forever on an fd the
+        loop no longer polls, and a send holds the client's write lock). The socket is closed
+        once none waits."""
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more: nothing waits on it
+        if not self._busy:
+            self.sock.close()
+
+    async def _io(self, operation: Any) -> Any:
+        self._busy += 1
+        try:
+            return await operation
+        finally:
+            self._busy -= 1
+            if self._shut and not self._busy:
+                self.sock.close()
 
     async def _fill(self, view: memoryview) -> int:
         """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
         got = 0
         while got < len(view):
-            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            n = await self._io(self.loop.sock_recv_into(self.sock, view[got:]))
             if n == 0:
                 return got
             got += n
@@ -99,8 +125,8 @@ class _FrameSocket:
 
     async def write(self, data: Any) -> None:
         view = memoryview(data)
-        await self.loop.sock_sendall(self.sock, frame_header(view.nbytes))
-        await self.loop.sock_sendall(self.sock, view)  # the kernel copies it, Python does not
+        await self._io(self.loop.sock_sendall(self.sock, frame_header(view.nbytes)))
+        await self._io(self.loop.sock_sendall(self.sock, view))  # the kernel copies it, Python does not
 
 
 class RawCall:
@@ -140,7 +166,8 @@ class RawCall:
             raise _unavailable(f"data plane stream closed: {exc}") from None
 
     def cancel(self) -> None:
-        self._frames.sock.close()
+        """End the stream, as a grpc.aio call's cancel does: a write or read under way fails."""
+        self._frames.shut()
 
     def _parsed(self, body: bytes | memoryview) -> Any:
         try:
