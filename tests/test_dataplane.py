@@ -326,6 +326,8 @@ async def test_a_member_that_stops_reading_is_let_go_not_held_forever(start_shar
     finally:
         if pusher is not None:
             pusher.cancel()
+            with contextlib.suppress(BaseException):  # its stream broke under it, or the cancel
+                await pusher
         await close([member])
 
 
