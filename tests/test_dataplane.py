@@ -427,3 +427,26 @@ async def test_cancel_ends_a_write_the_shard_does_not_read() -> None:
         for writer in accepted:
             writer.close()
         server.close()
+
+
+async def test_the_raw_stream_tries_every_address_of_the_shards_name(shard: ShardServer, monkeypatch) -> None:
+    """A name with an address the data plane does not listen on first (a dual-stack cluster's
+    IPv6 address for a shard bound to 0.0.0.0): gRPC tries the next, and so must the raw stream,
+    or auto would warn and fall back, and raw would fail."""
+    loop = asyncio.get_running_loop()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        closed_port = unused.getsockname()[1]
+    answer = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", closed_port)),  # refused
+              (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", shard.data_port))]
+
+    async def getaddrinfo(host, port, **kwargs):
+        return answer if host == "shard-0.example" else await original(host, port, **kwargs)
+
+    original = loop.getaddrinfo
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    call = await RawCall.open("shard-0.example", shard.data_port, TOKEN, read_result)
+    try:
+        await _until(lambda: len(shard.dataplane.connections) == 1 and not shard.dataplane.pending)
+    finally:
+        call.cancel()

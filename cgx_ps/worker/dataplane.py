@@ -129,6 +129,27 @@ class _FrameSocket:
         await self._io(self.loop.sock_sendall(self.sock, view))  # the kernel copies it, Python does not
 
 
+async def _connect(host: str, port: int) -> socket.socket:
+    """A connected non-blocking socket to the first of ``host``'s addresses that answers, in the
+    resolver's order, as gRPC's (and socket.create_connection) try them: a dual-stack name may
+    list an address the shard does not listen on first. Raises the last address's OSError."""
+    loop = asyncio.get_running_loop()
+    error: OSError = OSError(f"{host} has no address")
+    for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:  # the timeout's cancellation: the socket is not the caller's yet
+            sock.close()
+            raise
+    raise error
+
+
 class RawCall:
     """One Exchange stream over a data plane connection, as ShardClient uses a grpc.aio call."""
 
@@ -142,14 +163,10 @@ class RawCall:
         """Connect and send the preface; ``read_message`` reads a result frame (client.read_result).
         Raises an UNAVAILABLE AioRpcError when the port cannot be reached within
         ``connect_timeout_s`` (a firewall that drops packets would hold a connect for minutes)."""
-        loop = asyncio.get_running_loop()
         sock = None
         try:
             async with asyncio.timeout(connect_timeout_s):
-                family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
-                sock = socket.socket(family, kind, proto)
-                sock.setblocking(False)
-                await loop.sock_connect(sock, address)
+                sock = await _connect(host, port)
             set_stream_options(sock)
             call = cls(_FrameSocket(sock), read_message)
             await call._frames.write(preface(token))
