@@ -3,9 +3,11 @@ on a shared network, attacked the way the gRPC port is.
 
 In-process shards with ``data_port=0`` and connections driven by hand: what is refused (a wrong
 or missing token before anything else is read, garbage, a bad magic or version, a frame over
-gRPC's limit before it is allocated, a bad session id), what is cut off (a silent connection, a
-trickled frame, connections past the cap), and that none of it harms the members' rounds, whose
-sums are exact. Real processes: two workers on CGX_PS_DATAPLANE=raw survive a shard killed and
+gRPC's limit before it is allocated, a Hello over MAX_HELLO, a bad session id), what is cut off
+(a silent connection, a trickled frame, streams past the cap, a member that stops reading), that
+silent connections cannot lock the members out, and that none of it harms the members' rounds,
+whose sums are exact. The worker's side against a broken shard (junk, huge or cut frames and
+statuses), and its cancel of a write the shard does not read. Real processes: two workers on CGX_PS_DATAPLANE=raw survive a shard killed and
 restarted under them with exactly the reference's parameters (those the gRPC stream gives:
 tests/test_worker.py). And the choice of plane, as a table.
 """
