@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from .transport import GRPC_OPTIONS
 
-__all__ = ["HEADER", "MAGIC", "MAX_FRAME", "MAX_PREFACE", "MAX_TOKEN", "STATUS_BIT", "VERSION",
-           "Preface", "frame_header", "parse_preface", "parse_status", "preface", "set_stream_options", "split_header",
+__all__ = ["HEADER", "MAGIC", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_STATUS_DETAILS", "MAX_TOKEN", "STATUS_BIT",
+           "VERSION", "Preface", "frame_header", "parse_preface", "parse_status", "preface", "set_stream_options", "split_header",
            "status_body"]
 
 MAGIC = b"CGXD"  # "cgx-ps data": the first bytes of every connection
@@ -35,7 +35,12 @@ HEADER = struct.Struct("<I")
 STATUS_BIT = 1 << 31  # a status frame: the stream's last
 MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces on a message
 MAX_TOKEN = 4096  # read_token's own limit on a token file is far below this
+# The stream's first message, its Hello, before the shard has checked its session id: far above a
+# Hello's size (two ids, a hash, a member), and far below MAX_FRAME, so that the token alone (a
+# member's session id is not needed to get this far) cannot park a large frame per connection
+MAX_HELLO = 1 << 16
 MAX_PREFACE = len(MAGIC) + 1 + MAX_TOKEN
+MAX_STATUS_DETAILS = 1024  # a status's details, as the shard clips them (server/rpc.py, MAX_DETAILS_CHARS)
 # TCP keepalive as gRPC's (transport.GRPC_OPTIONS: a probe after 30 s idle), so either end notices
 # a peer that vanished (a powered-off node, a dropped NAT entry) within about a minute
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
@@ -89,6 +94,13 @@ def status_body(code_name: str, details: str) -> bytes:
 
 
 def parse_status(body: bytes | memoryview) -> tuple[str, str]:
-    """(code name, details) of a status frame; a malformed one reads as its text with no code."""
-    name, _, details = bytes(body).decode("utf-8", "replace").partition("\n")
+    """(code name, details) of a status frame, the details at most ``MAX_STATUS_DETAILS``
+    characters (a shard clips its own; a broken one's 8 MiB must not become an exception's message
+    and a log line); one with no newline reads as its text, with no code name."""
+    head = bytes(memoryview(body)[:4 * MAX_STATUS_DETAILS])  # utf-8: at most 4 bytes a character
+    name, newline, details = head.decode("utf-8", "replace").partition("\n")
+    if not newline:
+        name, details = "", name
+    if len(head) < len(body) or len(details) > MAX_STATUS_DETAILS:
+        details = f"{details[:MAX_STATUS_DETAILS - 40]}... ({len(body)} bytes, clipped)"
     return name, details

@@ -3,9 +3,11 @@ on a shared network, attacked the way the gRPC port is.
 
 In-process shards with ``data_port=0`` and connections driven by hand: what is refused (a wrong
 or missing token before anything else is read, garbage, a bad magic or version, a frame over
-gRPC's limit before it is allocated, a bad session id), what is cut off (a silent connection, a
-trickled frame, connections past the cap), and that none of it harms the members' rounds, whose
-sums are exact. Real processes: two workers on CGX_PS_DATAPLANE=raw survive a shard killed and
+gRPC's limit before it is allocated, a Hello over MAX_HELLO, a bad session id), what is cut off
+(a silent connection, a trickled frame, streams past the cap, a member that stops reading), that
+silent connections cannot lock the members out, and that none of it harms the members' rounds,
+whose sums are exact. The worker's side against a broken shard (junk, huge or cut frames and
+statuses), and its cancel of a write the shard does not read. Real processes: two workers on CGX_PS_DATAPLANE=raw survive a shard killed and
 restarted under them with exactly the reference's parameters (those the gRPC stream gives:
 tests/test_worker.py). And the choice of plane, as a table.
 """
@@ -18,19 +20,20 @@ import socket
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from cgx_ps.layout import layout_hash
-from cgx_ps.rawframes import MAX_FRAME, frame_header, parse_status, preface, split_header
-from cgx_ps.security import read_token
+from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
+from cgx_ps.security import ChannelSecurity, read_token
 from cgx_ps.server import LocalCluster, ShardServer
-from cgx_ps.server.rpc import STATUS_CODES
+from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.dataplane import DataplaneChoice, decide_dataplane
+from cgx_ps.worker.client import ShardClient, read_result
+from cgx_ps.worker.dataplane import DataplaneChoice, RawCall, decide_dataplane
 from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
-from rounds import check_aggregate, close, make_layout, run_round
+from rounds import check_aggregate, close, encode_block, make_layout, run_round
 from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
 from support import SECURITY, TOKEN_FILE
 from test_resilience import finish, start_workers, wait_for_rounds
@@ -95,7 +98,11 @@ async def test_hostile_connections_are_refused_and_the_members_rounds_stay_exact
         "bad version": (_frame(b"CGXD\x09" + TOKEN), "INVALID_ARGUMENT", "version 9"),
         # announced only: answered at once, so nothing waited for (or was allocated for) its body
         "frame over the limit": (_frame(preface(TOKEN)) + frame_header(0x7FFFFFFF), "INVALID_ARGUMENT",
-                                 f"at most {MAX_FRAME}"),
+                                 f"at most {MAX_HELLO}"),
+        # within gRPC's limit, but a Hello, before the session is proven: with the token alone no
+        # one parks 8 MiB on each of --max-concurrent-rpcs connections (beside the gRPC port's own)
+        "an 8 MiB Hello": (_frame(preface(TOKEN)) + frame_header(MAX_FRAME), "INVALID_ARGUMENT",
+                           f"at most {MAX_HELLO}"),
         "bad session id": (_frame(preface(TOKEN)) + _hello("node-0", "f" * 32), "FAILED_PRECONDITION",
                            "has not registered"),
     }
@@ -163,14 +170,17 @@ async def test_silent_and_trickling_connections_are_cut_at_their_timeouts(shard:
         assert took < 3.0, took
 
 
-async def test_connections_past_the_cap_are_closed_without_a_byte_read(start_shard) -> None:
+async def test_streams_past_the_cap_are_refused(start_shard) -> None:
     shard = await start_shard(max_concurrent_rpcs=8)
     held = [await asyncio.open_connection("127.0.0.1", shard.data_port) for _ in range(8)]
     try:
-        await _until(lambda: len(shard.dataplane.connections) == 8)
+        for _, writer in held:  # past the preface: streams waiting for their Hello
+            writer.write(_frame(preface(TOKEN)))
+        await _until(lambda: len(shard.dataplane.connections) == 8 and not shard.dataplane.pending)
         reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
-        writer.write(_frame(preface(TOKEN)))
-        assert await _ending(reader, 2.0) is None  # closed, no status: nothing of it was read
+        writer.write(_frame(preface(TOKEN)) + _hello("node-9", "0" * 32))
+        code, details = await _ending(reader, 2.0)
+        assert code == "RESOURCE_EXHAUSTED" and "the cap" in details  # as gRPC refuses a call past it
         writer.close()
         held.pop()[1].close()  # one leaves: there is room again
         await _until(lambda: len(shard.dataplane.connections) == 7)
@@ -285,3 +295,160 @@ def test_workers_on_the_raw_plane_survive_a_shard_restart_exactly(tmp_path: Path
         assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name
         assert torch.equal(saved[0]["final"][name], value), name  # every step applied exactly once
 
+
+
+async def test_a_member_that_stops_reading_is_let_go_not_held_forever(start_shard) -> None:
+    """A member whose stream times out because it stopped reading: the shard's status frame must
+    not wait for the reader that will never come, and the connection must be closed, not kept
+    (with its unsent results) in the cap's count for as long as the peer acks a zero window."""
+    shard = await start_shard(round_timeout_s=0.5)
+    shard.dataplane.frame_timeout_s = 1.0  # also how long a closed connection's unsent bytes may wait
+    member, = await _members(shard, 1)
+    pusher = None
+    try:
+        await _until(lambda: len(shard.dataplane.connections) == 1)
+        connection, = shard.dataplane.connections
+        # a slow network: both ends' kernel buffers small, so the shard's transport buffer fills
+        shard_socket = connection.transport.get_extra_info("socket")
+        shard_socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        member._reader.cancel()  # the member never reads again
+        member._call._frames.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+
+        async def push() -> None:  # ~0.4 MB of results: far past the buffers and the transport's high-water mark
+            gen = torch.Generator().manual_seed(0)
+            for round_ in range(12):
+                for block in LAYOUT.blocks:
+                    await member.push(block.block_id, round_,
+                                      encode_block(block, torch.randn(block.numel, generator=gen), seed=0))
+
+        pusher = asyncio.create_task(push())  # its writes may wait too, once the shard stops reading
+        started = time.monotonic()
+        await _until(lambda: connection not in shard.dataplane.connections, timeout_s=8.0)
+        assert connection.task.done() and time.monotonic() - started < 8.0
+    finally:
+        if pusher is not None:
+            pusher.cancel()
+            with contextlib.suppress(BaseException):  # its stream broke under it, or the cancel
+                await pusher
+        await close([member])
+
+
+@pytest.mark.parametrize("answer, code, words", [
+    # a status longer than any the shard writes (clipped at rpc.MAX_DETAILS_CHARS): clipped here too,
+    # not an 8 MiB exception message and log line
+    (frame_header(1 << 20, status=True) + b"ABORTED\n" + b"x" * ((1 << 20) - 8), "ABORTED", "clipped"),
+    (frame_header(12, status=True) + b"\xff\xfenot a code", "UNKNOWN", "not a code"),
+    (frame_header(0x7FFFFFFF), "UNAVAILABLE", f"at most {MAX_FRAME}"),  # refused before it is allocated
+    (_frame(b"\x08\x01garbage"), "INTERNAL", "malformed message"),
+    (frame_header(100) + b"cut", "UNAVAILABLE", "inside a frame"),
+    (b"", "UNAVAILABLE", "without a status"),
+])
+async def test_a_broken_shard_gives_the_worker_a_clear_error(answer: bytes, code: str, words: str) -> None:
+    async def shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(4 + len(preface(TOKEN)))
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(shard, "127.0.0.1", 0)
+    try:
+        call = await RawCall.open("127.0.0.1", server.sockets[0].getsockname()[1], TOKEN, read_result)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await asyncio.wait_for(anext(aiter(call)), 5)
+        assert raised.value.code().name == code and words in raised.value.details(), raised.value
+        assert len(raised.value.details()) <= MAX_DETAILS_CHARS
+        call.cancel()
+    finally:
+        server.close()
+
+
+async def test_the_raw_stream_carries_the_token_the_grpc_calls_do(shard: ShardServer, tmp_path: Path) -> None:
+    """Both planes authenticate with the token read when the client was made (the gRPC calls'
+    metadata): a token file gone or unreadable later (a Secret's volume remounted) must not fail a
+    repair on the raw plane, with a traceback, where the gRPC stream would go on."""
+    token_file = tmp_path / "job.token"
+    token_file.write_bytes(TOKEN)
+    token_file.chmod(0o600)
+    member = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=5,
+                         security=ChannelSecurity(token_file=str(token_file)), dataplane="raw")
+    await member.connect()
+    try:
+        token_file.unlink()
+        await member.reopen()
+        _, results = await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+        assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
+    finally:
+        await close([member])
+
+
+async def test_connections_without_a_preface_cannot_lock_the_members_out(start_shard) -> None:
+    """Without the token, a client can open connections and say nothing: they must not fill the
+    cap that members' streams need (on the gRPC port a call without the token is refused at once,
+    and an idle HTTP/2 connection holds no call slot). The oldest silent one makes way."""
+    shard = await start_shard(max_concurrent_rpcs=8)
+    silent = [await asyncio.open_connection("127.0.0.1", shard.data_port) for _ in range(12)]
+    members: list[ShardClient] = []
+    try:
+        members = await _members(shard, 2)
+        _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        assert len(results[1]) == len(LAYOUT.blocks) and all(c.recoveries == 0 for c in members)
+        assert len(shard.dataplane.connections) <= 8 + 2  # the silent ones beyond the cap were let go
+    finally:
+        await close(members)
+        for _, writer in silent:
+            writer.close()
+
+
+async def test_cancel_ends_a_write_the_shard_does_not_read() -> None:
+    """A hung shard (stopped, cut off) reads nothing, so a push waits in the socket's send; when the
+    worker gives the stream up (its hung detection, a repair, close) that write must fail, as a
+    cancelled gRPC call's does: it holds the client's write lock, which the repair needs next."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hung_shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing
+
+    server = await asyncio.start_server(hung_shard, "127.0.0.1", 0)
+    try:
+        call = await RawCall.open("127.0.0.1", server.sockets[0].getsockname()[1], TOKEN, read_result)
+        call._frames.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+        async def push() -> None:
+            while True:
+                await call.write(bytes(1 << 20))
+
+        writing = asyncio.create_task(push())
+        await asyncio.sleep(0.3)
+        assert not writing.done()  # waiting in the send
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await asyncio.wait_for(writing, 2.0)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        await _until(lambda: call._frames.sock.fileno() == -1, 2.0)  # and the socket is closed
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+
+
+async def test_the_raw_stream_tries_every_address_of_the_shards_name(shard: ShardServer, monkeypatch) -> None:
+    """A name with an address the data plane does not listen on first (a dual-stack cluster's
+    IPv6 address for a shard bound to 0.0.0.0): gRPC tries the next, and so must the raw stream,
+    or auto would warn and fall back, and raw would fail."""
+    loop = asyncio.get_running_loop()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        closed_port = unused.getsockname()[1]
+    answer = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", closed_port)),  # refused
+              (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", shard.data_port))]
+
+    async def getaddrinfo(host, port, **kwargs):
+        return answer if host == "shard-0.example" else await original(host, port, **kwargs)
+
+    original = loop.getaddrinfo
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    call = await RawCall.open("shard-0.example", shard.data_port, TOKEN, read_result)
+    try:
+        await _until(lambda: len(shard.dataplane.connections) == 1 and not shard.dataplane.pending)
+    finally:
+        call.cancel()

@@ -16,12 +16,19 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
   else is read before the gate has passed the token;
 - a frame, once its first byte is in, must be whole within ``frame_timeout_s`` (a header
   trickled byte by byte is cut off, not held forever);
-- a frame is refused on its header when it is over gRPC's message limit, before its body is
-  allocated; reading pauses after each frame until the service asks for the next, so a stream
+- a frame is refused on its header when it is over gRPC's message limit (the Hello, read before
+  its session is proven, over ``MAX_HELLO``), before its body is allocated; reading pauses after each frame until the service asks for the next, so a stream
   holds at most one unread frame and the push budget's backpressure reaches TCP;
-- at most ``max_connections`` connections (the gRPC port's --max-concurrent-rpcs); one past it
-  is closed without a byte read;
+- at most ``max_connections`` streams (the gRPC port's --max-concurrent-rpcs: one past it is
+  refused, RESOURCE_EXHAUSTED, as gRPC refuses a call past it), and at most ``max_pending``
+  connections that have not yet sent their preface (so before the token): one more closes the
+  oldest of them. A client without the token cannot fill the cap members need (on the gRPC port
+  it holds no call slot at all); to push an honest client out it must open ``max_pending``
+  connections within the time that client takes to send its first frame;
 - SO_KEEPALIVE with gRPC's keepalive timing, so a dead peer is noticed;
+- a stream's status frame never waits for its peer to read, and a closed connection whose peer
+  does not take its last bytes is aborted ``frame_timeout_s`` later (a client that acks a zero
+  window would otherwise hold its handler, its unsent results and a place under the cap forever);
 - a peer that goes away cancels its handler, as gRPC cancels a call whose client is gone.
 """
 
@@ -33,10 +40,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ..rawframes import (HEADER, MAX_FRAME, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
+from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
                          split_header, status_body)
 from ..security import AUTH_HEADER
-from .errors import BadRequest, ProtocolError, TimedOut
+from .errors import BadRequest, LimitExceeded, ProtocolError, TimedOut
 from .rpc import Gate, clip, grpc_status
 from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 
@@ -67,6 +74,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._frames: asyncio.Queue = asyncio.Queue()
         self._writable = asyncio.Event()
         self._writable.set()
+        self._linger: asyncio.TimerHandle | None = None  # a closed connection's unsent bytes are dropped then
 
     # ---- the transport's callbacks ---------------------------------------------------------------
 
@@ -126,8 +134,9 @@ class _Connection(asyncio.BufferedProtocol):
         return True  # half-closed: results due may still be written
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
+        for timer in (self._deadline, self._linger):
+            if timer is not None:
+                timer.cancel()
         self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
         self._writable.set()
         self.plane.forget(self)
@@ -155,17 +164,28 @@ class _Connection(asyncio.BufferedProtocol):
         return item
 
     async def write(self, data: Any, status: bool = False) -> None:
-        """One frame; ``data`` (bytes or any buffer) goes to the transport as it is, not copied."""
+        """One frame; ``data`` (bytes or any buffer) goes to the transport as it is, not copied.
+        A result waits while the transport's buffer is over its high-water mark (the peer reads
+        slowly: NodeStream's timeout bounds the wait). A status frame, the stream's last and small,
+        does not: it often ends a stream precisely because its peer stopped reading, and waiting
+        for that peer would hold the handler, and the connection, forever."""
         if self.transport.is_closing():
             raise ConnectionResetError("connection closed")
         view = memoryview(data)
         self.transport.write(frame_header(view.nbytes, status))
         self.transport.write(view)
-        await self._writable.wait()  # the transport's buffer is over its high-water mark: the peer reads slowly
+        if not status:
+            await self._writable.wait()
 
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+    def close(self, linger_s: float) -> None:
+        """Close once the bytes written are sent, or abort after ``linger_s`` when the peer does not
+        take them: a peer that acks a zero window keeps a TCP connection alive forever, and with it
+        the unsent results and a place under the connection cap."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.close()
+        if self.transport.get_write_buffer_size():
+            self._linger = asyncio.get_running_loop().call_later(linger_s, self.transport.abort)
 
 
 class _Aborted(grpc.aio.AbortError):
@@ -181,6 +201,7 @@ class _PlaneContext:
         self.connection = connection
         self._metadata = ((AUTH_HEADER, b"Bearer " + token),)  # what the gate checks: bearer_matches
         self.ended = False
+        self._limit = MAX_HELLO  # until the Hello is read: Exchange reads on only once its session is proven
 
     def invocation_metadata(self) -> tuple[tuple[str, bytes], ...]:
         return self._metadata
@@ -189,7 +210,8 @@ class _PlaneContext:
         return self.connection.peer
 
     async def read(self) -> Any:
-        frame = await self.connection.read(MAX_FRAME)
+        frame = await self.connection.read(self._limit)
+        self._limit = MAX_FRAME
         if frame is None:
             return grpc.aio.EOF
         if frame[0]:
@@ -222,13 +244,17 @@ class DataPlane:
 
     def __init__(self, service: ParameterServerService, gate: Gate, max_connections: int,
                  first_frame_timeout_s: float = FIRST_MESSAGE_TIMEOUT_S,
-                 frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
+                 frame_timeout_s: float = FRAME_TIMEOUT_S, max_pending: int | None = None) -> None:
         self.service = service
         self.gate = gate
-        self.max_connections = max_connections
+        self.max_connections = max_connections  # streams: connections past their preface
+        # connections still to send their preface; as many as streams by default: a burst of every
+        # worker reconnecting at once after a restart is accepted before any preface is read
+        self.max_pending = max_connections if max_pending is None else max_pending
         self.first_frame_timeout_s = first_frame_timeout_s
         self.frame_timeout_s = frame_timeout_s
-        self.connections: set[_Connection] = set()
+        self.connections: set[_Connection] = set()  # every connection open, pending or not
+        self.pending: dict[_Connection, None] = {}  # those before their preface, oldest first
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -244,15 +270,30 @@ class DataPlane:
         return self.port
 
     def admit(self, connection: _Connection) -> bool:
-        if len(self.connections) >= self.max_connections:
-            self.gate.log.warning("refused:dataplane", "data plane connection from %s refused: %d connections "
-                                  "open (the cap, --max-concurrent-rpcs)", connection.peer, len(self.connections))
+        """A new connection, before a byte of it is read: it waits for its preface among the
+        pending ones, the oldest of which makes way when they are ``max_pending``."""
+        if self.max_pending <= 0:
             return False
+        if len(self.pending) >= self.max_pending:
+            oldest = next(iter(self.pending))
+            self.gate.log.warning("refused:dataplane", "data plane connection from %s closed: no preface yet, and "
+                                  "%d newer connections wait for theirs", oldest.peer, len(self.pending))
+            self.forget(oldest)
+            oldest.transport.abort()
+        self.pending[connection] = None
         self.connections.add(connection)
         return True
 
+    def promote(self, connection: _Connection) -> None:
+        """A connection whose preface came: a stream now, if there is room under the cap."""
+        self.pending.pop(connection, None)
+        streams = len(self.connections) - len(self.pending) - 1  # the others past their preface
+        if streams >= self.max_connections:
+            raise LimitExceeded(f"{streams} data plane streams open (the cap, --max-concurrent-rpcs)")
+
     def forget(self, connection: _Connection) -> None:
         self.connections.discard(connection)
+        self.pending.pop(connection, None)
 
     async def serve(self, connection: _Connection) -> None:
         """One connection: its preface, then one Exchange stream through the gate."""
@@ -268,6 +309,7 @@ class DataPlane:
             preface = parse_preface(frame[1])
             if preface.problem:
                 raise BadRequest(preface.problem)
+            self.promote(connection)
             context = _PlaneContext(connection, preface.token)
             await self.gate.run("Exchange", context, lambda: self.service.Exchange(context))
             await context.end(grpc.StatusCode.OK)
@@ -278,7 +320,7 @@ class DataPlane:
         except (grpc.aio.AbortError, OSError):
             pass  # the stream's status went out, or the peer is gone
         finally:
-            connection.close()
+            connection.close(linger_s=self.frame_timeout_s)
 
     def stop_accepting(self) -> None:
         """No new connections; those open go on (their rounds finish in the drain)."""
@@ -297,6 +339,7 @@ class DataPlane:
             if connection.transport is not None:
                 connection.transport.abort()
         self.connections.clear()
+        self.pending.clear()
 
 
 async def _quietly(write: Any) -> None:

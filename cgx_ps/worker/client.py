@@ -103,6 +103,9 @@ class ShardClient(ConnectionSupervisor):
         self.security = security
         self.recovery_timeout_s = recovery_timeout_s  # how long to wait for a lost shard; 0: fail at once
         self._metadata = security.metadata()  # the job token, sent with every call
+        # the same token for the raw data plane's streams: both planes authenticate alike (re-read
+        # per stream, a token file gone later would fail the raw plane's repairs only)
+        self._token = read_token(security.token_file).encode() if security.token_file else b""
         # the Exchange stream's transport (worker/dataplane.py): CGX_PS_DATAPLANE, and what the
         # last registration decided with it
         self.dataplane = dataplane
@@ -208,9 +211,8 @@ class ShardClient(ConnectionSupervisor):
         UNAVAILABLE, which recovery retries)."""
         if self._data_port and not self._raw_refused:
             host = self.address.rsplit(":", 1)[0].strip("[]")
-            token = read_token(self.security.token_file).encode() if self.security.token_file else b""
             try:
-                call = await RawCall.open(host, self._data_port, token, read_result)
+                call = await RawCall.open(host, self._data_port, self._token, read_result)
             except grpc.aio.AioRpcError as exc:
                 if self.dataplane == "raw" or self._raw_worked:
                     raise

@@ -71,12 +71,38 @@ class _FrameSocket:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self._header = bytearray(HEADER.size)
+        self._busy = 0  # sends and receives under way: the socket is closed after the last of them
+        self._shut = False
+
+    def shut(self) -> None:
+        """End the connection now. A send or receive waiting on the socket fails at once: the
+        shutdown wakes it (closing the socket alone would leave it waiting forever on an fd the
+        loop no longer polls, and a send holds the client's write lock). The socket is closed
+        once none waits."""
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more: nothing waits on it
+        if not self._busy:
+            self.sock.close()
+
+    async def _io(self, operation: Any) -> Any:
+        self._busy += 1
+        try:
+            return await operation
+        finally:
+            self._busy -= 1
+            if self._shut and not self._busy:
+                self.sock.close()
 
     async def _fill(self, view: memoryview) -> int:
         """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
         got = 0
         while got < len(view):
-            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            n = await self._io(self.loop.sock_recv_into(self.sock, view[got:]))
             if n == 0:
                 return got
             got += n
@@ -99,8 +125,29 @@ class _FrameSocket:
 
     async def write(self, data: Any) -> None:
         view = memoryview(data)
-        await self.loop.sock_sendall(self.sock, frame_header(view.nbytes))
-        await self.loop.sock_sendall(self.sock, view)  # the kernel copies it, Python does not
+        await self._io(self.loop.sock_sendall(self.sock, frame_header(view.nbytes)))
+        await self._io(self.loop.sock_sendall(self.sock, view))  # the kernel copies it, Python does not
+
+
+async def _connect(host: str, port: int) -> socket.socket:
+    """A connected non-blocking socket to the first of ``host``'s addresses that answers, in the
+    resolver's order, as gRPC's (and socket.create_connection) try them: a dual-stack name may
+    list an address the shard does not listen on first. Raises the last address's OSError."""
+    loop = asyncio.get_running_loop()
+    error: OSError = OSError(f"{host} has no address")
+    for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:  # the timeout's cancellation: the socket is not the caller's yet
+            sock.close()
+            raise
+    raise error
 
 
 class RawCall:
@@ -116,14 +163,10 @@ class RawCall:
         """Connect and send the preface; ``read_message`` reads a result frame (client.read_result).
         Raises an UNAVAILABLE AioRpcError when the port cannot be reached within
         ``connect_timeout_s`` (a firewall that drops packets would hold a connect for minutes)."""
-        loop = asyncio.get_running_loop()
         sock = None
         try:
             async with asyncio.timeout(connect_timeout_s):
-                family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
-                sock = socket.socket(family, kind, proto)
-                sock.setblocking(False)
-                await loop.sock_connect(sock, address)
+                sock = await _connect(host, port)
             set_stream_options(sock)
             call = cls(_FrameSocket(sock), read_message)
             await call._frames.write(preface(token))
@@ -140,7 +183,8 @@ class RawCall:
             raise _unavailable(f"data plane stream closed: {exc}") from None
 
     def cancel(self) -> None:
-        self._frames.sock.close()
+        """End the stream, as a grpc.aio call's cancel does: a write or read under way fails."""
+        self._frames.shut()
 
     def _parsed(self, body: bytes | memoryview) -> Any:
         try:
@@ -162,7 +206,9 @@ class RawCall:
                 name, details = parse_status(body)
                 if name == "OK":
                     return  # the stream's clean end, as a gRPC call's OK status
-                code = grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
+                code = grpc.StatusCode.__members__.get(name)
+                if code is None:  # no status a shard writes: say what came, not an empty UNKNOWN
+                    code, details = grpc.StatusCode.UNKNOWN, f"malformed status from the shard: {name[:40]!r} {details}"
                 raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
         except OSError as exc:
             raise _unavailable(f"data plane stream broke: {exc}") from None
