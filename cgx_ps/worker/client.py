@@ -38,7 +38,8 @@ from ..security import ChannelSecurity, read_token
 from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, PushFrames, chunk_frames, read_chunk
 from ..transport import CHUNK_BYTES
 from ..v1 import ps_pb2, ps_pb2_grpc
-from .dataplane import DATAPLANES, RawCall, decide_dataplane
+from .config import dataplane_problem
+from .dataplane import RawCall, decide_dataplane
 from .errors import CgxPsError, ConfigError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
 from .supervisor import ConnectionSupervisor
@@ -109,8 +110,9 @@ class ShardClient(ConnectionSupervisor):
         # the Exchange stream's transport (worker/dataplane.py): CGX_PS_DATAPLANE, and what the
         # last registration decided with it
         self.dataplane = dataplane
-        if dataplane not in DATAPLANES:
-            raise ConfigError(f"CGX_PS_DATAPLANE={dataplane!r} is not one of {', '.join(DATAPLANES)}")
+        problem = dataplane_problem(dataplane, security.tls)
+        if problem is not None:
+            raise ConfigError(problem)
         self._dataplane_warned = False
         self._data_port = 0  # the shard's raw data plane, when the stream takes it
         self._raw_worked = False  # a stream went over it: a later failure is the shard's, not a firewall's

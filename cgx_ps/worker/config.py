@@ -40,10 +40,20 @@ from ..envparse import env_float, env_int
 from ..security import ChannelSecurity
 from .errors import ConfigError
 
-__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES"]
+__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "dataplane_problem"]
 
 INTRANODE_TRANSPORTS = ("auto", "shm", "cuda")
 DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/dataplane.py decides with it)
+
+
+def dataplane_problem(requested: str, tls: bool) -> str | None:
+    """Why CGX_PS_DATAPLANE=``requested`` cannot be used by a worker that does (``tls``) or does not
+    use TLS; None if it can. The one check behind WorkerConfig, ShardClient and decide_dataplane."""
+    if requested not in DATAPLANES:
+        return f"CGX_PS_DATAPLANE={requested!r} is not one of {', '.join(DATAPLANES)}"
+    if requested == "raw" and tls:
+        return "CGX_PS_DATAPLANE=raw with TLS (CGX_PS_TLS_CA): the raw data plane is plaintext; use auto or grpc"
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,10 +99,8 @@ class WorkerConfig:
              f"WORLD_SIZE={self.world_size} != {self.num_nodes} nodes x LOCAL_WORLD_SIZE={self.local_world_size}"),
             (self.intranode in INTRANODE_TRANSPORTS,
              f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
-            (self.dataplane in DATAPLANES,
-             f"CGX_PS_DATAPLANE={self.dataplane!r} is not one of {', '.join(DATAPLANES)}"),
-            (self.dataplane != "raw" or not self.security.tls,
-             "CGX_PS_DATAPLANE=raw with TLS (CGX_PS_TLS_CA): the raw data plane is plaintext; use auto or grpc"),
+            (dataplane_problem(self.dataplane, self.security.tls) is None,
+             dataplane_problem(self.dataplane, self.security.tls) or ""),
             (0 <= self.codec_threads <= 256, f"CGX_PS_CODEC_THREADS={self.codec_threads} is not in 0..256"),
             (0 <= self.incarnation < 1 << 32, f"incarnation {self.incarnation} is not in 0..2^32-1"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from ..rawframes import HEADER, MAX_FRAME, frame_header, parse_status, preface, set_stream_options, split_header
-from .config import DATAPLANES
+from .config import DATAPLANES, dataplane_problem
 from .errors import ConfigError
 
 __all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane"]
@@ -42,13 +42,11 @@ def decide_dataplane(requested: str, advertised_port: int, tls: bool, shard: str
     """The transport for the Exchange stream to ``shard``; ``requested``: CGX_PS_DATAPLANE,
     ``advertised_port``: the shard's RegisterResponse.data_port (0: none), ``tls``: this worker
     reaches the shards over TLS. Raises ConfigError where ``raw`` cannot be had."""
-    if requested not in DATAPLANES:
-        raise ConfigError(f"CGX_PS_DATAPLANE={requested!r} is not one of {', '.join(DATAPLANES)}")
+    problem = dataplane_problem(requested, tls)
+    if problem is not None:
+        raise ConfigError(f"{problem} (shard {shard})")
     if requested == "grpc":
         return DataplaneChoice("grpc")
-    if requested == "raw" and tls:
-        raise ConfigError(f"CGX_PS_DATAPLANE=raw with TLS (CGX_PS_TLS_CA): the raw data plane is plaintext; "
-                          f"use auto or grpc to reach shard {shard} over TLS")
     if requested == "raw" and not advertised_port:
         raise ConfigError(f"CGX_PS_DATAPLANE=raw, but shard {shard} advertises no data port: start it with "
                           f"--data-port (CGX_PS_DATA_PORT), or use CGX_PS_DATAPLANE=auto")
