@@ -24,6 +24,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cgx_ps.kernels import Codec, encode
+from cgx_ps.kernels.wire import max_encoded_size
 from cgx_ps.layout import layout_hash
 from cgx_ps.security import ChannelSecurity, CredentialError
 from cgx_ps.server import LocalCluster, ServerConfig, ShardServer
@@ -583,3 +584,77 @@ def test_cgx_ps_cluster_makes_a_private_token(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     assert not os.path.exists(token_file)  # it goes with the cluster
+
+
+class _ScriptedResults:
+    """A shard's result stream reduced to what ShardClient reads from it: these chunks, then its end."""
+
+    def __init__(self, chunks: list) -> None:
+        self.chunks = chunks
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        for chunk in self.chunks:
+            yield chunk
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _chunk(round_: int, total: int, offset: int, data: bytes, block: int = 0):
+    from cgx_ps.chunkframes import ChunkFrame
+    return ChunkFrame(round_, block, total, offset, data)
+
+
+_LIMIT = max_encoded_size(64 * 64)
+
+
+@pytest.mark.parametrize("chunks, problem", [
+    ([_chunk(1, 8, 0, b"abcd"), _chunk(1, 8, 4, b"efgh")], None),  # the shape every shard sends
+    ([_chunk(1, _LIMIT + 1, 0, b"x")], "more than any encoding of the block"),
+    ([_chunk(1, 8, 0, b"ab"), _chunk(1, 8, 4, b"cd")], "at offset 4, where 2 bytes had come"),
+    ([_chunk(1, 8, 0, b"ab")] * 3, "at offset 0, where 2 bytes had come"),  # the same chunk, again and again
+    ([_chunk(1, 8, 0, b"ab"), _chunk(1, 9, 2, b"cd")], "size changed from 8 to 9"),
+    ([_chunk(1, 8, 0, b"")], "an empty chunk"),
+    ([_chunk(1, 4, 0, b"abcdef")], "past the result's 4 bytes"),
+])
+async def test_a_shards_results_cannot_make_a_worker_hold_more_than_its_block(chunks, problem) -> None:
+    """A broken or hostile shard (a man in the middle without TLS, a shard of another version)
+    decides the chunks a worker reassembles: each must continue the result under way, within the
+    block's largest encoding, or the connection fails with a clear error. Before, the worker kept
+    every chunk of any (block, round) for as long as the stream lasted: unbounded memory."""
+    from cgx_ps.worker.errors import CgxPsError
+
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
+    client = ShardClient("127.0.0.1:1", "node-0", 1, layout, security=SECURITY)
+    result = client.expect(0, 1)
+    stream = client._call = _ScriptedResults(chunks)
+    await client._read_results(stream, client._generation)
+    if problem is None:
+        assert bytes(await asyncio.wait_for(result, 5)) == b"abcdefgh"
+        return
+    with pytest.raises(CgxPsError, match=f"sent a malformed result: block 0 round 1: .*{problem}"):
+        await asyncio.wait_for(result, 5)  # not left waiting for a repair that would take the same junk
+    assert stream.cancelled and not client._incoming
+
+
+async def test_results_nobody_waits_for_are_not_kept() -> None:
+    """A result for a (block, round) this worker neither pushed nor expects (a shard's second
+    copy after a repair, or junk) is dropped at once, not buffered until the stream ends."""
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
+    client = ShardClient("127.0.0.1:1", "node-0", 1, layout, security=SECURITY)
+    result = client.expect(0, 1)
+    kept = []
+
+    class Watching(_ScriptedResults):
+        async def _chunks(self):
+            for chunk in self.chunks:
+                yield chunk
+                kept.append(dict(client._incoming))
+
+    stream = Watching([_chunk(round_, 8, 0, b"ab") for round_ in range(2, 50)] + [_chunk(1, 2, 0, b"ok")])
+    await client._read_results(stream, client._generation)
+    assert bytes(await asyncio.wait_for(result, 5)) == b"ok" and all(not incoming for incoming in kept)

@@ -31,6 +31,7 @@ __all__ = [
     "FLAG_STOCHASTIC",
     "FLAG_NONFINITE",
     "body_size",
+    "max_encoded_size",
     "num_buckets",
     "split_maxmin_body",
     "parse_header",
@@ -113,6 +114,13 @@ def body_size(codec: Codec, numel: int, bits: int, bucket_size: int) -> int:
         # (min, unit) float32 pairs per bucket, then levels packed LSB-first, `bits` per element
         return 8 * num_buckets(numel, bucket_size) + (numel * bits + 7) // 8
     return _ELEMENT_BYTES[codec] * numel
+
+
+def max_encoded_size(numel: int) -> int:
+    """The largest block of ``numel`` elements any codec writes, header included (fp32, or 8-bit
+    max-min in the smallest buckets for a tiny block): the bound for a block whose settings a
+    reader does not know yet."""
+    return HEADER_SIZE + max(body_size(Codec.FP32, numel, 32, 8), body_size(Codec.MAXMIN, numel, 8, 8))
 
 
 def split_maxmin_body(body: np.ndarray, numel: int, bucket_size: int) -> tuple[np.ndarray, np.ndarray]:

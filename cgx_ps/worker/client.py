@@ -35,6 +35,7 @@ import grpc
 from .. import __version__, timeline
 from ..layout import layout_hash
 from ..security import ChannelSecurity, read_token
+from ..kernels.wire import max_encoded_size
 from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, PushFrames, chunk_frames, read_chunk
 from ..transport import CHUNK_BYTES
 from ..v1 import ps_pb2, ps_pb2_grpc
@@ -123,7 +124,10 @@ class ShardClient(ConnectionSupervisor):
         self._reader: asyncio.Task | None = None
         self._write_lock = asyncio.Lock()
         self._waiting: dict[tuple[int, int], asyncio.Future[Result]] = {}
-        self._incoming: dict[tuple[int, int], list[Result]] = {}
+        # results arriving in chunks: (block, round) -> (their total_bytes, the chunks so far)
+        self._incoming: dict[tuple[int, int], tuple[int, list[Result]]] = {}
+        # a result is at most its block's largest encoding: a shard cannot make us hold more
+        self._max_result = {b.block_id: max_encoded_size(b.numel) for b in layout.blocks}
         self._error: CgxPsError | None = None
         # recovery: what a new stream must carry, and the state of the current one
         self._unanswered: dict[tuple[int, int], _Unanswered] = {}  # pushed, no result yet; oldest first
@@ -396,6 +400,12 @@ class ShardClient(ConnectionSupervisor):
                 self._take(response.pull)
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
+        except _MalformedResult as exc:  # a broken or hostile shard: nothing it sends next can be trusted
+            if generation == self._generation:
+                self._fail_all(CgxPsError(f"shard {self.address} sent a malformed result: {exc}; the shard is broken "
+                                          f"or not a cgx-ps shard of this version"))
+                self._drop_stream()
+            return
         if generation != self._generation:
             return  # a stream we replaced or dropped
         match after_stream_end(code, details, self._closing):
@@ -410,13 +420,20 @@ class ShardClient(ConnectionSupervisor):
 
     def _take(self, chunk: ChunkFrame | ps_pb2.PullChunk) -> None:
         key = (chunk.block_id, chunk.round)
+        total, parts = self._incoming.get(key, (None, []))
+        if total is None and key not in self._waiting and key not in self._unanswered:
+            return  # a result nobody waits for (a second copy after a repair): not kept
+        problem = result_chunk_problem(chunk, sum(len(p) for p in parts), total,
+                                       self._max_result.get(chunk.block_id))
+        if problem is not None:
+            raise _MalformedResult(f"block {chunk.block_id} round {chunk.round}: {problem}")
         if chunk.offset == 0:
             timeline.note(chunk.block_id, chunk.round)
-        parts = self._incoming.setdefault(key, [])
         parts.append(chunk.data)
         if chunk.offset + len(chunk.data) < chunk.total_bytes:
+            self._incoming[key] = (chunk.total_bytes, parts)
             return
-        del self._incoming[key]
+        self._incoming.pop(key, None)
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.bytes_received += len(data)
         pushed = self._unanswered.pop(key, None) is not None
@@ -439,6 +456,33 @@ class ShardClient(ConnectionSupervisor):
         self._waiting.clear()
         self._unanswered.clear()
         self._results.clear()
+        self._incoming.clear()  # partial results of a connection that is over
+
+
+class _MalformedResult(Exception):
+    """A result chunk that breaks the protocol (result_chunk_problem says how)."""
+
+
+def result_chunk_problem(chunk: ChunkFrame | ps_pb2.PullChunk, received: int, total: int | None,
+                         limit: int | None) -> str | None:
+    """Why a result chunk cannot continue the result under way for its (block, round), or None.
+    ``received``: the bytes of that result taken so far; ``total``: its first chunk's total_bytes
+    (None: this chunk is the first); ``limit``: the block's largest encoding (None: no such block).
+    A shard sends a result's chunks in order, each non-empty unless the result is (frames.py), so
+    anything else would make the worker hold more than a block, or join a result from pieces."""
+    if limit is None:
+        return "no such block in the layout"
+    if chunk.total_bytes > limit:
+        return f"{chunk.total_bytes} bytes, more than any encoding of the block ({limit})"
+    if total is not None and chunk.total_bytes != total:
+        return f"its size changed from {total} to {chunk.total_bytes} bytes between chunks"
+    if chunk.offset != received:
+        return f"a chunk at offset {chunk.offset}, where {received} bytes had come"
+    if chunk.offset + len(chunk.data) > chunk.total_bytes:
+        return f"a chunk past the result's {chunk.total_bytes} bytes"
+    if not len(chunk.data) and chunk.total_bytes:
+        return "an empty chunk of a result that is not"
+    return None
 
 
 def _brief(exc: Exception) -> str:
