@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from .transport import GRPC_OPTIONS
 
 __all__ = ["HEADER", "MAGIC", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_STATUS_DETAILS", "MAX_TOKEN", "STATUS_BIT",
-           "VERSION", "Preface", "frame_header", "parse_preface", "parse_status", "preface", "set_stream_options", "split_header",
-           "status_body"]
+           "VERSION", "Preface", "frame_header", "parse_preface", "parse_status", "preface", "set_stream_options",
+           "split_header", "status_body"]
 
 MAGIC = b"CGXD"  # "cgx-ps data": the first bytes of every connection
 VERSION = 1  # of this framing; a shard refuses another with a status that names both

@@ -17,8 +17,9 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
 - a frame, once its first byte is in, must be whole within ``frame_timeout_s`` (a header
   trickled byte by byte is cut off, not held forever);
 - a frame is refused on its header when it is over gRPC's message limit (the Hello, read before
-  its session is proven, over ``MAX_HELLO``), before its body is allocated; reading pauses after each frame until the service asks for the next, so a stream
-  holds at most one unread frame and the push budget's backpressure reaches TCP;
+  its session is proven, over ``MAX_HELLO``), before its body is allocated; reading pauses after
+  each frame until the service asks for the next, so a stream holds at most one unread frame and
+  the push budget's backpressure reaches TCP;
 - at most ``max_connections`` streams (the gRPC port's --max-concurrent-rpcs: one past it is
   refused, RESOURCE_EXHAUSTED, as gRPC refuses a call past it), and at most ``max_pending``
   connections that have not yet sent their preface (so before the token): one more closes the
