@@ -48,18 +48,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from benchmarks.loopprofile import main as loop_profile
 from benchmarks.procstat import thread_cpu_seconds
 from benchmarks.rawplane import IO_ENV, RawShardClient
-from benchmarks.server import make_credentials, shard_cpu_seconds
-from cgx_ps.kernels import quantize
+from benchmarks.server import make_credentials, shard_cpu_seconds, shard_workload
 from cgx_ps.security import ChannelSecurity
 from cgx_ps.server import LocalCluster
 from cgx_ps.server.cluster import launch_shard
 from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 
 NAMES = {"A": "gRPC (cgx-ps server)", "B": "raw TCP data plane", "C": "gRPC over TLS", "D": "raw data plane, TLS",
          "E": "raw plane, BufferedProtocol"}
@@ -210,12 +206,7 @@ def main() -> None:
                         "in DIR/A.txt and DIR/B.txt, the last run's; slows the shards: not for the figures)")
     args = parser.parse_args()
 
-    numel = int(args.mb * 1e6 / 4)
-    layout = build_layout([TensorInfo("grad", (numel,))], 1, Compression(bits=args.bits, compress_1d=True),
-                          block_bytes=int(args.block_mb * (1 << 20)))
-    gen = torch.Generator().manual_seed(0)
-    payloads = {b.block_id: quantize(torch.randn(b.numel, generator=gen), args.bits, 1024, stochastic=True).to_bytes()
-                for b in layout.blocks}
+    _, layout, payloads = shard_workload(args.mb, args.bits, args.block_mb)
     wire = sum(len(p) for p in payloads.values())
     per_round_in = args.nodes * wire  # compressed bytes into the shard per round
 

@@ -61,6 +61,7 @@ from cgx_ps.security import ChannelSecurity, new_token_file
 from cgx_ps.server import LocalCluster
 from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.v1 import ps_pb2
 
 CONFIG_ORDER = ("plain", "token", "tls", "mtls", "raw")
 DESCRIPTIONS = {"baseline": "plaintext, the --baseline code", "plain": "plaintext, no token", "token": "token only", "tls": "TLS + token",
@@ -79,6 +80,18 @@ class Credentials:
     server_key: str
     client_cert: str
     client_key: str
+
+
+def shard_workload(mb: float, bits: int, block_mb: float) -> tuple[int, ps_pb2.Layout, dict[int, bytes]]:
+    """One node's gradient of ``mb`` MB fp32 as the shard benchmarks push it: (elements, the
+    layout, each block's payload encoded once up front at ``bits``, seeded: the same in every run)."""
+    numel = int(mb * 1e6 / 4)
+    layout = build_layout([TensorInfo("grad", (numel,))], 1, Compression(bits=bits, compress_1d=True),
+                          block_bytes=int(block_mb * (1 << 20)))
+    gen = torch.Generator().manual_seed(0)
+    payloads = {b.block_id: quantize(torch.randn(b.numel, generator=gen), bits, 1024, stochastic=True).to_bytes()
+                for b in layout.blocks}
+    return numel, layout, payloads
 
 
 def make_credentials(directory: str) -> Credentials:
@@ -283,12 +296,7 @@ def main() -> None:
             parser.error(f"--baseline: no cgx_ps package under {args.baseline}")
         configs.insert(0, "baseline")
 
-    numel = int(args.mb * 1e6 / 4)
-    layout = build_layout([TensorInfo("grad", (numel,))], 1, Compression(bits=args.bits, compress_1d=True),
-                          block_bytes=int(args.block_mb * (1 << 20)))
-    gen = torch.Generator().manual_seed(0)
-    payloads = {b.block_id: quantize(torch.randn(b.numel, generator=gen), args.bits, 1024, stochastic=True).to_bytes()
-                for b in layout.blocks}
+    numel, layout, payloads = shard_workload(args.mb, args.bits, args.block_mb)
     wire_bytes = sum(len(p) for p in payloads.values())
     load_before = os.getloadavg()
 
