@@ -322,6 +322,52 @@ async def test_a_replaced_node_counting_from_zero_joins_its_restarted_job(start_
             await c.close()
 
 
+# ---- one shard gone for good: the exchanges on the others end with its error, in-process ----------
+
+async def test_a_shard_gone_for_good_ends_the_exchanges_waiting_on_the_other_shards_with_its_error(
+        start_shard) -> None:
+    """The CI flake of the last session (a worker still running 30 s after its shard's recovery
+    timeout): when one shard does not come back, the other nodes stop, so a round of another
+    shard that waits for their pushes would end only at that shard's round timeout. A front end
+    waiting for such a block first (blocks are waited for in order) reported nothing until then.
+    Here node-1 never pushes the block of shard 0: that exchange must end with shard 1's
+    ShardUnavailableError right after the recovery timeout, not at shard 0's round timeout."""
+    from cgx_ps.kernels import Codec, encode
+    from cgx_ps.worker.client import ShardClient
+    from cgx_ps.worker.config import WorkerConfig
+    from cgx_ps.worker.engine import CommEngine
+    from cgx_ps.worker.errors import ShardUnavailableError
+    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+
+    shards = [await start_shard(shard_index=i, num_shards=2, round_timeout_s=120.0) for i in range(2)]
+    servers = tuple(f"127.0.0.1:{s.port}" for s in shards)
+    layout = build_layout([TensorInfo("a", (64, 64)), TensorInfo("b", (64, 64))], 2, Compression(bits=None),
+                          block_bytes=64 * 64 * 4)
+    block_of = {b.shard: b.block_id for b in layout.blocks}
+    assert set(block_of) == {0, 1}, layout  # one block on each shard
+    config = WorkerConfig(rank=0, world_size=2, node_rank=0, num_nodes=2, servers=servers, security=SECURITY,
+                          job_id=f"gone-{uuid.uuid4().hex[:6]}", recovery_timeout_s=1.0, connect_timeout_s=10)
+    engine = CommEngine(config, "node-0", 2)
+    others = [ShardClient(a, "node-1", 2, layout, connect_timeout_s=10, security=SECURITY, job_id=config.job_id)
+              for a in servers]
+    try:
+        await asyncio.gather(asyncio.to_thread(engine.connect, layout), *[c.connect() for c in others])
+        payload = encode(torch.ones(64 * 64), Codec.FP32).to_bytes()
+        waiting = [asyncio.wrap_future(engine.submit(engine.push_pull(shard, block_of[shard], 0, payload)))
+                   for shard in (0, 1)]
+        await until(lambda: all(c.bytes_sent for c in engine.clients), 10, "node-0's pushes")
+        await shards[1].stop(drain=False)  # and not back: node-1 stops too, and never pushes to shard 0
+        gone = time.monotonic()
+        for shard in (0, 1):
+            with pytest.raises(ShardUnavailableError, match=f"shard {servers[1]} did not come back"):
+                await asyncio.wait_for(waiting[shard], 30)
+        assert time.monotonic() - gone < 1.0 + 15, "ended long after the recovery timeout"
+    finally:
+        for c in others:
+            await c.close()
+        await asyncio.to_thread(engine.close)
+
+
 # ---- control calls across a shard restart, in-process --------------------------------------------
 
 async def test_the_link_probe_and_codec_settings_are_made_again_after_a_shard_restart(start_shard) -> None:

@@ -129,6 +129,9 @@ class ShardClient(ConnectionSupervisor):
         # a result is at most its block's largest encoding: a shard cannot make us hold more
         self._max_result = {b.block_id: max_encoded_size(b.numel) for b in layout.blocks}
         self._error: CgxPsError | None = None
+        # told of the error that ends this connection (not of a close we asked for): the engine
+        # ends the job's exchanges on the other shards with it (CommEngine._one_shard_failed)
+        self.on_error: Callable[["ShardClient", CgxPsError], None] | None = None
         # recovery: what a new stream must carry, and the state of the current one
         self._unanswered: dict[tuple[int, int], _Unanswered] = {}  # pushed, no result yet; oldest first
         self._results: dict[int, tuple[int, Result]] = {}  # block -> (round, its result): for restores
@@ -445,10 +448,17 @@ class ShardClient(ConnectionSupervisor):
         if future is not None and not future.done():  # else: a second copy after a repair
             future.set_result(data)
 
+    def abandon(self, error: CgxPsError) -> None:
+        """End every exchange waiting on this shard with ``error``, which ended the job elsewhere
+        (another shard's connection): their rounds wait for nodes that stop now."""
+        self._fail_all(error)
+
     def _fail_all(self, error: CgxPsError) -> None:
         # The first error is the cause (an in-band RoundError comes before the ABORTED status).
         if self._error is None:
             self._error = error
+            if self.on_error is not None and not self._closing:
+                self.on_error(self, error)
         self._ready.clear()
         for future in self._waiting.values():
             if not future.done():

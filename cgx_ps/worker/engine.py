@@ -73,6 +73,8 @@ class CommEngine:
                                     recovery_timeout_s=self.config.recovery_timeout_s,
                                     dataplane=self.config.dataplane)
                         for a in self.config.servers]
+        for c in self.clients:
+            c.on_error = self._one_shard_failed
 
         async def connect_all() -> None:
             await asyncio.gather(*[c.connect() for c in self.clients])
@@ -83,6 +85,16 @@ class CommEngine:
                 raise ConfigError(f"CGX_PS_SERVERS[{i}]={c.address} is shard {c.registration.shard_index} of "
                                   f"{c.registration.num_shards}: list the shards in index order on every worker")
         self.round_timeout_s = max(c.registration.round_timeout_s for c in self.clients)
+
+    def _one_shard_failed(self, failed: ShardClient, error: CgxPsError) -> None:
+        """A shard's connection ended the job (not back within the recovery timeout, a failed
+        round, a refusal): the exchanges waiting on the other shards end with the same error now.
+        They would not complete: their rounds wait for the pushes of nodes that stop on this error
+        too. Left waiting, a front end that waits for a block of another shard first would report
+        that shard's round timeout (a minute by default) instead of the cause, that much later."""
+        for c in self.clients:
+            if c is not failed and c.error is None:
+                c.abandon(error)
 
     @property
     def session_id(self) -> str:
