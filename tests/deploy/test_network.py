@@ -29,6 +29,10 @@ def test_every_port_the_shard_listens_on_is_declared_in_the_service_and_admitted
     data plane the policy forgot, say) or a port admitted where nothing listens fails here. The
     one exception by design is the tls component's health port, which only the kubelet reaches
     (from the pod's node, always allowed), so it is in neither the Service nor a policy."""
+    assert_the_shards_listeners_are_declared_served_and_admitted(rel)
+
+
+def assert_the_shards_listeners_are_declared_served_and_admitted(rel: str) -> dict[str, int]:
     _, _, shard = shard_command(rel)
     listening = {"grpc": shard.port, "metrics": shard.metrics_port}
     if shard.data_port >= 0:
@@ -43,6 +47,24 @@ def test_every_port_the_shard_listens_on_is_declared_in_the_service_and_admitted
     p = peers(rel)
     admitted = {name for name in ports for peer in p.values() if admits(rel, "Ingress", p["shard"], peer, ports[name])}
     assert admitted == set(served)
+    return listening
+
+
+def test_no_data_plane_component_turns_the_plane_off_everywhere():
+    """optional/no-data-plane on a plaintext overlay: the shard starts without the plane, and its
+    port is gone from the pod, the Service and the policies (the tls component includes it)."""
+    tree = render_tree()
+    test_overlay = tree / "overlays" / "_test-no-data-plane"
+    test_overlay.mkdir(exist_ok=True)
+    (test_overlay / "kustomization.yaml").write_text(
+        "resources: [../cpu-local]\ncomponents: [../../optional/no-data-plane]\n")
+    rel = "overlays/_test-no-data-plane"
+    _renders[rel] = kustomize_build(test_overlay)
+    for obj in render(rel):
+        kubernetes_validate.validate(obj, MIN_K8S, strict=True)
+    assert set(assert_the_shards_listeners_are_declared_served_and_admitted(rel)) == {"grpc", "metrics"}
+    assert_only_workers_reach_the_shards_stream_ports(rel)
+    assert config(rel)["CGX_PS_DATA_PORT"] == "-1"
 
 
 @pytest.mark.parametrize("rel", RENDER_DIRS)
