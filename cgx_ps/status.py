@@ -6,7 +6,7 @@
 
 Per shard: health (SERVING, NOT_SERVING, or DOWN with the reason) from the open gRPC health
 service; from the Status RPC, which needs the job token (CGX_PS_TOKEN_FILE): the raw data plane's
-port (DATA PORT; "off" when the shard has none, and its workers stream over gRPC), the session and its
+port (DATA; "off" when the shard has none, and its workers stream over gRPC), the session and its
 job, members (nodes x local ranks), rounds completed, bytes in/out per second, in-flight bytes
 against the cap, and the shard's last logged error. Rates are counter differences over the
 shard's own clock between two samples: consecutive refreshes with --watch, otherwise two samples
@@ -147,7 +147,7 @@ def _row(r: ShardReport) -> list[str]:
             f"{_bytes(s.inflight_bytes)}/{_bytes(s.max_inflight_bytes)}", str(s.rounds_failed), error or "-"]
 
 
-_HEADER = ["SHARD", "ADDRESS", "HEALTH", "DATA PORT", "SESSION JOB", "NODES x RANKS", "ROUNDS", "IN", "OUT",
+_HEADER = ["SHARD", "ADDRESS", "HEALTH", "DATA", "SESSION JOB", "NODES x RANKS", "ROUNDS", "IN", "OUT",
            "IN-FLIGHT/CAP", "FAILED", "LAST ERROR"]
 
 
