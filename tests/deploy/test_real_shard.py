@@ -93,7 +93,7 @@ def test_real_shard_with_the_manifest_environment(tmp_path):
         docs = (REPO / "docs" / "deploy.md").read_text()
         for metric in ("cgx_ps_bytes_in_total", "cgx_ps_rounds_total", "cgx_ps_round_latency_seconds",
                        "cgx_ps_last_node_wait_seconds", "cgx_ps_compression_ratio",
-                       "cgx_ps_connected_nodes"):
+                       "cgx_ps_connected_nodes", "cgx_ps_exchange_streams"):
             assert metric in text, f"{metric} not exported"
             assert metric in docs, f"{metric} not described in docs/deploy.md"
         stop_within_grace(proc, env, sts)
