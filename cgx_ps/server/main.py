@@ -20,9 +20,9 @@ from .. import timeline
 from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
 from .allocator import keep_freed_memory
-from .fdlimit import FdAction, raise_fd_limit
 from .config import GRPC_OPTIONS, ServerConfig
 from .dataplane import DataPlane
+from .fdlimit import FdAction, raise_fd_limit
 from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from cgx_ps import wait_for_shards as wfs  # the init container's command, `cgx-ps wait-for-shards`
@@ -128,7 +127,7 @@ def _streams_by_plane(metrics_port: int) -> dict[str, float]:
 
 async def test_workers_as_the_job_configures_them_stream_over_the_data_plane(tmp_path):
     """cpu-local's shard with its rendered arguments (its data port made free for this shared
-    machine) and two workers with the Job's environment: they keep CGX_PS_DATAPLANE's default,
+    machine) and its Job's workers, with their environment: they keep CGX_PS_DATAPLANE's default,
     auto, and take the plane the shard advertises; their round's sums are exact; the shard's
     metrics count their streams as raw and `cgx-ps status` shows its data port."""
     rel = "overlays/cpu-local"
@@ -144,19 +143,19 @@ async def test_workers_as_the_job_configures_them_stream_over_the_data_plane(tmp
         layout = make_layout(shards=int(env["CGX_PS_NUM_SHARDS"]))
         owned = [b for b in layout.blocks if b.shard == 0]
         assert owned
-        address = f"127.0.0.1:{ports['port']}"
-        workers = [ShardClient(address, f"node-{i}", 2, layout, connect_timeout_s=20, security=security,
-                               dataplane=dataplane) for i in range(2)]
+        address, nodes = f"127.0.0.1:{ports['port']}", int(env["CGX_PS_NUM_NODES"])
+        workers = [ShardClient(address, f"node-{i}", nodes, layout, connect_timeout_s=20, security=security,
+                               dataplane=dataplane) for i in range(nodes)]
         try:
             for w in workers:
                 await w.connect()
-            pushed = {b.block_id: [encode_block(b, torch.randn(b.numel), seed=i) for i in range(2)] for b in owned}
+            pushed = {b.block_id: [encode_block(b, torch.randn(b.numel), seed=i) for i in range(nodes)] for b in owned}
             results = await asyncio.wait_for(asyncio.gather(*[w.exchange(b.block_id, 0, pushed[b.block_id][i])
                                                               for i, w in enumerate(workers) for b in owned]), 60)
             for k, result in enumerate(results):
                 block = owned[k % len(owned)]
                 check_aggregate(block, pushed[block.block_id], result)
-            assert _streams_by_plane(ports["metrics_port"]) == {"raw": 2, "grpc": 0}
+            assert _streams_by_plane(ports["metrics_port"]) == {"raw": nodes, "grpc": 0}
         finally:
             await close(workers)
         report = probe(0, address, security, int(env["CGX_PS_NUM_SHARDS"]))
