@@ -5,7 +5,8 @@
     cgx-ps status --json           one JSON object per refresh, for scripts
 
 Per shard: health (SERVING, NOT_SERVING, or DOWN with the reason) from the open gRPC health
-service; from the Status RPC, which needs the job token (CGX_PS_TOKEN_FILE): the session and its
+service; from the Status RPC, which needs the job token (CGX_PS_TOKEN_FILE): the raw data plane's
+port (DATA; "off" when the shard has none, and its workers stream over gRPC), the session and its
 job, members (nodes x local ranks), rounds completed, bytes in/out per second, in-flight bytes
 against the cap, and the shard's last logged error. Rates are counter differences over the
 shard's own clock between two samples: consecutive refreshes with --watch, otherwise two samples
@@ -126,7 +127,7 @@ def _bytes(n: float) -> str:
 def _row(r: ShardReport) -> list[str]:
     s = r.status
     if s is None:
-        return [str(r.index), r.address, r.health] + ["-"] * 7 + ["; ".join(r.problems) or r.health_detail]
+        return [str(r.index), r.address, r.health] + ["-"] * 8 + ["; ".join(r.problems) or r.health_detail]
     state = ps_pb2.SessionState.Name(s.session_state).removeprefix("SESSION_STATE_").lower()
     members = "-"
     if s.nodes_registered:
@@ -139,14 +140,14 @@ def _row(r: ShardReport) -> list[str]:
     error = "; ".join(r.problems)
     if s.last_error:
         error = (error + "; " if error else "") + f"{s.last_error} ({s.last_error_age_s:.0f}s ago)"
-    return [str(r.index), r.address, "DRAINING" if s.draining else r.health,
+    return [str(r.index), r.address, "DRAINING" if s.draining else r.health, str(s.data_port or "off"),
             state + (f" {s.job_id}" if s.job_id else ""), members, rounds,
             _bytes(r.rates["bytes_in"]) + "/s" if "bytes_in" in r.rates else "-",
             _bytes(r.rates["bytes_out"]) + "/s" if "bytes_out" in r.rates else "-",
             f"{_bytes(s.inflight_bytes)}/{_bytes(s.max_inflight_bytes)}", str(s.rounds_failed), error or "-"]
 
 
-_HEADER = ["SHARD", "ADDRESS", "HEALTH", "SESSION JOB", "NODES x RANKS", "ROUNDS", "IN", "OUT",
+_HEADER = ["SHARD", "ADDRESS", "HEALTH", "DATA", "SESSION JOB", "NODES x RANKS", "ROUNDS", "IN", "OUT",
            "IN-FLIGHT/CAP", "FAILED", "LAST ERROR"]
 
 

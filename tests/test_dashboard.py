@@ -29,6 +29,7 @@ REQUIRED = {
     "round latency histogram": "cgx_ps_round_latency_seconds_bucket",
     "refused pushes": "cgx_ps_pushes_total",
     "sessions": "cgx_ps_session_state",
+    "streams by plane (raw data plane or gRPC)": "cgx_ps_exchange_streams",
     "worker step time": "cgx_ps_worker_step_seconds_bucket",
     "exposed communication": "cgx_ps_worker_exposed_comm_seconds_sum",
     "bytes pushed": "cgx_ps_worker_bytes_pushed_total",

@@ -452,3 +452,37 @@ async def test_the_raw_stream_tries_every_address_of_the_shards_name(shard: Shar
         await _until(lambda: len(shard.dataplane.connections) == 1 and not shard.dataplane.pending)
     finally:
         call.cancel()
+
+
+async def test_the_metrics_count_open_streams_by_plane(start_shard) -> None:
+    """An operator sees which plane the workers use: cgx_ps_exchange_streams{plane} counts the
+    streams open on each, both series there from the start, and each falls back when its
+    streams end."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    shard = await start_shard(metrics_port=0)
+
+    def streams() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{shard.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        (family,) = [f for f in text_string_to_metric_families(text) if f.name == "cgx_ps_exchange_streams"]
+        assert all(s.labels["shard"] == "0" for s in family.samples)
+        return {s.labels["plane"]: s.value for s in family.samples}
+
+    assert streams() == {"grpc": 0, "raw": 0}
+    # three nodes of one session: two stream over the plane, one over gRPC
+    members = [ShardClient(f"127.0.0.1:{shard.port}", f"node-{i}", 3, LAYOUT, connect_timeout_s=5, security=SECURITY,
+                           dataplane=plane) for i, plane in enumerate(("raw", "raw", "grpc"))]
+    try:
+        for c in members:
+            await c.connect()
+        await _until(lambda: streams() == {"grpc": 1, "raw": 2}, timeout_s=20)
+        _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        assert len(results) == 3 and all(len(r) == len(LAYOUT.blocks) for r in results)
+        await members[0].close()
+        await _until(lambda: streams() == {"grpc": 1, "raw": 1}, timeout_s=20)
+    finally:
+        await close(members)
+    await _until(lambda: streams() == {"grpc": 0, "raw": 0}, timeout_s=20)

@@ -165,7 +165,7 @@ async def test_probe_names_shards_listed_out_of_order(start_shard):
         reports = await asyncio.to_thread(probe_all, [f"127.0.0.1:{b.port}", f"127.0.0.1:{a.port}"], SECURITY)
         assert not any(r.ok for r in reports)
         assert "listed as shard 0 of 2, but it is shard 1 of 2" in reports[0].problems[0]
-        table = render_table(reports)
+        table = render_table(reports, width=10_000)  # as the CLI prints it off a terminal (on one: its width)
         assert "CGX_PS_SERVERS must list the shards in index order" in table
     finally:
         await a.stop(drain=False)
@@ -195,7 +195,7 @@ def cgx_ps(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.C
 
 @contextlib.contextmanager
 def shard_process(tmp_path: Path, *args: str):
-    """`cgx-ps server` with a token on port 0; yields its address."""
+    """`cgx-ps server` with a token on port 0; yields its address and its port file's contents."""
     port_file = tmp_path / f"ports-{time.monotonic_ns()}.json"
     proc = subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
                              "--metrics-port", "-1", "--token-file", TOKEN_FILE, "--kernel-threads", "1",
@@ -206,7 +206,7 @@ def shard_process(tmp_path: Path, *args: str):
             info = wait_for_port_file(proc, port_file, time.monotonic() + 60)
         except (RuntimeError, TimeoutError) as exc:
             raise AssertionError(f"shard {exc}: {proc.stderr.read()}") from None
-        yield f"127.0.0.1:{info['port']}", proc
+        yield f"127.0.0.1:{info['port']}", info
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -215,14 +215,17 @@ def shard_process(tmp_path: Path, *args: str):
 
 def test_cgx_ps_status_command(tmp_path):
     """A user's first look: the exit code gates readiness, each shard gets one line."""
-    with shard_process(tmp_path, "--shard-index", "0", "--num-shards", "2") as (a, _), \
+    with shard_process(tmp_path, "--shard-index", "0", "--num-shards", "2", "--data-port", "0") as (a, ports), \
             shard_process(tmp_path, "--shard-index", "1", "--num-shards", "2") as (b, _):
         env = {"CGX_PS_SERVERS": f"{a},{b}", "CGX_PS_TOKEN_FILE": TOKEN_FILE}
         ok = cgx_ps("status", env=env)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         lines = ok.stdout.splitlines()
         assert lines[0].endswith("2/2 shards OK") and lines[1].split()[:3] == ["SHARD", "ADDRESS", "HEALTH"]
-        assert lines[2].split()[:4] == ["0", a, "SERVING", "none"] and lines[3].split()[:3] == ["1", b, "SERVING"]
+        # the data port: shard 0's raw data plane, shard 1 has none (its workers stream over gRPC)
+        assert ports["data_port"] > 0
+        assert lines[2].split()[:5] == ["0", a, "SERVING", str(ports["data_port"]), "none"]
+        assert lines[3].split()[:5] == ["1", b, "SERVING", "off", "none"]
         assert "B/s" in lines[2]  # two samples: rates
 
         as_json = cgx_ps("status", "--json", "--sample", "0", env=env)
@@ -230,6 +233,7 @@ def test_cgx_ps_status_command(tmp_path):
         doc = json.loads(as_json.stdout)
         assert doc["ok"] and [s["status"]["shard_index"] for s in doc["shards"]] == [0, 1]
         assert doc["shards"][0]["status"]["session_state"] == "SESSION_STATE_NONE"
+        assert [s["status"]["data_port"] for s in doc["shards"]] == [ports["data_port"], 0]
 
         no_token = cgx_ps("status", "--sample", "0", env={"CGX_PS_SERVERS": f"{a},{b}"})
         assert no_token.returncode == 1

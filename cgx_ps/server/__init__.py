@@ -17,6 +17,7 @@
     tls.py         server TLS whose certificate files may be rotated under a running shard
     main.py        the process: uvloop, health, metrics, graceful drain
     allocator.py   the process's malloc thresholds: a round's freed buffers kept for the next
+    fdlimit.py     the process's open-file limit: raised to what the caps' connections need, or a refusal
     status.py      the Status RPC (`cgx-ps status`) and the session gauges
     cluster.py     several local shard processes (development, demo, tests)
 """

@@ -312,7 +312,7 @@ class DataPlane:
                 raise BadRequest(preface.problem)
             self.promote(connection)
             context = _PlaneContext(connection, preface.token)
-            await self.gate.run("Exchange", context, lambda: self.service.Exchange(context))
+            await self.gate.run("Exchange", context, lambda: self.service.Exchange(context, plane="raw"))
             await context.end(grpc.StatusCode.OK)
         except ProtocolError as exc:  # the preface's refusals (the gate maps everything after it)
             self.gate.log.warning("refused:dataplane", "data plane connection from %s refused: %s", connection.peer,

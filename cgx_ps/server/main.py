@@ -22,6 +22,7 @@ from ..security import CredentialError, read_token
 from .allocator import keep_freed_memory
 from .config import GRPC_OPTIONS, ServerConfig
 from .dataplane import DataPlane
+from .fdlimit import FdAction, raise_fd_limit
 from .metrics import ShardMetrics
 from .rpc import SERVICE_NAME, add_parameter_server
 from .service import ParameterServerService
@@ -228,6 +229,13 @@ def run_server(args: argparse.Namespace) -> int:
         raise SystemExit(f"cgx-ps server: {exc}") from None
     setup_logging(config.log_level, config.shard_index)
     keep_freed_memory()  # this process is a shard: its buffers come back every round (allocator.py)
+    fds = raise_fd_limit(config)  # this process is a shard: its caps' connections need descriptors (fdlimit.py)
+    if fds.action is FdAction.REFUSE:
+        log.error("cannot start: %s", fds.problem)
+        return 2
+    if fds.action is FdAction.RAISE:
+        log.info("open-file limit raised to %d for the caps (--max-concurrent-rpcs %d)", fds.soft,
+                 config.max_concurrent_rpcs)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["ShardMetrics"]
+__all__ = ["PLANES", "ShardMetrics"]
+
+# How an Exchange stream reaches the shard: its gRPC port, or the raw data plane (--data-port)
+PLANES = ("grpc", "raw")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -35,6 +38,12 @@ class ShardMetrics:
                                        ["shard"], registry=r).labels(**labels)
         self.connected_nodes = Gauge("cgx_ps_connected_nodes", "Nodes with an open Exchange stream",
                                      ["shard"], registry=r).labels(**labels)
+        # Both planes' series exist from the start: an operator reads "0 raw streams" as the workers
+        # not using the plane (a NetworkPolicy without the data port, CGX_PS_DATAPLANE=grpc, TLS),
+        # where a missing series would read as no data.
+        streams = Gauge("cgx_ps_exchange_streams", "Exchange streams open, by plane (grpc: the gRPC port, raw: "
+                        "the raw data plane)", ["shard", "plane"], registry=r)
+        self.exchange_streams = {plane: streams.labels(plane=plane, **labels) for plane in PLANES}
         self.inflight_bytes = Gauge("cgx_ps_inflight_bytes", "Pushed bytes buffered, not yet summed",
                                     ["shard"], registry=r).labels(**labels)
         self.block_bits = Gauge("cgx_ps_block_bits", "Bits per element a block travels with since the last "

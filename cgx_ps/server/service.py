@@ -107,19 +107,22 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     # ---- Exchange -------------------------------------------------------------------------------
 
-    async def Exchange(self, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Exchange(self, context: grpc.aio.ServicerContext, plane: str = "grpc") -> None:  # noqa: N802
+        """One node's stream; ``plane``: how it came (metrics.PLANES: the gRPC port, or the raw data plane)."""
         first = await _first_message(context, ps_pb2.ExchangeRequest)
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
             raise BadRequest("the first message must be a Hello")
         session = self._session_of(first.hello)
         stream = session.open_stream(first.hello.node_id, first.hello.member)
         self.metrics.connected_nodes.inc()
+        self.metrics.exchange_streams[plane].inc()
         reader = asyncio.create_task(self._read_pushes(context, session, stream))
         try:
             await stream.write_results(context.write, self.config.round_timeout_s)
         finally:
             reader.cancel()
             self.metrics.connected_nodes.dec()
+            self.metrics.exchange_streams[plane].dec()
             session.close_stream(stream)
         if stream.error is not None:
             await context.abort(*grpc_status(stream.error))

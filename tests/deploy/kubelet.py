@@ -112,3 +112,31 @@ def init_args(init: dict, *extra: str):
     argv = dockerfile_entrypoint(DEPLOY / "Dockerfile") + list(init["args"]) + list(extra)
     assert argv[0] == "cgx-ps"
     return cli.build_parser().parse_args(argv[1:])
+
+
+def shard_command(rel: str, shard_index: str = "1"):
+    """The shard container of ``rel`` as its pod runs it: (its arguments parsed by the real CLI,
+    its environment, the ServerConfig ``cgx-ps server`` builds from them). The CLI reads its
+    defaults from the environment when its parser is built, so the parse sees the pod's
+    environment and nothing of this process's; building the config raises where the shard would
+    refuse to start (--data-port with --tls-cert, say)."""
+    import os
+
+    import pytest
+
+    from cgx_ps import cli
+    from cgx_ps.server.config import ServerConfig
+
+    from .manifests import SHARD_INDEX_FIELD, container, shard_sts
+
+    c = container(shard_sts(rel), "shard")
+    env = container_env(rel, c, {SHARD_INDEX_FIELD: shard_index})
+    argv = (c.get("command") or dockerfile_entrypoint(DEPLOY / "Dockerfile")) + expanded_args(c, env)
+    assert argv[0] == "cgx-ps"
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("CGX_PS_")]:
+            mp.delenv(key)
+        for key, value in env.items():
+            mp.setenv(key, value)
+        args = cli.build_parser().parse_args(argv[1:])
+    return args, env, ServerConfig.from_flags(vars(args))

@@ -108,14 +108,22 @@ DNS_PORT = {"name": "dns", "containerPort": 53, "protocol": "UDP"}
 HTTPS_PORT = {"name": "https", "containerPort": 443}
 
 
-def assert_only_workers_reach_the_shards_grpc_port(rel: str) -> None:
+# The shard ports its workers stream on: gRPC, and the raw data plane where the shard has one.
+STREAM_PORTS = ("grpc", "data")
+
+
+def assert_only_workers_reach_the_shards_stream_ports(rel: str) -> None:
+    """Workers, and nobody else, reach the shard's gRPC port and its data plane (where it has
+    one: not with the tls component), and the monitoring namespace its metrics; nothing else."""
     p, ports = peers(rel), shard_ports(rel)
     shard = p["shard"]
     allowed = {(name, port) for name in p for port in ports
                if admits(rel, "Ingress", shard, p[name], ports[port])}
-    assert allowed == {("worker", "grpc"), ("monitoring", "metrics")}, allowed
+    streams = [port for port in STREAM_PORTS if port in ports]
+    assert allowed == {("monitoring", "metrics"), *(("worker", port) for port in streams)}, allowed
     # ... and the worker's side lets it out (egress is open unless optional/worker-egress).
-    assert admits(rel, "Egress", p["worker"], shard, ports["grpc"])
+    for port in streams:
+        assert admits(rel, "Egress", p["worker"], shard, ports[port]), port
     # Rule ports are names of the shard container's ports, so they follow cgx-ps-config.
     for policy in policies_for(rel, shard.labels, "Ingress"):
         for rule in policy["spec"].get("ingress") or []:

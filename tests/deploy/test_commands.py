@@ -3,7 +3,6 @@ commands it feeds, parsed by the real cgx-ps CLI, torchrun and the training scri
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from cgx_ps.addresses import servers_from_env
 from cgx_ps.examples import train as example_train  # the Job's training script (/app/examples/train.py)
 
 from .dockerfiles import dockerfile_entrypoint, dockerfile_instructions
-from .kubelet import container_env, expanded_args, init_args, parse_quantity, secret_file
+from .kubelet import container_env, expanded_args, init_args, parse_quantity, secret_file, shard_command
 from .manifests import (DEPLOY, JOB_ID_FIELD, NODE_RANK_FIELD, RENDER_DIRS, REPO, SHARD_INDEX_FIELD, TLS_DIRS,
                         all_containers, config, container, one, shard_sts, worker_job)
 
@@ -35,12 +34,15 @@ def test_counts_and_ports_agree_with_the_configmap(rel):
     expected = {"grpc": port, "metrics": metrics_port}
     if rel in TLS_DIRS:   # the kubelet probes a plaintext health-only port (test_tls_probes_...)
         expected["health"] = int(cfg["CGX_PS_HEALTH_PORT"])
+        assert cfg["CGX_PS_DATA_PORT"] == "-1"   # no raw data plane under TLS
+    else:
+        expected["data"] = int(cfg["CGX_PS_DATA_PORT"])
     assert ports == expected
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe_port = c[probe]["grpc"]["port"]
         assert isinstance(probe_port, int) and probe_port == expected.get("health", port), probe
     svc_ports = {p["name"]: p["port"] for p in one(rel, "Service", "cgx-ps-shard")["spec"]["ports"]}
-    assert svc_ports == {"grpc": port, "metrics": metrics_port}
+    assert svc_ports == {name: number for name, number in expected.items() if name != "health"}
     ann = sts["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true"
     assert ann["prometheus.io/port"] == str(metrics_port)
@@ -80,21 +82,12 @@ def test_image_entrypoint_is_the_cli():
 
 
 @pytest.mark.parametrize("rel", RENDER_DIRS)
-def test_shard_command_parses_with_the_cli(rel, monkeypatch):
-    from cgx_ps import cli
-
+def test_shard_command_parses_with_the_cli(rel):
     cfg = config(rel)
     sts = shard_sts(rel)
     c = container(sts, "shard")
-    env = container_env(rel, c, {SHARD_INDEX_FIELD: "1"})
-    argv = (c.get("command") or dockerfile_entrypoint(DEPLOY / "Dockerfile")) + expanded_args(c, env)
-    assert argv[0] == "cgx-ps"
-    # The CLI reads its defaults from the environment when the parser is built.
-    for key in [k for k in os.environ if k.startswith("CGX_PS_")]:
-        monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    args = cli.build_parser().parse_args(argv[1:])
+    # the CLI's parse and the ServerConfig it builds: raises where the shard would refuse to start
+    args, env, server_config = shard_command(rel)
     assert args.command == "server"
     assert args.host == "0.0.0.0"
     assert args.port == int(cfg["CGX_PS_PORT"])
@@ -116,9 +109,14 @@ def test_shard_command_parses_with_the_cli(rel, monkeypatch):
             env["CGX_PS_TLS_CERT"], env["CGX_PS_TLS_KEY"], env["CGX_PS_TLS_CLIENT_CA"])
         assert args.health_port == int(cfg["CGX_PS_HEALTH_PORT"]) > 0
         assert args.health_port not in (args.port, args.metrics_port)
+        # the raw data plane is plaintext: off under TLS (a shard given both refuses to start)
+        assert args.data_port == server_config.data_port == -1
     else:
         assert not (args.tls_cert or args.tls_key or args.tls_client_ca)
         assert args.health_port == -1
+        # the raw data plane on, on its own port: the workers' auto takes it
+        assert args.data_port == server_config.data_port == int(cfg["CGX_PS_DATA_PORT"]) > 0
+        assert args.data_port not in (args.port, args.metrics_port)
     assert not args.metrics_host or args.metrics_host == args.host
 
 

@@ -7,19 +7,64 @@ import json
 
 import pytest
 
-from .kubelet import container_env
+from .kubelet import container_env, shard_command
 from .manifests import (DEPLOY, DOWNWARD, MIN_K8S, MONITORING_LABEL, RENDER_DIRS, REPO, TOKEN_SECRET, _renders, config,
                         container, is_custom_resource, kustomize_build, objects, one, render, render_tree, worker_job,
                         workloads)
-from .netpol import (DNS_PORT, HTTPS_PORT, admits, assert_only_workers_reach_the_shards_grpc_port, peers, selects,
+from .netpol import (DNS_PORT, HTTPS_PORT, admits, assert_only_workers_reach_the_shards_stream_ports, peers, selects,
                      shard_ports)
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 
 @pytest.mark.parametrize("rel", RENDER_DIRS)
-def test_networkpolicy_admits_only_workers_to_the_shards_grpc_port(rel):
-    assert_only_workers_reach_the_shards_grpc_port(rel)
+def test_networkpolicy_admits_only_workers_to_the_shards_stream_ports(rel):
+    assert_only_workers_reach_the_shards_stream_ports(rel)
+
+
+@pytest.mark.parametrize("rel", RENDER_DIRS)
+def test_every_port_the_shard_listens_on_is_declared_in_the_service_and_admitted(rel):
+    """The ports the shard's own CLI opens from the rendered command, against the pod's
+    containerPorts, the Service and the NetworkPolicy: a listener missing from any of them (a
+    data plane the policy forgot, say) or a port admitted where nothing listens fails here. The
+    one exception by design is the tls component's health port, which only the kubelet reaches
+    (from the pod's node, always allowed), so it is in neither the Service nor a policy."""
+    assert_the_shards_listeners_are_declared_served_and_admitted(rel)
+
+
+def assert_the_shards_listeners_are_declared_served_and_admitted(rel: str) -> dict[str, int]:
+    _, _, shard = shard_command(rel)
+    listening = {"grpc": shard.port, "metrics": shard.metrics_port}
+    if shard.data_port >= 0:
+        listening["data"] = shard.data_port
+    if shard.health_port >= 0:
+        listening["health"] = shard.health_port
+    ports = shard_ports(rel)
+    assert {name: port["containerPort"] for name, port in ports.items()} == listening
+    served = {name: number for name, number in listening.items() if name != "health"}
+    service_ports = one(rel, "Service", "cgx-ps-shard")["spec"]["ports"]
+    assert {p["targetPort"]: p["port"] for p in service_ports} == served
+    p = peers(rel)
+    admitted = {name for name in ports for peer in p.values() if admits(rel, "Ingress", p["shard"], peer, ports[name])}
+    assert admitted == set(served)
+    return listening
+
+
+def test_no_data_plane_component_turns_the_plane_off_everywhere():
+    """optional/no-data-plane on a plaintext overlay: the shard starts without the plane, and its
+    port is gone from the pod, the Service and the policies (the tls component includes it)."""
+    tree = render_tree()
+    test_overlay = tree / "overlays" / "_test-no-data-plane"
+    test_overlay.mkdir(exist_ok=True)
+    (test_overlay / "kustomization.yaml").write_text(
+        "resources: [../cpu-local]\ncomponents: [../../optional/no-data-plane]\n")
+    rel = "overlays/_test-no-data-plane"
+    _renders[rel] = kustomize_build(test_overlay)
+    for obj in render(rel):
+        kubernetes_validate.validate(obj, MIN_K8S, strict=True)
+    assert set(assert_the_shards_listeners_are_declared_served_and_admitted(rel)) == {"grpc", "metrics"}
+    assert_only_workers_reach_the_shards_stream_ports(rel)
+    assert config(rel)["CGX_PS_DATA_PORT"] == "-1"
 
 
 @pytest.mark.parametrize("rel", RENDER_DIRS)
@@ -56,9 +101,9 @@ def test_worker_egress_component_allows_only_shards_and_dns():
     allowed = {(name, port["name"]) for name in p
                for port in (*ports.values(), DNS_PORT, {**DNS_PORT, "protocol": "TCP"}, HTTPS_PORT)
                if admits(rel, "Egress", worker, p[name], port)}
-    assert allowed == {("shard", "grpc"), ("dns", "dns")}, allowed
+    assert allowed == {("shard", "grpc"), ("shard", "data"), ("dns", "dns")}, allowed
     # The ingress side is the base's.
-    assert_only_workers_reach_the_shards_grpc_port(rel)
+    assert_only_workers_reach_the_shards_stream_ports(rel)
 
 
 GRAFANA_COMPONENT = "optional/grafana"
@@ -100,7 +145,7 @@ def test_grafana_component_provisions_the_dashboard_and_worker_metrics(base):
     allowed = {name for name in p if admits(rel, "Ingress", p["worker"], p[name], metrics_port)}
     assert allowed == {"monitoring"}, allowed
     assert not admits(rel, "Ingress", p["worker"], p["monitoring"], HTTPS_PORT)
-    assert_only_workers_reach_the_shards_grpc_port(rel)
+    assert_only_workers_reach_the_shards_stream_ports(rel)
 
 
 def test_docs_describe_the_security_setup():

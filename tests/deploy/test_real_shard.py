@@ -1,8 +1,10 @@
 """The real shard, started the way the StatefulSet starts it (on loopback): health, metrics and
-a clean exit within the grace period, in plaintext and with mutual TLS."""
+a clean exit within the grace period, in plaintext and with mutual TLS; and a worker configured
+as the Job configures it, streaming over the shard's raw data plane."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -13,13 +15,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from cgx_ps import wait_for_shards as wfs  # the init container's command, `cgx-ps wait-for-shards`
 from cgx_ps.security import ChannelSecurity
 from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file
+from cgx_ps.status import probe
+from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.config import WorkerConfig
+from rounds import check_aggregate, close, encode_block, make_layout
 
 from .kubelet import container_env, expanded_args, materialize
-from .manifests import DOWNWARD, REPO, SHARD_INDEX_FIELD, TOKEN_KEY, container, pod_spec, shard_sts, worker_job
+from .manifests import DOWNWARD, REPO, SHARD_INDEX_FIELD, TOKEN_KEY, config, container, pod_spec, shard_sts, worker_job
 
 
 @contextlib.contextmanager
@@ -38,6 +46,8 @@ def real_shard(tmp_path: Path, rel: str, files: dict[str, bytes]):
     args[args.index("--host") + 1] = "127.0.0.1"
     args[args.index("--port") + 1] = "0"
     args[args.index("--metrics-port") + 1] = "0"
+    if "--data-port" in args and int(args[args.index("--data-port") + 1]) >= 0:
+        args[args.index("--data-port") + 1] = "0"
     if "CGX_PS_HEALTH_PORT" in env:
         env["CGX_PS_HEALTH_PORT"] = "0"
     port_file = tmp_path / "ports.json"
@@ -82,7 +92,7 @@ def test_real_shard_with_the_manifest_environment(tmp_path):
         docs = (REPO / "docs" / "deploy.md").read_text()
         for metric in ("cgx_ps_bytes_in_total", "cgx_ps_rounds_total", "cgx_ps_round_latency_seconds",
                        "cgx_ps_last_node_wait_seconds", "cgx_ps_compression_ratio",
-                       "cgx_ps_connected_nodes"):
+                       "cgx_ps_connected_nodes", "cgx_ps_exchange_streams"):
             assert metric in text, f"{metric} not exported"
             assert metric in docs, f"{metric} not described in docs/deploy.md"
         stop_within_grace(proc, env, sts)
@@ -105,4 +115,50 @@ def test_real_shard_with_the_tls_manifest_environment(tmp_path, pki):
         no_client_cert = ChannelSecurity(tls_ca=worker_env["CGX_PS_TLS_CA"],
                                              server_name=worker_env["CGX_PS_TLS_SERVER_NAME"])
         assert not wfs.wait([grpc_address], timeout=1, security=no_client_cert, **quiet)
+        stop_within_grace(proc, env, sts)
+
+
+def _streams_by_plane(metrics_port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["plane"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "cgx_ps_exchange_streams" for s in f.samples}
+
+
+async def test_workers_as_the_job_configures_them_stream_over_the_data_plane(tmp_path):
+    """cpu-local's shard with its rendered arguments (its data port made free for this shared
+    machine) and its Job's workers, with their environment: they keep CGX_PS_DATAPLANE's default,
+    auto, and take the plane the shard advertises; their round's sums are exact; the shard's
+    metrics count their streams as raw and `cgx-ps status` shows its data port."""
+    rel = "overlays/cpu-local"
+    assert int(config(rel)["CGX_PS_DATA_PORT"]) > 0
+    with real_shard(tmp_path, rel, {TOKEN_KEY: TEST_TOKEN}) as (proc, ports, env, sts):
+        assert ports["data_port"] > 0, f"the rendered shard opened no data plane: {ports}"
+        worker = container(worker_job(rel), "worker")
+        worker_env = materialize(container_env(rel, worker, DOWNWARD), tmp_path / "worker", {TOKEN_KEY: TEST_TOKEN})
+        dataplane = WorkerConfig.from_env(worker_env).dataplane
+        assert dataplane == "auto"
+        security = ChannelSecurity.from_env(worker_env)
+        # the Job's layout: sharded over every shard; this one (index 0) serves its own blocks
+        layout = make_layout(shards=int(env["CGX_PS_NUM_SHARDS"]))
+        owned = [b for b in layout.blocks if b.shard == 0]
+        assert owned
+        address, nodes = f"127.0.0.1:{ports['port']}", int(env["CGX_PS_NUM_NODES"])
+        workers = [ShardClient(address, f"node-{i}", nodes, layout, connect_timeout_s=20, security=security,
+                               dataplane=dataplane) for i in range(nodes)]
+        try:
+            for w in workers:
+                await w.connect()
+            pushed = {b.block_id: [encode_block(b, torch.randn(b.numel), seed=i) for i in range(nodes)] for b in owned}
+            results = await asyncio.wait_for(asyncio.gather(*[w.exchange(b.block_id, 0, pushed[b.block_id][i])
+                                                              for i, w in enumerate(workers) for b in owned]), 60)
+            for k, result in enumerate(results):
+                block = owned[k % len(owned)]
+                check_aggregate(block, pushed[block.block_id], result)
+            assert _streams_by_plane(ports["metrics_port"]) == {"raw": nodes, "grpc": 0}
+        finally:
+            await close(workers)
+        report = probe(0, address, security, int(env["CGX_PS_NUM_SHARDS"]))
+        assert report.ok, report.problems
+        assert report.status.data_port == ports["data_port"]
         stop_within_grace(proc, env, sts)
