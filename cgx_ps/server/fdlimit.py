@@ -12,9 +12,11 @@ dropped their raised limits for systemd's default of 1024 soft, 524288 hard, lea
 program that needs more descriptors to raise its own soft limit.
 
 So ``run_server`` raises the soft limit as far as the caps need (never past the hard limit, which
-only root may raise), and refuses to start when even the hard limit is too low: the error names
-the numbers and the flag that lowers the need. Only for the shard process, as
-server/allocator.py: a library must not change its host process's limits.
+only root may raise). When even the hard limit is too low it raises the soft limit to the hard
+one and warns, naming the numbers and the flag that lowers the need: the caps are ceilings against
+hostile or runaway clients, an honest job holds a few connections per node, and a plain
+``cgx-ps server`` (1024 calls) on a host whose hard limit is 1024 must start. Only for the shard
+process, as server/allocator.py: a library must not change its host process's limits.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ _MIN_CALLS = 8  # the least --max-concurrent-rpcs ServerConfig takes
 class FdAction(enum.Enum):
     KEEP = "keep"  # the soft limit already covers the need
     RAISE = "raise"  # set the soft limit to ``FdLimit.soft``
-    REFUSE = "refuse"  # even the hard limit is below the need: do not start
+    SHORT = "short"  # even the hard limit is below the need: run at the hard limit, and warn
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class FdLimit:
     action: FdAction
     needed: int
     soft: int  # the soft limit to run with
-    problem: str = ""  # why the shard refuses to start (REFUSE)
+    problem: str = ""  # what the shard may refuse at its caps, and what to change (SHORT)
 
 
 def fds_needed(config: ServerConfig) -> int:
@@ -71,22 +73,24 @@ def decide_fd_limit(config: ServerConfig, soft: int, hard: int) -> FdLimit:
     lower = f" or lower --max-concurrent-rpcs to {fits} or less" if fits >= _MIN_CALLS else ""
     plane = (" (as many calls on the gRPC port, streams on the data plane and connections waiting there for "
              "their preface: --data-port)" if config.data_port >= 0 else "")
-    return FdLimit(FdAction.REFUSE, needed, soft, problem=(
-        f"the open-file limit is too low: --max-concurrent-rpcs {config.max_concurrent_rpcs} needs up to "
-        f"{needed} file descriptors{plane}, but the hard limit (ulimit -Hn) is {hard}. Raise the hard limit "
-        f"(LimitNOFILE, docker --ulimit nofile, the container runtime's default){lower}"))
+    return FdLimit(FdAction.SHORT, needed, hard, problem=(
+        f"the open-file limit is too low for the caps: --max-concurrent-rpcs {config.max_concurrent_rpcs} needs "
+        f"up to {needed} file descriptors{plane}, but the hard limit (ulimit -Hn) is {hard}; the shard runs with "
+        f"{hard} and refuses connections past them. Raise the hard limit (LimitNOFILE, docker --ulimit nofile, "
+        f"the container runtime's default){lower}"))
 
 
 def raise_fd_limit(config: ServerConfig) -> FdLimit:
-    """Apply ``decide_fd_limit`` to this process: raise the soft limit where needed. A refusal
-    changes nothing: its caller stops the shard with ``problem``."""
+    """Apply ``decide_fd_limit`` to this process: raise the soft limit where needed (to the hard
+    limit when short; its caller warns with ``problem``)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     decision = decide_fd_limit(config, soft, hard)
-    if decision.action is FdAction.RAISE:
+    if decision.action is not FdAction.KEEP and decision.soft > soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (decision.soft, hard))
         except (OSError, ValueError) as exc:  # e.g. macOS caps it below the hard limit (kern.maxfilesperproc)
-            return FdLimit(FdAction.REFUSE, decision.needed, soft, problem=(
-                f"cannot raise the open-file limit from {soft} to the {decision.needed} file descriptors "
-                f"--max-concurrent-rpcs {config.max_concurrent_rpcs} needs: {exc}; lower --max-concurrent-rpcs"))
+            return FdLimit(FdAction.SHORT, decision.needed, soft, problem=(
+                f"cannot raise the open-file limit from {soft} to the {decision.soft} file descriptors "
+                f"--max-concurrent-rpcs {config.max_concurrent_rpcs} needs: {exc}; the shard runs with {soft} and "
+                f"refuses connections past them; lower --max-concurrent-rpcs"))
     return decision

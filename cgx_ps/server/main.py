@@ -230,10 +230,9 @@ def run_server(args: argparse.Namespace) -> int:
     setup_logging(config.log_level, config.shard_index)
     keep_freed_memory()  # this process is a shard: its buffers come back every round (allocator.py)
     fds = raise_fd_limit(config)  # this process is a shard: its caps' connections need descriptors (fdlimit.py)
-    if fds.action is FdAction.REFUSE:
-        log.error("cannot start: %s", fds.problem)
-        return 2
-    if fds.action is FdAction.RAISE:
+    if fds.action is FdAction.SHORT:
+        log.warning("%s", fds.problem)
+    elif fds.action is FdAction.RAISE:
         log.info("open-file limit raised to %d for the caps (--max-concurrent-rpcs %d)", fds.soft,
                  config.max_concurrent_rpcs)
     try:
