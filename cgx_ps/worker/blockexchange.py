@@ -120,11 +120,13 @@ class BlockExchange:
         block.work = block.buffer
         self._span.note(first=time.perf_counter())  # first byte out
         result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
-        await in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
+        abandoned = await in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block,
+                                    result)
         self._span.note(last=time.perf_counter())  # last result in
         if reducer is not None:
             reducer.publish(spec.block_id, seq)
-        self._check_not_abandoned(block, block.result, round_)
+        if abandoned:  # raised once the node's other ranks have the result: each of them hears it too
+            raise self._abandoned(block, round_)
         return len(payload)
 
     async def fetch(self, block: BlockState, seq: int, ready: torch.cuda.Event | None = None) -> int:
@@ -133,16 +135,15 @@ class BlockExchange:
         shard = block.spec.shard
         await self._reducer.fetch(block.spec.block_id, seq, failed=lambda: self._engine.shard_error(shard),
                                   run_in_thread=self._codec_calls(block.buffer.device, ready))
-        self._check_not_abandoned(block, block.buffer, None)
+        # (one element read here; on a GPU that waits for the copy above, one small read per block)
+        if not self.allow_non_finite and abandoned_result(block.buffer):
+            raise self._abandoned(block, None)
         return 0
 
-    def _check_not_abandoned(self, block: BlockState, average: torch.Tensor, round_: int | None) -> None:
-        """Raise ``StepAbandoned`` where a rank abandoned this step (``abandoned_result``); after
-        the result is shared with the node's other ranks, so each of them hears it too."""
-        if self.allow_non_finite or not abandoned_result(average):
-            return
+    @staticmethod
+    def _abandoned(block: BlockState, round_: int | None) -> StepAbandoned:
         where = f"block {block.spec.block_id}" + ("" if round_ is None else f" round {round_}")
-        raise StepAbandoned(f"{where} came back as the non-finite marker of an abandoned step")
+        return StepAbandoned(f"{where} came back as the non-finite marker of an abandoned step")
 
     def _codec_calls(self, device: torch.device, ready: torch.cuda.Event | None):
         """``engine.in_thread`` for one block's codec calls: on a CUDA device each runs on its
@@ -170,8 +171,11 @@ class BlockExchange:
         # comes: the buffer is encoded into again next round), and none on the communication thread
         return PushFrames.of(self._engine.wire_block(block.spec.block_id), round_, encoded.stamped())
 
-    def _decode(self, block: BlockState, result: bytes) -> None:  # on a codec thread
+    def _decode(self, block: BlockState, result: bytes) -> bool:  # on a codec thread
+        """Decode the average into ``block.result``; whether it is an abandoned step's
+        (``abandoned_result``, where that is what a non-finite result means)."""
         # the average: the division by the world size is fused into the CPU decode's pass
         dequantize(result, out=block.result, scale=1.0 / self._config.world_size)
         if block.result.is_cuda:  # this codec thread's stream only: backward's kernels go on
             torch.cuda.current_stream(block.result.device).synchronize()
+        return not self.allow_non_finite and abandoned_result(block.result)
