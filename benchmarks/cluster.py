@@ -24,7 +24,7 @@ threads per worker:
 
 ddp-cgx-4bit and ddp-cgx-auto are the second front end of the same block pipeline: DDP's buckets and overlap,
 cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
-within 10%), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%),
+within 10%; ddp-cgx-4bit-raw's with cgx-4bit-raw's), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%),
 as cgx-auto's with the faster of ddp-fp32 and cgx-4bit.
 
 cgx-ps shards run as ``cgx-ps server`` processes inside the host namespaces: ``--topology
@@ -66,9 +66,9 @@ with the min-max range.  Runs from separate invocations are merged into one repo
         --json out.json --links-png links.png                     # medians of 3, step time vs link rate
 
 Prints a Markdown table (also written to ``--markdown``), checks the issue's targets for cgx-ps
-4-bit on the medians and in each run (the communication cuts must hold in every run), and draws
-a bar chart of step times (``--png``) and a chart of step time against link rate
-(``--links-png``).  Namespaces, workers and shards are removed on every
+4-bit on gRPC and on the raw data plane (cgx-4bit-raw) on the medians and in each run (the
+communication cuts must hold in every run), and draws a bar chart of step times (``--png``) and
+a chart of step time against link rate (``--links-png``).  Namespaces, workers and shards are removed on every
 exit path (normal, exception, Ctrl-C, SIGTERM); leftovers of a killed run are refused with the
 command that removes them (``benchmarks/netcluster.py --cleanup``).
 """

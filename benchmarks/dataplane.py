@@ -49,7 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.loopprofile import main as loop_profile
-from benchmarks.procstat import thread_cpu_seconds
+from benchmarks.argtypes import at_least, bits, fp32_megabytes
+from benchmarks.procstat import CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, thread_cpu_seconds
 from benchmarks.rawplane import IO_ENV, RawShardClient
 from benchmarks.server import make_credentials, shard_cpu_seconds, shard_workload
 from cgx_ps.security import ChannelSecurity
@@ -189,14 +190,20 @@ async def one_run(targets: dict[str, Target], nodes: int, layout, payloads: dict
     return out, differing
 
 
+def median_of_measured(values: list[float | None]) -> float | None:
+    """The median over the runs; None if a run's figure was not measured (a median of the
+    others would be a different statistic under the same name)."""
+    return None if None in values else statistics.median(values)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--mb", type=float, default=100.0, help="fp32 megabytes of gradient per node per round")
-    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per path and run (after one warm-up)")
-    parser.add_argument("--runs", type=int, default=3, help="runs, each with fresh shard processes")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
+    parser.add_argument("--nodes", type=at_least(1), default=4)
+    parser.add_argument("--mb", type=fp32_megabytes, default=100.0, help="fp32 megabytes of gradient per node per round")
+    parser.add_argument("--rounds", type=at_least(1), default=20, help="timed rounds per path and run (after one warm-up)")
+    parser.add_argument("--runs", type=at_least(1), default=3, help="runs, each with fresh shard processes")
+    parser.add_argument("--bits", type=bits, default=4)
+    parser.add_argument("--block-mb", type=fp32_megabytes, default=4.0, help="fp32 MB per block")
     parser.add_argument("--tls", action="store_true", help="also C: gRPC over TLS, and D: the raw plane over "
                         "TLS (Python ssl), certificates from a throwaway CA (trustme)")
     parser.add_argument("--protocol", action="store_true", help="also E: the raw plane's shard receiving "
@@ -205,13 +212,15 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="py-spy both shards over the timed rounds (raw samples "
                         "in DIR/A.txt and DIR/B.txt, the last run's; slows the shards: not for the figures)")
     args = parser.parse_args()
+    if args.profile:  # py-spy does not create it, and writes nothing where it cannot
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
 
     _, layout, payloads = shard_workload(args.mb, args.bits, args.block_mb)
     wire = sum(len(p) for p in payloads.values())
     per_round_in = args.nodes * wire  # compressed bytes into the shard per round
 
-    def mb_per_cpu_s(cpu_s: float) -> float:
-        return per_round_in / (cpu_s / args.rounds) / 1e6
+    def mb_per_cpu_s(cpu_s: float) -> float | None:
+        return per_cpu(per_round_in * args.rounds / 1e6, cpu_s)
 
     runs: list[dict[str, PathRun]] = []
     loads = [os.getloadavg()]
@@ -241,7 +250,8 @@ def main() -> None:
             runs.append(measured)
             loads.append(os.getloadavg())
             line = "; ".join(f"{p}: shard {m.shard_cpu / args.rounds * 1e3:.0f} ms/round, "
-                             f"{mb_per_cpu_s(m.shard_cpu):.0f} MB/s per CPU-s" for p, m in measured.items())
+                             f"{figure(mb_per_cpu_s(m.shard_cpu), '.0f', ' MB/s')} per CPU-s"
+                             for p, m in measured.items())
             print(f"run {run + 1}/{args.runs}: {line}", flush=True)
 
     paths = list(runs[0])
@@ -255,11 +265,11 @@ def main() -> None:
           f"median) | nodes' CPU per round | of which their event loop |")
     print("|---|---|---:|" + "---:|" * len(groups) + "---:|---:|---:|---:|---:|")
 
-    def row(path: str, label: str, ms: list[float]) -> str:
-        return f"| {path}: {NAMES[path]} | {label} | " + " | ".join(f"{x:.0f} ms" if i != len(groups) + 2
-                                                                  else f"{x:.0f} MB/s" for i, x in enumerate(ms)) + " |"
+    def row(path: str, label: str, ms: list[float | None]) -> str:
+        return f"| {path}: {NAMES[path]} | {label} | " + " | ".join(
+            figure(x, ".0f", " ms" if i != len(groups) + 2 else " MB/s") for i, x in enumerate(ms)) + " |"
 
-    def figures(m: PathRun) -> list[float]:
+    def figures(m: PathRun) -> list[float | None]:
         n = args.rounds
         return ([m.shard_cpu / n * 1e3] + [m.shard_threads[g] / n * 1e3 for g in groups]
                 + [m.shard_loop_system / n * 1e3, mb_per_cpu_s(m.shard_cpu), statistics.median(m.wall) * 1e3, m.client_cpu / n * 1e3,
@@ -269,15 +279,18 @@ def main() -> None:
         per_run = [figures(r[path]) for r in runs]
         for i, f in enumerate(per_run):
             print(row(path, str(i + 1), f))
-        print(row(path, "median", [statistics.median(col) for col in zip(*per_run)]))
+        print(row(path, "median", [median_of_measured(col) for col in zip(*per_run)]))
     for new, old in (("B", "A"), ("D", "C"), ("C", "A"), ("D", "B"), ("E", "B"), ("E", "A")):
         if new not in paths:
             continue
-        ratio = [r[old].shard_cpu / r[new].shard_cpu for r in runs]
+        ratio = [cpu_ratio(r[old].shard_cpu, r[new].shard_cpu) for r in runs]
         client_ratio = [r[old].client_cpu / r[new].client_cpu for r in runs]
-        print(f"{new} / {old}, input per shard CPU-second: {', '.join(f'{x:.2f}' for x in ratio)} (median "
-              f"{statistics.median(ratio):.2f}); nodes' CPU per round {old} / {new}: "
+        print(f"{new} / {old}, input per shard CPU-second: {', '.join(figure(x, '.2f') for x in ratio)} (median "
+              f"{figure(median_of_measured(ratio), '.2f')}); nodes' CPU per round {old} / {new}: "
               f"{', '.join(f'{x:.2f}' for x in client_ratio)} (median {statistics.median(client_ratio):.2f})")
+    if any(r[p].shard_cpu < CPU_RESOLUTION_S for r in runs for p in paths):
+        print(f"n/a: a shard's CPU over a run's timed rounds was under /proc's resolution "
+              f"({CPU_RESOLUTION_S * 1e3:.0f} ms): more --rounds or --mb give figures")
     if args.profile:  # the last run's
         loop_profile([str(Path(args.profile) / f"{p}.txt") for p in paths])
     if args.json:

@@ -12,13 +12,33 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "iface_bytes", "machine_cpu_seconds", "proc_cpu_seconds",
-           "proc_minor_faults", "resident_mb", "thread_cpu_seconds"]
+__all__ = ["CPU_RESOLUTION_S", "HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "cpu_ratio", "figure", "iface_bytes",
+           "machine_cpu_seconds", "per_cpu", "proc_cpu_seconds", "proc_minor_faults", "resident_mb",
+           "thread_cpu_seconds"]
 
 # pids of the cgx-ps shards on a worker's host (shards.run_cgx sets it): HostCpu adds their CPU
 # to the host's per step
 HOST_PIDS_ENV = "CGX_PS_BENCH_HOST_PIDS"
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# /proc counts CPU in clock ticks (10 ms at the usual 100 Hz): a small workload's CPU over a few
+# rounds can read 0 there, and a rate per CPU-second from it is a ZeroDivisionError or noise
+CPU_RESOLUTION_S = 1 / _CLK_TCK
+
+
+def per_cpu(amount: float, cpu_s: float) -> float | None:
+    """``amount`` per CPU-second of ``cpu_s`` read from /proc (an input rate, or a ratio of two
+    CPU times); None where ``cpu_s`` is under one clock tick: no CPU was measured to divide by."""
+    return amount / cpu_s if cpu_s >= CPU_RESOLUTION_S else None
+
+
+def cpu_ratio(a_s: float, b_s: float) -> float | None:
+    """``a_s / b_s`` of two CPU times read from /proc; None unless both are at least one tick."""
+    return per_cpu(a_s, b_s) if a_s >= CPU_RESOLUTION_S else None
+
+
+def figure(value: float | None, spec: str, unit: str = "") -> str:
+    """``value`` formatted by ``spec``, with ``unit``; "n/a" for a figure that was not measured."""
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
 def _stat_fields(stat: Path) -> list[str] | None:

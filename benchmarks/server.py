@@ -55,7 +55,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.procstat import proc_cpu_seconds, proc_minor_faults, resident_mb, thread_cpu_seconds
+from benchmarks.argtypes import at_least, bits, fp32_megabytes
+from benchmarks.procstat import (CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, proc_cpu_seconds, proc_minor_faults,
+                                 resident_mb, thread_cpu_seconds)
 from cgx_ps.kernels import quantize
 from cgx_ps.security import ChannelSecurity, new_token_file
 from cgx_ps.server import LocalCluster
@@ -275,11 +277,11 @@ def shard_source(directory: str | None):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--mb", type=float, default=100.0, help="fp32 megabytes of gradient per node per round")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (after one warm-up)")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--block-mb", type=float, default=4.0, help="fp32 MB per block")
+    parser.add_argument("--nodes", type=at_least(1), default=4)
+    parser.add_argument("--mb", type=fp32_megabytes, default=100.0, help="fp32 megabytes of gradient per node per round")
+    parser.add_argument("--rounds", type=at_least(1), default=5, help="timed rounds per configuration (after one warm-up)")
+    parser.add_argument("--bits", type=bits, default=4)
+    parser.add_argument("--block-mb", type=fp32_megabytes, default=4.0, help="fp32 MB per block")
     parser.add_argument("--configs", default=",".join(CONFIG_ORDER),
                         help=f"comma-separated subset of {','.join(CONFIG_ORDER)} (default: all, in that order)")
     parser.add_argument("--sequential", action="store_true",
@@ -320,6 +322,9 @@ def main() -> None:
     def mb_s(seconds: float) -> float:
         return args.nodes * wire_bytes / seconds / 1e6
 
+    def input_per_cpu_s(cpu_s: float) -> float | None:  # MB/s of compressed input per shard CPU-second
+        return per_cpu(args.nodes * wire_bytes * args.rounds / 1e6, cpu_s)
+
     base = configs[0]
     print(f"{args.nodes} nodes x {args.mb:g} MB fp32 gradient ({len(layout.blocks)} blocks, {args.bits}-bit: "
           f"{wire_bytes / 1e6:.1f} MB on the wire per node), {args.rounds} timed rounds per configuration, "
@@ -341,7 +346,8 @@ def main() -> None:
             mark = " ✓" if base_t / t >= TLS_TARGET else f" ✗ (target ≥ {TLS_TARGET})"
         print(f"| {name}: {DESCRIPTIONS[name]} | {t * 1e3:.0f} ms | {mb_s(t):.0f} MB/s ({min(rates):.0f}–"
               f"{max(rates):.0f}) | {base_t / t:.2f}; {paired:.2f}{mark} | {m.shard_cpu / args.rounds * 1e3:.0f} ms | "
-              f"{base_cpu / m.shard_cpu:.2f} | {mb_s(m.shard_cpu / args.rounds):.0f} MB/s | "
+              f"{figure(cpu_ratio(base_cpu, m.shard_cpu), '.2f')} | "
+              f"{figure(input_per_cpu_s(m.shard_cpu), '.0f', ' MB/s')} | "
               f"{m.client_cpu / args.rounds * 1e3:.0f} ms | "
               f"{args.nodes * numel * 4 / t / 1e6:.0f} MB/s |")
     print(f"| peer: raw TCP copy of the same compressed bytes, loopback | | {mb_s(tcp_s):.0f} MB/s | "
@@ -350,6 +356,9 @@ def main() -> None:
           f"{mb_s(tls_s) / mb_s(base_t):.1f} | | | | | |")
     print(f"shard CPU: user+system seconds of the shard process during the timed rounds; '× {base} by shard CPU' "
           f"is the throughput ratio a shard with a core of its own would see (less sensitive to other load)")
+    if any(measured[name].shard_cpu < CPU_RESOLUTION_S for name in configs):
+        print(f"n/a: a shard's CPU over the timed rounds was under /proc's resolution ({CPU_RESOLUTION_S * 1e3:.0f} "
+              f"ms): more --rounds or --mb give figures")
     for name in configs:
         split = ", ".join(f"{group} {seconds / args.rounds * 1e3:.0f} ms" for group, seconds in
                           measured[name].threads.items())
@@ -357,9 +366,10 @@ def main() -> None:
               f"{measured[name].minflt / args.rounds:.0f}; resident memory after the rounds {measured[name].rss_mb:.0f} MB")
     for name in configs:
         wall = mb_s(statistics.median(measured[name].wall))
-        per_cpu = mb_s(measured[name].shard_cpu / args.rounds)
-        print(f"{name} shard input / raw TCP: {wall / mb_s(tcp_s):.2f} by wall time, {per_cpu / mb_s(tcp_s):.2f} "
-              f"per shard CPU-second; 1 Gbit/s link (125 MB/s) covered: {wall / 125:.1f}x")
+        by_cpu = input_per_cpu_s(measured[name].shard_cpu)
+        print(f"{name} shard input / raw TCP: {wall / mb_s(tcp_s):.2f} by wall time, "
+              f"{figure(None if by_cpu is None else by_cpu / mb_s(tcp_s), '.2f')} per shard CPU-second; "
+              f"1 Gbit/s link (125 MB/s) covered: {wall / 125:.1f}x")
 
 
 if __name__ == "__main__":

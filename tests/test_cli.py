@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cgx_ps.server.cluster import launch_shard, wait_for_port_file
+from cgx_ps.server.config import DEFAULT_METRICS_PORT
 from support import TOKEN_FILE, interruptible
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,14 +76,32 @@ def one_error_line(res: subprocess.CompletedProcess) -> str:
 # ---- shards started by hand on one host ------------------------------------------------------------
 
 
+def two_free_default_metrics_ports(rng: random.Random) -> int:
+    """A shard index i whose default metrics ports, 9400 + i and 9400 + i + 1, are free now. Drawn
+    at random from a wide range, so two test runs on one machine (or anything else listening near
+    9400) rarely pick the same; a port taken between this check and the shard's bind is retried.
+    Below 32768, where Linux's ephemeral ports (outgoing connections, port 0) begin."""
+    while True:
+        index = rng.randrange(0, 20000)
+        if port_is_free(DEFAULT_METRICS_PORT + index) and port_is_free(DEFAULT_METRICS_PORT + index + 1):
+            return index
+
+
 def test_shards_started_by_hand_on_one_host_get_their_own_metrics_ports(tmp_path):
     """Before: both shards defaulted to metrics port 9400 and the second died with a traceback.
-    Now the default is 9400 + the shard index (here 5 and 6, to stay clear of other users)."""
-    if not (port_is_free(9405) and port_is_free(9406)):
-        pytest.skip("ports 9405/9406 are in use on this machine")
-    with server(tmp_path, "--port", "0", "--shard-index", "5", "--num-shards", "7") as (_, a), \
-            server(tmp_path, "--port", "0", "--shard-index", "6", "--num-shards", "7") as (_, b):
-        assert (a["metrics_port"], b["metrics_port"]) == (9405, 9406)
+    Now the default is 9400 + the shard index. The indices are drawn where both ports are free
+    (not fixed ones: two test runs on one machine collided on them)."""
+    rng = random.Random()
+    for attempt in range(5):
+        index = two_free_default_metrics_ports(rng)
+        shard = [("--port", "0", "--shard-index", str(i), "--num-shards", str(index + 2)) for i in (index, index + 1)]
+        try:
+            with server(tmp_path, *shard[0]) as (_, a), server(tmp_path, *shard[1]) as (_, b):
+                assert (a["metrics_port"], b["metrics_port"]) == (9400 + index, 9400 + index + 1)
+            break
+        except AssertionError as exc:  # taken since the check by someone else: another pair
+            if "choose another --metrics-port" not in str(exc) or attempt == 4:
+                raise
     help_text = cgx_ps("server", "--help").stdout
     assert "default 9400 + --shard-index" in " ".join(help_text.split())
 

@@ -35,7 +35,7 @@ from .checkpoint import Checkpoints
 from .config import WorkerConfig
 from .ddp_hook import DDPHookState, ddp_comm_hook
 from .errors import (BlobFormatError, BroadcastError, CgxPsError, CheckpointError, CollectiveStalledError, ConfigError,
-                     IntraNodeError, RoundFailedError, ShardRejectedError, ShardUnavailableError)
+                     IntraNodeError, RoundFailedError, ShardRejectedError, ShardUnavailableError, StepAbandoned)
 from .layout import Compression
 from .optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
@@ -44,7 +44,8 @@ __all__ = [
     "BlobFormatError", "BroadcastError", "CgxPsError", "CheckpointError", "Checkpoints", "CollectiveStalledError",
     "Compression", "ConfigError",
     "DDPHookState", "Decision", "DistributedOptimizer", "ddp_comm_hook",
-    "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepStats", "WorkerConfig",
+    "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepAbandoned", "StepStats",
+    "WorkerConfig",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
     "shutdown", "size",
 ]

@@ -65,6 +65,11 @@ class StepArrivals:
         with self._lock:
             return all(self._submitted)
 
+    def submitted(self) -> list[bool]:
+        """Per block: submitted this step."""
+        with self._lock:
+            return list(self._submitted)
+
     def started(self) -> bool:
         """Whether anything arrived or was submitted this step (a checkpoint must come between steps)."""
         with self._lock:

@@ -28,16 +28,17 @@ import torch
 
 from .. import timeline
 from ..chunkframes import PushFrames
-from ..kernels import Codec, ErrorFeedback, PayloadScratch, dequantize, encode_block
+from ..kernels import Codec, ErrorFeedback, PayloadScratch, dequantize, encode_block, non_finite_block
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .codec_streams import CODEC_STREAMS, CodecStreams
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
+from .errors import StepAbandoned
 from .intranode import NodeReducer
 from .stepstats import CommSpan
 
-__all__ = ["BlockExchange", "BlockState", "block_seed"]
+__all__ = ["BlockExchange", "BlockState", "abandoned_result", "block_seed"]
 
 
 @dataclass(eq=False)
@@ -68,6 +69,15 @@ def block_seed(node_rank: int, block_id: int, round_: int) -> int:
     return zlib.crc32(f"{node_rank}/{block_id}/{round_}".encode())
 
 
+def abandoned_result(average: torch.Tensor) -> bool:
+    """Whether a decoded average is a non-finite block's (NaN in every element; an average of
+    finite pushes is finite everywhere, the shard refuses NaN/Inf in a float body). Where
+    NaN/Inf gradients fail the encode (no ``allow_non_finite``) no rank pushes one, save a
+    rank abandoning its step (``work(..., abandon=True)``): that is what it means there.
+    One element read: a whole-block check would cost a pass over every gradient."""
+    return average.numel() > 0 and bool(torch.isnan(average.view(-1)[0]))
+
+
 class BlockExchange:
     """The per-block work of one process's pipeline; its coroutines run on the engine's loop and
     their codec work on its codec threads (the kernels release the GIL)."""
@@ -81,17 +91,19 @@ class BlockExchange:
         self.allow_non_finite = allow_non_finite
 
     def work(self, block: BlockState, round_: int, seq: int, ready: torch.cuda.Event | None,
-             compressed: bool) -> Coroutine[None, None, int]:
+             compressed: bool, abandon: bool = False) -> Coroutine[None, None, int]:
         """The block's exchange for this round, to hand to the engine: the owner's (``exchange``)
         or, on another local rank, a copy of the owner's result (``fetch``). ``ready``: the
-        gradient's copies on a CUDA stream, to wait for before reading it."""
+        gradient's copies on a CUDA stream, to wait for before reading it. ``abandon``: push a
+        non-finite block instead of the gradient, the marker of a step this rank abandoned
+        (one rank per node: ``BlockPipeline.abandon_step``)."""
         reducer = self._reducer
         if reducer is not None and reducer.owner(block.spec.block_id) != self._config.local_rank:
             return self.fetch(block, seq, ready)
-        return self.exchange(block, round_, seq, ready, compressed)
+        return self.exchange(block, round_, seq, ready, compressed, abandon)
 
     async def exchange(self, block: BlockState, round_: int, seq: int, ready: torch.cuda.Event | None,
-                       compressed: bool) -> int:
+                       compressed: bool, abandon: bool = False) -> int:
         """Owner of the block for this node: (local sum,) encode, push, pull, decode, publish.
         ``round_`` numbers the job's rounds (wire and seed), ``seq`` this session's (local ranks).
         Returns the bytes pushed."""
@@ -102,16 +114,19 @@ class BlockExchange:
             with timeline.span("reduce", round_, timeline.block_track(spec.block_id), block=spec.block_id):
                 await reducer.reduce(spec.block_id, seq, in_thread)
         payload = await in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
-                                  block, compressed, seed, round_)
+                                  block, compressed, seed, round_, abandon)
         # Encoded: let go of the gradient's memory where it is not where the average goes (the DDP
         # hook's early hand-over encodes autograd's own tensor): it is freed now, not a step later.
         block.work = block.buffer
         self._span.note(first=time.perf_counter())  # first byte out
         result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
-        await in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block, result)
+        abandoned = await in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block,
+                                    result)
         self._span.note(last=time.perf_counter())  # last result in
         if reducer is not None:
             reducer.publish(spec.block_id, seq)
+        if abandoned:  # raised once the node's other ranks have the result: each of them hears it too
+            raise self._abandoned(block, round_)
         return len(payload)
 
     async def fetch(self, block: BlockState, seq: int, ready: torch.cuda.Event | None = None) -> int:
@@ -120,7 +135,15 @@ class BlockExchange:
         shard = block.spec.shard
         await self._reducer.fetch(block.spec.block_id, seq, failed=lambda: self._engine.shard_error(shard),
                                   run_in_thread=self._codec_calls(block.buffer.device, ready))
+        # (one element read here; on a GPU that waits for the copy above, one small read per block)
+        if not self.allow_non_finite and abandoned_result(block.buffer):
+            raise self._abandoned(block, None)
         return 0
+
+    @staticmethod
+    def _abandoned(block: BlockState, round_: int | None) -> StepAbandoned:
+        where = f"block {block.spec.block_id}" + ("" if round_ is None else f" round {round_}")
+        return StepAbandoned(f"{where} came back as the non-finite marker of an abandoned step")
 
     def _codec_calls(self, device: torch.device, ready: torch.cuda.Event | None):
         """``engine.in_thread`` for one block's codec calls: on a CUDA device each runs on its
@@ -134,19 +157,25 @@ class BlockExchange:
 
         return in_thread
 
-    def _encode(self, block: BlockState, compressed: bool, seed: int,
-                round_: int) -> PushFrames:  # on a codec thread
+    def _encode(self, block: BlockState, compressed: bool, seed: int, round_: int,
+                abandon: bool = False) -> PushFrames:  # on a codec thread
         s = block.settings
         codec = codec_of(s) if compressed else Codec.FP32
-        encoded = encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
-                               stochastic=s.stochastic, seed=seed, feedback=block.feedback,
-                               allow_non_finite=self.allow_non_finite, scratch=block.scratch)
+        if abandon:  # the header alone; the residual of error feedback stays as it was
+            encoded = non_finite_block(codec, s.bits or 4, s.bucket_size or 1024, block.spec.numel)
+        else:
+            encoded = encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                                   stochastic=s.stochastic, seed=seed, feedback=block.feedback,
+                                   allow_non_finite=self.allow_non_finite, scratch=block.scratch)
         # framed here, from the reused encode buffer: the payload's one copy (kept until its result
         # comes: the buffer is encoded into again next round), and none on the communication thread
         return PushFrames.of(self._engine.wire_block(block.spec.block_id), round_, encoded.stamped())
 
-    def _decode(self, block: BlockState, result: bytes) -> None:  # on a codec thread
+    def _decode(self, block: BlockState, result: bytes) -> bool:  # on a codec thread
+        """Decode the average into ``block.result``; whether it is an abandoned step's
+        (``abandoned_result``, where that is what a non-finite result means)."""
         # the average: the division by the world size is fused into the CPU decode's pass
         dequantize(result, out=block.result, scale=1.0 / self._config.world_size)
         if block.result.is_cuda:  # this codec thread's stream only: backward's kernels go on
             torch.cuda.current_stream(block.result.device).synchronize()
+        return not self.allow_non_finite and abandoned_result(block.result)

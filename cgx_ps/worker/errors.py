@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
            "ConfigError", "CollectiveStalledError", "IntraNodeError", "BroadcastError", "BlobFormatError",
-           "CheckpointError"]
+           "CheckpointError", "StepAbandoned"]
 
 
 class CgxPsError(RuntimeError):
@@ -56,3 +56,9 @@ class BlobFormatError(CgxPsError):
 class CheckpointError(CgxPsError, ValueError):
     """A saved cgx-ps state does not fit this job (another model layout, a damaged file) or was
     loaded at a moment it cannot take effect (after training steps)."""
+
+
+class StepAbandoned(CgxPsError):
+    """This step was abandoned by a rank whose backward failed part way (it called
+    ``zero_grad()`` before ``step()``): no rank can complete it. Catch it, call ``zero_grad()``
+    and go on with the next batch, as that rank does: every rank then skips the same step."""

@@ -15,6 +15,8 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
     driver.finish(waiting_since)             # every block done: the step's stats
     driver.finish_elsewhere(waiting_since)   # or: the step was averaged without the shards
     driver.after_step()                      # the tuner (its broadcast blocks) and metrics
+    driver.abandon()                         # or: give the step up on every rank (a failed
+                                             # backward; BlockPipeline.abandon_step)
 
 On auto mode's uncompressed steps, ``uncompressed_path`` sends a step past the shards when a
 process group is there: the DDP hook averages its buckets with DDP's allreduce (then
@@ -196,6 +198,15 @@ class StepDriver:
         with self._lock:
             self._after_pending = True
         return stats
+
+    def abandon(self) -> None:
+        """This rank gives up the step under way: every rank's step fails with StepAbandoned,
+        this one's quietly (``BlockPipeline.abandon_step``); the next gradient starts a new one."""
+        try:
+            self.pipe.abandon_step()
+        finally:
+            with self._lock:
+                self._first = None
 
     def abort(self, collective: BlockAllreduce | None = None) -> None:
         """Forget this step (after an error): the next gradient starts a new one."""

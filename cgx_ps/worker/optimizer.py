@@ -115,12 +115,12 @@ class _DistributedMixin:
             passes = self._cgx_passes.get(id(param), 0) + 1
             self._cgx_passes[id(param)] = passes
         if passes > self._cgx_backward_passes:  # its block is already on its way: this pass would be lost
-            # the second cause is what a loop that skips a batch after an error in backward meets:
-            # that backward's gradients count as passes of the step it began (tests/test_ddp_hook.py)
+            # the second cause is what a loop meets that skips a batch after an error in backward
+            # without zero_grad(): that backward's gradients count as passes of the step it began
             raise CgxPsError(f"{name}: gradient computed {passes} times before step(), but backward_passes_per_step="
                              f"{self._cgx_backward_passes}; raise it to the number of backward passes per step. "
-                             f"Or an earlier backward failed part way: the step it began cannot be completed "
-                             f"(other ranks wait for its blocks), so stop every rank and restart from a checkpoint")
+                             f"Or an earlier backward failed part way: call zero_grad() after it, which abandons "
+                             f"the step it began on every rank")
         if passes == self._cgx_backward_passes:  # else accumulating: communicate after the last pass
             self._cgx_driver.submit_ready([name], self._cgx_grad_of, collective=self._cgx_collective())
 
@@ -134,6 +134,31 @@ class _DistributedMixin:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         return param.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - torch's, after abandoning a step
+        self._cgx_abandon_step()
+        super().zero_grad(set_to_none)
+
+    def _cgx_abandon_step(self) -> None:
+        """zero_grad() between a backward and its step(): the backward failed part way (or the
+        loop gave the batch up), and the step it began is abandoned on every rank (the
+        factory's doc); nothing to do between steps. Where it cannot be, CgxPsError and nothing
+        changes (``BlockPipeline.why_not_abandon``)."""
+        with self._cgx_lock:
+            began, route = bool(self._cgx_passes), self._cgx_route
+        if not began:
+            return
+        problem = self._cgx_pipe.why_not_abandon() if route is None else (
+            # gloo pairs all_reduces by their order: this rank's next ones would pair with this step's
+            f"rank {self._cgx_pipe.rank}: a step that auto mode sends over the process group's all_reduce cannot be "
+            f"abandoned (the other ranks' all_reduce waits for this rank's): stop every rank and restart from a "
+            f"checkpoint")
+        if problem is not None:
+            raise CgxPsError(problem)
+        try:
+            self._cgx_driver.abandon()
+        finally:
+            self._cgx_next_step()
 
     def _cgx_next_step(self) -> None:
         with self._cgx_lock:
@@ -323,6 +348,18 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         checked here, the rest (which ranks, one session) at the first such step. Other
         compression modes never use it.
     process_group: the group for those steps (default: the default group).
+
+    A backward that fails part way (an error in the loss's graph, an out-of-memory, a caught
+    ``KeyboardInterrupt``): catch it, call ``zero_grad()`` and go on with the next batch.
+    ``zero_grad()`` between a backward and its ``step()`` abandons that step on every rank: the
+    blocks this rank had not pushed go as non-finite blocks (the marker of an abandoned step),
+    the step's results are waited for (up to the round timeout) and dropped, and nothing is
+    applied. Every other rank's ``step()`` raises ``StepAbandoned`` at once; catching it and
+    calling ``zero_grad()`` skips the same step there, so the ranks stay in step and the
+    replicas equal. With ``allow_non_finite`` the other ranks see a non-finite step, which their
+    GradScaler skips. ``zero_grad()`` raises ``CgxPsError`` where a step cannot be abandoned:
+    every gradient was already pushed (call ``step()``: the other ranks apply it), several local
+    ranks per node, or auto mode's step over the process group (README, "Troubleshooting").
 
     ``state_dict()`` adds a ``"cgx_ps"`` entry to the wrapped optimizer's state (counters, codec
     settings, auto/adaptive state, this rank's error-feedback residuals); ``load_state_dict()``

@@ -14,6 +14,10 @@ and takes the averaged gradients back, through a handful of calls::
     for b in range(pipe.num_blocks):
         pipe.copy_out(b, out.get)                 # the averaged gradient into the front end's tensors
 
+A rank whose backward failed part way gives the step up with ``pipe.abandon_step()`` instead of
+``finish_step``: the blocks it has not pushed go as non-finite blocks, and every other rank's
+``finish_step`` raises ``StepAbandoned`` (``blockexchange.abandoned_result``).
+
 ``submit(b, grads.get, in_place=True)`` (where ``in_place()`` allows it) skips the copy in and
 out for a block whose gradients lie end to end in one float32 tensor: it is encoded from that
 memory and decoded into it (``buffers.py``).
@@ -48,7 +52,7 @@ from .blockexchange import BlockExchange, BlockState
 from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
-from .errors import CgxPsError
+from .errors import CgxPsError, StepAbandoned
 from .gpu_setup import compile_cuda_codecs
 from .intranode import node_reducer
 from .layout import Compression, TensorInfo, build_layout
@@ -166,7 +170,7 @@ class BlockPipeline:
         return work_in_place(self._reducer is not None, tuned)
 
     def submit(self, block_id: int, grad_of: TensorOf, in_place: bool = False,
-               out_of: TensorOf | None = None) -> torch.futures.Future:
+               out_of: TensorOf | None = None, abandon: bool = False) -> torch.futures.Future:
         """Copy block ``block_id``'s gradients in (``grad_of(name)``: the tensor's gradient, or
         None for zeros) and start its exchange; returns ``future(block_id)``. ``in_place`` (only
         where ``in_place()`` allows it): where the block's gradients lie end to end in one float32
@@ -175,21 +179,26 @@ class BlockPipeline:
         ``out_of`` (default ``grad_of``): where the average goes when it is not the gradient's own
         memory (the DDP hook decodes a fresh autograd gradient's average into DDP's bucket); with
         ``in_place``, decoded straight into it where its tensors lie end to end, else into the
-        block buffer, and ``copy_out`` then copies it there."""
+        block buffer, and ``copy_out`` then copies it there. ``abandon`` (``abandon_step``): push
+        the marker of an abandoned step instead, reading and writing none of the front end's memory."""
         block, reducer = self._blocks[block_id], self._reducer
         self._exchanged = True
         round_, seq = block.round, block.round - block.base + 1  # the job's round; the session's count
         timeline.step_begins(round_)
         hand_over = timeline.mark()
         self._to_shards = True
-        self.take_in(block_id, grad_of, in_place and reducer is None, out_of)
+        if abandon:  # the marker is a header alone; its non-finite result lands in the block buffer
+            block.work = block.result = block.buffer
+            block.in_place = False
+        else:
+            self.take_in(block_id, grad_of, in_place and reducer is None, out_of)
         ready = None
         if block.work.is_cuda:  # the communication thread must not read the gradient before the copies ran
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(block.work.device))
         if reducer is not None:
             reducer.mark_ready(block_id, seq)
-        work = self._exchange.work(block, round_, seq, ready, self.compressing)
+        work = self._exchange.work(block, round_, seq, ready, self.compressing, abandon)
         timeline.since(hand_over, "backward-ready", round_, block=block_id)
         running = self._engine.submit(timeline.traced(work, "block", round_, timeline.block_track(block_id),
                                                       block=block_id, shard=block.spec.shard))
@@ -242,8 +251,19 @@ class BlockPipeline:
                     pushed = block.future.wait()
                 except CodecError as exc:  # e.g. NaN/Inf in a gradient: say whose
                     raise self.gradient_error(block.spec.block_id, "cannot encode the gradient of", str(exc)) from exc
+                except StepAbandoned as exc:
+                    raise StepAbandoned(
+                        f"rank {self.config.rank}: step {self.steps} was abandoned by another rank (a backward that "
+                        f"failed there: {exc}): no rank applies it. To go on as that rank does, catch "
+                        f"StepAbandoned, call zero_grad() and train on the next batch") from None
                 stats.bytes_pushed += pushed
                 stats.fp32_bytes += 4 * block.spec.numel if pushed else 0
+        except Exception:
+            # The step's other blocks may still be on their way, and would write their averages
+            # where the next step's gradients go: let them end first (each within the round timeout).
+            self._drain()
+            self.abort_step()
+            raise
         except BaseException:
             # Ready for the next step: a caller that skips this one (a loss-scaler after NaNs) or
             # an interrupted notebook cell must not find this step's stale futures again.
@@ -283,6 +303,57 @@ class BlockPipeline:
     def abort_step(self) -> None:
         """Forget this step's arrivals and futures (after an error, before a step is retried)."""
         self._next_step()
+
+    def abandon_step(self) -> None:
+        """Give up the step under way on this rank (its backward failed part way) so that every
+        rank stays in step: the blocks not yet pushed are pushed as non-finite blocks, the
+        marker of an abandoned step (``blockexchange.abandoned_result``), so every block's round
+        completes on the shards and every other rank's step fails with ``StepAbandoned``; then
+        the results are waited for (within the round timeout), dropped, and the next step
+        starts. Every block's round has then moved on by one on every rank.
+
+        Raises CgxPsError: changing nothing where ``why_not_abandon()`` says why; and a shard's
+        error from one of the step's blocks once the rest are done."""
+        problem = self.why_not_abandon()
+        if problem is not None:
+            raise CgxPsError(problem)
+        for block_id in self.arrivals.take_rest():
+            self.submit(block_id, lambda name: None, abandon=True)
+        error = self._drain()
+        self.abort_step()
+        if error is not None:
+            raise error
+
+    def why_not_abandon(self) -> str | None:
+        """Why the step under way cannot be abandoned, or None. Refused, nothing changes: the
+        step stays as it is (a reset would let this rank's next pushes pair with the other
+        ranks' pushes of another step)."""
+        if self._reducer is not None:  # a peer's marker would have to reach the block's owner on the node
+            return (f"rank {self.config.rank}: step {self.steps} cannot be abandoned with "
+                    f"{self.config.local_world_size} local ranks on the node (they reduce their gradients "
+                    f"together): stop every rank and restart from a checkpoint")
+        if self.arrivals.all_submitted():  # the other ranks get complete results and apply it
+            return (f"rank {self.config.rank}: step {self.steps} cannot be abandoned: every gradient had reached "
+                    f"the shards before the backward failed, so the other ranks apply this step. Call step() to "
+                    f"apply it here too (its gradients are complete)")
+        return None
+
+    def _drain(self) -> Exception | None:
+        """Wait for every block this step submitted; the first error other than an abandoned
+        step's (that the step is abandoned is known)."""
+        first = None
+        with self._lock:
+            futures = [b.future for b in self._blocks]
+        for future, submitted in zip(futures, self.arrivals.submitted()):
+            if not submitted:
+                continue
+            try:
+                future.wait()
+            except StepAbandoned:
+                pass
+            except Exception as exc:  # noqa: BLE001 - kept to raise once every block is done
+                first = first or exc
+        return first
 
     def _next_step(self) -> None:
         self.arrivals.reset()

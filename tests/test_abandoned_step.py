@@ -1,0 +1,129 @@
+"""A backward that fails part way, caught by the training loop: ``zero_grad()`` abandons the
+step and training goes on, on every rank in step (DistributedOptimizer's docstring, README's
+troubleshooting). Real shards, real worker processes (tests/workers/abandon_worker.py).
+
+Before: the next backward on that rank failed ("gradient computed 2 times before step()"), so
+the job could only be restarted; the other rank's step waited out the round timeout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from cgx_ps.server import LocalCluster
+from support import env_for
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests/workers/abandon_worker.py"
+ROUND_TIMEOUT_S = 120  # far above a step here: a step that waited for it was not recovered cleanly
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(2, extra_args=["--round-timeout", str(ROUND_TIMEOUT_S), "--log-level", "WARNING"]) as c:
+        yield c
+
+
+def run(cluster, world: int, args_for, timeout: float = 300) -> list[dict]:
+    """``world`` ranks of abandon_worker.py, rank r with ``args_for(r)``; their JSON lines."""
+    job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), *args_for(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env_for(r, world, cluster.addresses, **job))
+             for r in range(world)]
+    out = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, stderr[-3000:]
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+def params(result: dict) -> dict[str, torch.Tensor]:
+    return {n: torch.tensor(v) for n, v in result["params"].items()}
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    pa, pb = params(a), params(b)
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+def outcome(result: dict, step: int) -> str:
+    return result["outcomes"][step].rsplit(" (", 1)[0]
+
+
+STEPS, FAIL_AT = 5, 2
+
+
+def test_one_process_goes_on_after_a_backward_that_raised_at_a_hook(cluster):
+    """world 1: the failed step is abandoned, the next ones train; the parameters are those of a
+    run that left that batch out."""
+    (failed,) = run(cluster, 1, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--fail"])
+    (skipped,) = run(cluster, 1, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
+    assert [outcome(failed, s) for s in range(STEPS)] == [
+        "ok", "ok", "BackwardFailed: backward failed at 2.weight", "ok", "ok"]
+    assert failed["steps"] == skipped["steps"]  # the abandoned step is not counted
+    assert_same_params(failed, skipped)
+
+
+def test_both_ranks_fail_the_same_step_and_both_go_on(cluster):
+    both = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--fail"])
+    reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
+    for r in both:
+        assert [outcome(r, s) for s in range(STEPS)] == [
+            "ok", "ok", "BackwardFailed: backward failed at 2.weight", "ok", "ok"], r["outcomes"]
+    assert_same_params(both[0], both[1])
+    assert_same_params(both[0], reference[0])  # as if every rank had left that batch out
+
+
+@pytest.mark.parametrize("compression", ["fp32", "4bit"])
+def test_one_rank_fails_and_the_other_is_told_at_once_then_both_go_on(cluster, compression):
+    """Rank 0's backward fails; rank 1's step() raises StepAbandoned, naming why, as soon as rank 0
+    calls zero_grad() (not after the shards' round timeout); both skip the step and go on in step.
+    With fp32 the result is the reference run's; at 4 bits (stochastic rounding seeded by round)
+    the replicas are bit-identical."""
+    one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--compression", compression,
+                                     *(["--fail"] if r == 0 else [])])
+    assert outcome(one[0], FAIL_AT) == "BackwardFailed: backward failed at 2.weight"
+    told = outcome(one[1], FAIL_AT)
+    assert told.startswith("StepAbandoned: rank 1: step 2 was abandoned by another rank"), told
+    assert "catch StepAbandoned, call zero_grad()" in told, told
+    seconds = float(one[1]["outcomes"][FAIL_AT].rsplit(" (", 1)[1].split(" s)")[0])
+    assert seconds < ROUND_TIMEOUT_S, one[1]["outcomes"]
+    for r in one:
+        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
+    assert one[0]["steps"] == one[1]["steps"]
+    assert_same_params(one[0], one[1])
+    if compression == "fp32":
+        reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
+        assert_same_params(one[0], reference[0])
+
+
+def test_a_backward_that_fails_after_its_last_gradient_was_pushed_is_applied_not_abandoned(cluster):
+    """Every block had gone to the shards: the other rank gets complete results and applies the
+    step, so this rank cannot abandon it; zero_grad() says so, and step() applies it here too."""
+    late = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--fail-param", "last",
+                                      *(["--fail"] if r == 0 else [])])
+    normal = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT)])
+    said = late[0]["outcomes"][FAIL_AT]
+    assert said.startswith("BackwardFailed: backward failed at last"), said
+    assert "zero_grad() said: rank 0: step 2 cannot be abandoned: every gradient had reached the shards" in said
+    assert "Call step() to apply it here too" in said
+    assert [outcome(r, s) for r in late[1:] for s in range(STEPS)] == ["ok"] * STEPS
+    assert_same_params(late[0], late[1])
+    assert_same_params(late[0], normal[0])  # the step was applied on both, as in a run without the failure

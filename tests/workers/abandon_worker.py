@@ -1,0 +1,95 @@
+"""A rank whose backward raises at one step (tests/test_abandoned_step.py): the exception comes
+from a hook on a chosen parameter, after cgx-ps's own hook on it ran, as a failure inside the
+loss's graph would. The training loop catches what it raises, calls ``zero_grad()`` and goes on
+with the next batch. Prints one JSON line: each step's outcome and the final parameters.
+
+    abandon_worker.py --steps 6 --fail-at 2 [--fail] [--skip] [--compression fp32]
+
+``--fail``: this rank's backward raises at step ``--fail-at``; ``--skip``: this rank leaves that
+step out altogether (the reference run: no forward, no backward, no step)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import cgx_ps.worker as cgx
+
+
+class BackwardFailed(RuntimeError):
+    """What the chosen parameter's hook raises: stands for an error in the loss's graph."""
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--fail-at", type=int, default=2)
+    p.add_argument("--fail", action="store_true")
+    p.add_argument("--skip", action="store_true")
+    p.add_argument("--fail-param", default="2.weight",
+                   help="the parameter whose hook raises, or 'last': the last of the step's gradients to arrive")
+    p.add_argument("--compression", default="fp32")
+    args = p.parse_args()
+    cgx.init()
+    net = model()
+    # small blocks: the layer backward reaches first fills blocks of its own, pushed before the failure
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                                   net.named_parameters(), compression=args.compression, block_bytes=4096)
+    named = dict(net.named_parameters())
+    armed = [False]
+    arrived = [0]
+
+    def fail(_param: torch.Tensor) -> None:  # registered after cgx-ps's hook: that one ran first
+        arrived[0] += 1
+        if armed[0] and (args.fail_param != "last" or arrived[0] == len(named)):
+            armed[0] = False
+            raise BackwardFailed(f"backward failed at {args.fail_param}")
+
+    for name, param in named.items():
+        if args.fail_param in (name, "last"):
+            param.register_post_accumulate_grad_hook(fail)
+    rank = cgx.rank()
+    outcomes = []
+    for step in range(args.steps):
+        if step == args.fail_at and args.skip:
+            outcomes.append("skipped")
+            continue
+        t0 = time.monotonic()
+        try:
+            opt.zero_grad()
+        except cgx.CgxPsError as exc:  # too late to abandon: apply the step, as the other ranks do
+            outcomes[-1] += f"; zero_grad() said: {exc}"
+            opt.step()
+            opt.zero_grad()
+        x, y = batch(rank, step)
+        armed[0], arrived[0] = args.fail and step == args.fail_at, 0
+        try:
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            outcomes.append("ok")
+        except (BackwardFailed, cgx.CgxPsError) as exc:  # the loop skips the batch: zero_grad() next
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        outcomes[-1] += f" ({time.monotonic() - t0:.1f} s)"
+    opt.zero_grad()
+    print(json.dumps({"rank": rank, "outcomes": outcomes, "steps": opt.stats.step,
+                      "params": {n: t.detach().flatten().tolist() for n, t in net.state_dict().items()}}),
+          flush=True)
+    cgx.shutdown()
+
+
+if __name__ == "__main__":
+    main()
