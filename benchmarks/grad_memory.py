@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_step import MODELS, build_model  # noqa: E402
+if __name__ == "__main__" and not __package__:  # `python benchmarks/grad_memory.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from benchmarks.workload import MODELS, build_model  # noqa: E402
 
 from cgx_ps.kernels import HEADER_SIZE, PayloadScratch  # noqa: E402
 from cgx_ps.worker import WorkerConfig  # noqa: E402

@@ -16,8 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.emulator import Cluster
-from benchmarks.netns import ClusterError, kill_pids
+if __name__ == "__main__" and not __package__:  # `python benchmarks/linkprobe.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.emulator import Cluster  # noqa: E402
+from benchmarks.netns import ClusterError, kill_pids  # noqa: E402
 
 __all__ = ["measure_link"]
 

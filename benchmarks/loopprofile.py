@@ -69,4 +69,10 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    usage = f"usage: python -m benchmarks.loopprofile PROFILE.txt [...]\n\n{__doc__}"
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(usage)
+    elif not sys.argv[1:]:
+        sys.exit(usage)
+    else:
+        main(sys.argv[1:])

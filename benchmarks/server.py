@@ -55,15 +55,18 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.argtypes import at_least, bits, fp32_megabytes
-from benchmarks.procstat import (CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, proc_cpu_seconds, proc_minor_faults,
+if __name__ == "__main__" and not __package__:  # `python benchmarks/server.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.argtypes import at_least, bits, fp32_megabytes  # noqa: E402
+from benchmarks.procstat import (CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, proc_cpu_seconds, proc_minor_faults,  # noqa: E402
                                  resident_mb, thread_cpu_seconds)
-from cgx_ps.kernels import quantize
-from cgx_ps.security import ChannelSecurity, new_token_file
-from cgx_ps.server import LocalCluster
-from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from cgx_ps.v1 import ps_pb2
+from cgx_ps.kernels import quantize  # noqa: E402
+from cgx_ps.security import ChannelSecurity, new_token_file  # noqa: E402
+from cgx_ps.server import LocalCluster  # noqa: E402
+from cgx_ps.worker.client import ShardClient  # noqa: E402
+from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.v1 import ps_pb2  # noqa: E402
 
 CONFIG_ORDER = ("plain", "token", "tls", "mtls", "raw")
 DESCRIPTIONS = {"baseline": "plaintext, the --baseline code", "plain": "plaintext, no token", "token": "token only", "tls": "TLS + token",
