@@ -144,3 +144,17 @@ def test_with_allow_non_finite_an_abandoned_step_counts_on_every_rank_and_warmup
         assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
     assert one[0]["steps"] == one[1]["steps"] == STEPS - 1  # the last step's index: every step counted
     assert_same_params(one[0], one[1])
+
+
+def test_with_allow_non_finite_adaptive_bits_go_on_after_an_abandoned_step(cluster):
+    """Adaptive bits decide every 2 steps from rank 0's running average of the averaged gradients.
+    The abandoned step's average is non-finite (as a real overflow's is under a GradScaler): it
+    must not enter that average. Before, the next decision refused it on rank 0 (CodecError out
+    of the next backward) and rank 1 waited for the decision's broadcast until its timeout."""
+    one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--compression", "adaptive:2",
+                                     "--allow-non-finite", *(["--fail"] if r == 0 else [])])
+    assert outcome(one[1], FAIL_AT) == "skipped: not finite"
+    for r in one:
+        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
+    assert one[0]["steps"] == one[1]["steps"] == STEPS - 1
+    assert_same_params(one[0], one[1])
