@@ -127,3 +127,34 @@ def test_a_backward_that_fails_after_its_last_gradient_was_pushed_is_applied_not
     assert [outcome(r, s) for r in late[1:] for s in range(STEPS)] == ["ok"] * STEPS
     assert_same_params(late[0], late[1])
     assert_same_params(late[0], normal[0])  # the step was applied on both, as in a run without the failure
+
+
+def test_with_allow_non_finite_an_abandoned_step_counts_on_every_rank_and_warmup_ends_together(cluster):
+    """With allow_non_finite the other rank's step ends non-finite (its scaler skips it) and counts
+    as a step there; the abandoning rank must count it too. Before, its step counter stayed one
+    behind: warm-up ended a step apart, and the shard refused the round pushed with two codecs
+    (the job failed at the round timeout)."""
+    warmup = FAIL_AT + 1  # the step after the abandoned one is the first compressed one, on both ranks
+    one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--compression", "4bit",
+                                     "--warmup-steps", str(warmup), "--allow-non-finite",
+                                     *(["--fail"] if r == 0 else [])])
+    assert outcome(one[0], FAIL_AT) == "BackwardFailed: backward failed at 2.weight"
+    assert outcome(one[1], FAIL_AT) == "skipped: not finite"  # the marker, as a scaler sees an overflow
+    for r in one:
+        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
+    assert one[0]["steps"] == one[1]["steps"] == STEPS - 1  # the last step's index: every step counted
+    assert_same_params(one[0], one[1])
+
+
+def test_with_allow_non_finite_adaptive_bits_go_on_after_an_abandoned_step(cluster):
+    """Adaptive bits decide every 2 steps from rank 0's running average of the averaged gradients.
+    The abandoned step's average is non-finite (as a real overflow's is under a GradScaler): it
+    must not enter that average. Before, the next decision refused it on rank 0 (CodecError out
+    of the next backward) and rank 1 waited for the decision's broadcast until its timeout."""
+    one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--compression", "adaptive:2",
+                                     "--allow-non-finite", *(["--fail"] if r == 0 else [])])
+    assert outcome(one[1], FAIL_AT) == "skipped: not finite"
+    for r in one:
+        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
+    assert one[0]["steps"] == one[1]["steps"] == STEPS - 1
+    assert_same_params(one[0], one[1])

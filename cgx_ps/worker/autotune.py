@@ -143,8 +143,14 @@ class Tuner:
 
     def _after_step(self, step: int) -> None:
         if self.average is not None:
-            for name in set(self.names.values()):
-                self.average.update(name, self.target.gradient(name))
+            gradients = {name: self.target.gradient(name) for name in set(self.names.values())}
+            # A step a GradScaler skips (allow_non_finite: an overflow, an abandoned step's marker)
+            # averaged NaN/Inf: no gradient to choose bits from, and in the running average it would
+            # make the window's estimate refuse at the decision (CodecError on rank 0, every other
+            # rank waiting for its broadcast). One pass per gradient, on rank 0 in adaptive mode only.
+            if all(bool(torch.isfinite(g).all()) for g in gradients.values()):
+                for name, gradient in gradients.items():
+                    self.average.update(name, gradient)
         due_auto = self.compression.auto and (step == 0 or (step + 1) % self.interval == 0)
         due_adaptive = self.compression.adaptive and (step + 1) % self.interval == 0
         if not (due_auto or due_adaptive):

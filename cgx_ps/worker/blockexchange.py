@@ -38,7 +38,7 @@ from .errors import StepAbandoned
 from .intranode import NodeReducer
 from .stepstats import CommSpan
 
-__all__ = ["BlockExchange", "BlockState", "abandoned_result", "block_seed"]
+__all__ = ["BlockExchange", "BlockState", "abandoned_result", "abandoned_step_counts", "block_seed"]
 
 
 @dataclass(eq=False)
@@ -76,6 +76,17 @@ def abandoned_result(average: torch.Tensor) -> bool:
     rank abandoning its step (``work(..., abandon=True)``): that is what it means there.
     One element read: a whole-block check would cost a pass over every gradient."""
     return average.numel() > 0 and bool(torch.isnan(average.view(-1)[0]))
+
+
+def abandoned_step_counts(allow_non_finite: bool) -> bool:
+    """Whether a step a rank abandoned counts as a finished step on every rank (the step counter
+    that ends warm-up, the tuner's step: adaptive broadcasts, auto mode's decisions). The other
+    ranks decide it from the marker: with ``allow_non_finite`` their step ends with a non-finite
+    average that their GradScaler skips, as after an overflow (counted); without, it raises
+    StepAbandoned (not counted). The abandoning rank must count it where they do, or their
+    counters part for good: warm-up ends a step apart (the shard refuses a round pushed with two
+    codecs) and the tuner's collectives pair across steps."""
+    return allow_non_finite
 
 
 class BlockExchange:

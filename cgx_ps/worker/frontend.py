@@ -201,12 +201,16 @@ class StepDriver:
 
     def abandon(self) -> None:
         """This rank gives up the step under way: every rank's step fails with StepAbandoned,
-        this one's quietly (``BlockPipeline.abandon_step``); the next gradient starts a new one."""
+        this one's quietly (``BlockPipeline.abandon_step``); the next gradient starts a new one.
+        Where the other ranks count the step (``allow_non_finite``), the tuner sees it here too."""
         try:
-            self.pipe.abandon_step()
+            counted = self.pipe.abandon_step() is not None
         finally:
             with self._lock:
                 self._first = None
+        if counted:
+            with self._lock:
+                self._after_pending = True
 
     def abort(self, collective: BlockAllreduce | None = None) -> None:
         """Forget this step (after an error): the next gradient starts a new one."""

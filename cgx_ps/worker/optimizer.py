@@ -357,7 +357,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     applied. Every other rank's ``step()`` raises ``StepAbandoned`` at once; catching it and
     calling ``zero_grad()`` skips the same step there, so the ranks stay in step and the
     replicas equal. With ``allow_non_finite`` the other ranks see a non-finite step, which their
-    GradScaler skips. ``zero_grad()`` raises ``CgxPsError`` where a step cannot be abandoned:
+    GradScaler skips, and it counts as a step on every rank, this one too. ``zero_grad()`` raises ``CgxPsError`` where a step cannot be abandoned:
     every gradient was already pushed (call ``step()``: the other ranks apply it), several local
     ranks per node, or auto mode's step over the process group (README, "Troubleshooting").
 

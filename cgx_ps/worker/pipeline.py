@@ -48,7 +48,7 @@ from .. import timeline
 from ..kernels import CodecError, ErrorFeedback
 from ..v1 import ps_pb2
 from .arrivals import StepArrivals
-from .blockexchange import BlockExchange, BlockState
+from .blockexchange import BlockExchange, BlockState, abandoned_step_counts
 from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
@@ -304,25 +304,32 @@ class BlockPipeline:
         """Forget this step's arrivals and futures (after an error, before a step is retried)."""
         self._next_step()
 
-    def abandon_step(self) -> None:
+    def abandon_step(self) -> StepStats | None:
         """Give up the step under way on this rank (its backward failed part way) so that every
         rank stays in step: the blocks not yet pushed are pushed as non-finite blocks, the
         marker of an abandoned step (``blockexchange.abandoned_result``), so every block's round
-        completes on the shards and every other rank's step fails with ``StepAbandoned``; then
-        the results are waited for (within the round timeout), dropped, and the next step
-        starts. Every block's round has then moved on by one on every rank.
+        completes on the shards and every other rank's step fails with ``StepAbandoned`` (with
+        ``allow_non_finite``: ends non-finite); then the results are waited for (within the round
+        timeout), dropped, and the next step starts. Every block's round has then moved on by one
+        on every rank, and the step counter too where the others count the step
+        (``abandoned_step_counts``): then its stats are returned, else None.
 
         Raises CgxPsError: changing nothing where ``why_not_abandon()`` says why; and a shard's
         error from one of the step's blocks once the rest are done."""
         problem = self.why_not_abandon()
         if problem is not None:
             raise CgxPsError(problem)
+        stats = StepStats(step=self.steps, compressed=self.compressing)  # before the counter may move
         for block_id in self.arrivals.take_rest():
             self.submit(block_id, lambda name: None, abandon=True)
         error = self._drain()
         self.abort_step()
         if error is not None:
             raise error
+        if not abandoned_step_counts(self._exchange.allow_non_finite):
+            return None
+        self.stats, self.steps = stats, self.steps + 1
+        return stats
 
     def why_not_abandon(self) -> str | None:
         """Why the step under way cannot be abandoned, or None. Refused, nothing changes: the

@@ -4,9 +4,12 @@ loss's graph would. The training loop catches what it raises, calls ``zero_grad(
 with the next batch. Prints one JSON line: each step's outcome and the final parameters.
 
     abandon_worker.py --steps 6 --fail-at 2 [--fail] [--skip] [--compression fp32]
+                      [--warmup-steps N] [--allow-non-finite]
 
 ``--fail``: this rank's backward raises at step ``--fail-at``; ``--skip``: this rank leaves that
-step out altogether (the reference run: no forward, no backward, no step)."""
+step out altogether (the reference run: no forward, no backward, no step). ``--allow-non-finite``:
+the loop a GradScaler's user writes (synchronize, then skip the step if a gradient is not finite,
+as ``scaler.step`` does) instead of ``step()``."""
 
 from __future__ import annotations
 
@@ -34,6 +37,16 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
 
 
+def step_as_a_scaler_does(opt: torch.optim.Optimizer, net: torch.nn.Module) -> str:
+    """``scaler.step(opt)`` after ``opt.synchronize()``: the step is skipped if a gradient is not finite."""
+    opt.synchronize()
+    if not all(bool(torch.isfinite(p.grad).all()) for p in net.parameters()):
+        return "skipped: not finite"
+    with opt.skip_synchronize():
+        opt.step()
+    return "ok"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
@@ -43,12 +56,15 @@ def main() -> None:
     p.add_argument("--fail-param", default="2.weight",
                    help="the parameter whose hook raises, or 'last': the last of the step's gradients to arrive")
     p.add_argument("--compression", default="fp32")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--allow-non-finite", action="store_true")
     args = p.parse_args()
     cgx.init()
     net = model()
     # small blocks: the layer backward reaches first fills blocks of its own, pushed before the failure
     opt = cgx.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
-                                   net.named_parameters(), compression=args.compression, block_bytes=4096)
+                                   net.named_parameters(), compression=args.compression, block_bytes=4096,
+                                   warmup_steps=args.warmup_steps, allow_non_finite=args.allow_non_finite)
     named = dict(net.named_parameters())
     armed = [False]
     arrived = [0]
@@ -79,8 +95,11 @@ def main() -> None:
         armed[0], arrived[0] = args.fail and step == args.fail_at, 0
         try:
             torch.nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-            outcomes.append("ok")
+            if args.allow_non_finite:
+                outcomes.append(step_as_a_scaler_does(opt, net))
+            else:
+                opt.step()
+                outcomes.append("ok")
         except (BackwardFailed, cgx.CgxPsError) as exc:  # the loop skips the batch: zero_grad() next
             outcomes.append(f"{type(exc).__name__}: {exc}")
         outcomes[-1] += f" ({time.monotonic() - t0:.1f} s)"
