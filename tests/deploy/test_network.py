@@ -50,16 +50,21 @@ def assert_the_shards_listeners_are_declared_served_and_admitted(rel: str) -> di
     return listening
 
 
+def _render_with_component(component: str) -> str:
+    """cpu-local with ``optional/<component>`` added, rendered into the cache; its render dir."""
+    test_overlay = render_tree() / "overlays" / f"_test-{component}"
+    test_overlay.mkdir(exist_ok=True)
+    (test_overlay / "kustomization.yaml").write_text(
+        f"resources: [../cpu-local]\ncomponents: [../../optional/{component}]\n")
+    rel = f"overlays/_test-{component}"
+    _renders[rel] = kustomize_build(test_overlay)
+    return rel
+
+
 def test_no_data_plane_component_turns_the_plane_off_everywhere():
     """optional/no-data-plane on a plaintext overlay: the shard starts without the plane, and its
     port is gone from the pod, the Service and the policies (the tls component includes it)."""
-    tree = render_tree()
-    test_overlay = tree / "overlays" / "_test-no-data-plane"
-    test_overlay.mkdir(exist_ok=True)
-    (test_overlay / "kustomization.yaml").write_text(
-        "resources: [../cpu-local]\ncomponents: [../../optional/no-data-plane]\n")
-    rel = "overlays/_test-no-data-plane"
-    _renders[rel] = kustomize_build(test_overlay)
+    rel = _render_with_component("no-data-plane")
     for obj in render(rel):
         kubernetes_validate.validate(obj, MIN_K8S, strict=True)
     assert set(assert_the_shards_listeners_are_declared_served_and_admitted(rel)) == {"grpc", "metrics"}
@@ -87,13 +92,7 @@ def test_networkpolicy_denies_everything_else(rel):
 
 
 def test_worker_egress_component_allows_only_shards_and_dns():
-    tree = render_tree()
-    test_overlay = tree / "overlays" / "_test-worker-egress"
-    test_overlay.mkdir(exist_ok=True)
-    (test_overlay / "kustomization.yaml").write_text(
-        "resources: [../cpu-local]\ncomponents: [../../optional/worker-egress]\n")
-    rel = "overlays/_test-worker-egress"
-    _renders[rel] = kustomize_build(test_overlay)
+    rel = _render_with_component("worker-egress")
     for obj in objects(rel, "NetworkPolicy"):
         kubernetes_validate.validate(obj, MIN_K8S, strict=True)
     p, ports = peers(rel), shard_ports(rel)
