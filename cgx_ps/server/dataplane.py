@@ -86,7 +86,12 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.plane.admit(self):
             transport.abort()  # past the cap: closed before a byte is read
             return
-        set_stream_options(transport.get_extra_info("socket"))
+        try:
+            set_stream_options(transport.get_extra_info("socket"))
+        except OSError:  # reset before its options were set: gone before a byte was read
+            self.plane.forget(self)
+            transport.abort()
+            return
         self.task = asyncio.get_running_loop().create_task(self.plane.serve(self))
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -138,7 +143,10 @@ class _Connection(asyncio.BufferedProtocol):
         for timer in (self._deadline, self._linger):
             if timer is not None:
                 timer.cancel()
-        self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
+        # one kind of error for every way a peer goes (reset, keepalive timeout, EPIPE...), its
+        # reason as a line: readers log it as an event of the network, never with a traceback
+        reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc or "closed")
+        self._frames.put_nowait(ConnectionResetError(reason))
         self._writable.set()
         self.plane.forget(self)
         if self.task is not None:
@@ -230,7 +238,10 @@ class _PlaneContext:
             raise _Aborted() from None
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        await self.end(code, details)
+        try:
+            await self.end(code, details)
+        except OSError:
+            pass  # the client is gone: there is no one left to tell (the gate would log it as unexpected)
         raise _Aborted()
 
     async def end(self, code: grpc.StatusCode, details: str = "") -> None:
