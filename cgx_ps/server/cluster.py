@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..addresses import host_port
 from ..security import new_token_file
 from .config import shard_flags
 
@@ -56,7 +57,7 @@ class LocalCluster:
 
     @property
     def addresses(self) -> list[str]:
-        return [f"{self.host}:{p}" for p in self.ports]
+        return [host_port(self.host, p) for p in self.ports]
 
     def worker_env(self) -> dict[str, str]:
         """The environment workers need to reach these shards."""

@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from ..addresses import host_port
 from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
                          split_header, status_body)
 from ..security import AUTH_HEADER
@@ -276,7 +277,7 @@ class DataPlane:
         try:
             self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
         except OSError as exc:
-            raise OSError(f"cannot bind the data plane to {host}:{port}: {exc.strerror}; choose another "
+            raise OSError(f"cannot bind the data plane to {host_port(host, port)}: {exc.strerror}; choose another "
                           f"--data-port") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
