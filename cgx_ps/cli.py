@@ -105,7 +105,7 @@ def _add_shard_list_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server.config import DEFAULT_PORT
+    from .server.config import DEFAULT_PORT, flag_defaults
 
     summary, _, rest = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(prog="cgx-ps", description=summary, epilog=rest,
@@ -126,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--metrics-base-port", type=_port(off=-1), default=-1,
                          help="shard i serves metrics on this + i; -1 disables (default)")
     _add_server_options(cluster, per_shard=False)
+    # CGX_PS_DATA_PORT / CGX_PS_HEALTH_PORT name the base here: as a shard's own port, every shard
+    # of the cluster would try to bind the same one
+    env = flag_defaults(os.environ)  # valid: _add_server_options exits on a malformed variable
+    cluster.add_argument("--data-base-port", type=_port(off=-1), default=env["data_port"],
+                         help="shard i's raw data plane listens on this + i; 0: a free port each; -1: off "
+                              "(env CGX_PS_DATA_PORT; default %(default)s)")
+    cluster.add_argument("--health-base-port", type=_port(off=-1), default=env["health_port"],
+                         help="shard i serves a plaintext health-only port on this + i; 0: a free port each; "
+                              "-1: off (env CGX_PS_HEALTH_PORT; default %(default)s)")
 
     demo = sub.add_parser("demo", help="local cluster: shards plus workers training a real model")
     demo.add_argument("--workers", type=_at_least(1), default=2, help="worker processes (default %(default)s)")
@@ -200,7 +209,8 @@ def _port_range_problem(args: argparse.Namespace) -> str | None:
     """A cluster's shard i listens on base + i: every one of them must be a port."""
     if args.command != "cluster":
         return None
-    for flag, base in (("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port)):
+    for flag, base in (("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port),
+                       ("--data-base-port", args.data_base_port), ("--health-base-port", args.health_base_port)):
         if base > 0 and base + args.shards - 1 > MAX_PORT:
             return f"{flag} {base} + {args.shards} shards goes past port {MAX_PORT}"
     return None
