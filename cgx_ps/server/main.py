@@ -25,7 +25,7 @@ from .config import GRPC_OPTIONS, ServerConfig
 from .dataplane import DataPlane
 from .fdlimit import FdAction, raise_fd_limit
 from .metrics import ShardMetrics
-from .rpc import SERVICE_NAME, add_parameter_server
+from .rpc import SERVICE_NAME, add_parameter_server, add_wrong_port_answer
 from .service import ParameterServerService
 from .status import ShardStatus
 from .threads import executor_threads, usable_cpus
@@ -116,6 +116,8 @@ class ShardServer:
             # serves the health service and nothing else.
             self._health_server = grpc.aio.server(options=_EXCLUSIVE_PORT, maximum_concurrent_rpcs=16)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            add_wrong_port_answer(self._health_server, f"this is shard {self.config.shard_index}'s health-only port "
+                                                       f"(--health-port); its gRPC port is {self.port}")
             self.health_port = self._bind(self._health_server, self.config.health_port, secure=False,
                                           flag="--health-port")
         if self.config.metrics_port >= 0:
