@@ -248,6 +248,29 @@ def test_cluster_gives_each_shard_its_own_data_and_health_port(how):
     assert proc.returncode == 0 and "Traceback" not in out, out
 
 
+def test_sigint_to_the_cluster_alone_stops_its_idle_shards_at_once():
+    """`kill -INT` to `cgx-ps cluster` alone (its shards got nothing): before, it waited
+    --drain-timeout + 5 s with idle shards, then stopped them with SIGTERM. Now it passes the
+    SIGINT on and they stop as idle shards do; with --drain-timeout 60 the old wait was 65 s."""
+    proc = cluster_process("--shards", "2", "--base-port", "0", "--kernel-threads", "1", "--drain-timeout", "60")
+    try:
+        out = "".join(_serving_lines(proc))
+        assert "2 shards serving" in out, out
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        out += proc.communicate(timeout=120)[0]
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert out.count("signal received: draining") == 2 and out.count("msg='stopped'") == 2, out
+    assert took < 40, f"{took:.1f}s: the cluster waited out the drain timeout ({out})"
+    # what the cluster says comes before what the shards do, not after they stopped
+    assert out.index("cgx-ps cluster: stopping the shards") < out.index("signal received: draining"), out
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_ctrl_c_stops_the_cluster_without_a_traceback(when):
     """Ctrl-C reaches the whole foreground process group: the cluster and its shards."""

@@ -126,12 +126,16 @@ class LocalCluster:
             raise type(exc)(f"shard {i} restarted on port {self.ports[i]} {exc}") from None
         self.data_ports[i] = info.get("data_port", -1)  # --data-port 0: another free port
 
+    def signal_running(self, signum: int) -> None:
+        """``signum`` to every shard still running."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
     def stop(self, timeout_s: float = 30.0) -> list[int]:
         """SIGTERM every shard (they drain), wait, SIGKILL stragglers; return exit codes. The
         generated token file goes with the cluster."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        self.signal_running(signal.SIGTERM)
         codes = []
         for proc in self.procs:
             try:
@@ -219,15 +223,16 @@ def run_cluster(args: argparse.Namespace) -> int:
             time.sleep(0.2)
     finally:
         if received[:1] == [signal.SIGINT]:
-            # A terminal's Ctrl-C reached the shards too (the whole process group): let them finish
-            # draining. A SIGTERM now could land after a shard's drain, when its handler is gone,
-            # and kill it with -15 although it stopped cleanly.
-            # A SIGINT sent to this process alone (kill -INT) reached no shard: a second signal
-            # (Ctrl-C again, SIGTERM) stops waiting and stops them now.
-            deadline = time.monotonic() + args.drain_timeout + 5
+            # A terminal's Ctrl-C reached the shards too (the whole process group); a SIGINT sent
+            # to this process alone (kill -INT) reached none: passed on, it reaches every shard,
+            # and one that had it already ignores the second (server/main.py). They drain; a
+            # second signal to us (Ctrl-C again, SIGTERM) stops waiting and stops them now.
             if any(p.poll() is None for p in cluster.procs):
-                print("cgx-ps cluster: waiting for the shards to drain (Ctrl-C again to stop them now)",
-                      file=sys.stderr, flush=True)
+                # said before the shards are told: their 'stopped' lines come after it
+                print("cgx-ps cluster: stopping the shards; they finish the rounds in flight first "
+                      "(Ctrl-C again to stop them now)", file=sys.stderr, flush=True)
+                cluster.signal_running(signal.SIGINT)
+            deadline = time.monotonic() + args.drain_timeout + 5
             while any(p.poll() is None for p in cluster.procs) and time.monotonic() < deadline \
                     and len(received) < 2:
                 time.sleep(0.05)

@@ -220,6 +220,13 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
                        "data_port": server.data_port, "pid": os.getpid()}, f)
         os.replace(tmp, port_file)  # readers never see a half-written file
     await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # One signal stops the shard; a later one changes nothing, also once the loop is closed
+        # (whose own handlers would then be Python's: a KeyboardInterrupt traceback, or death by
+        # SIGTERM after a clean stop). `cgx-ps cluster` passes a SIGINT on to its shards, which
+        # a terminal's Ctrl-C has often reached already.
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     log.info("signal received: draining")
     await server.stop(drain=True)
     return 0
