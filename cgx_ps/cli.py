@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import MutableMapping, Sequence
 
 # Everything else is imported by build_parser or a command, inside main's Ctrl-C handling: a
 # terminal's Ctrl-C reaches a `cgx-ps cluster`'s shards wherever they are in their start-up.
@@ -180,8 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_grpc_core(env: MutableMapping[str, str]) -> None:
+    """For a shard: gRPC's C core logs in its own format to stderr, one INFO line per failed TLS
+    handshake (a plaintext client, a stranger's certificate: anyone who can reach the port),
+    neither structured nor rate-limited as the shard's own refusals are. ERROR keeps its errors;
+    an operator's own GRPC_VERBOSITY wins. Set before grpc is imported: the core reads it then."""
+    env.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["server"]:
+        quiet_grpc_core(os.environ)
     try:
         parser = build_parser()
         if not words:
