@@ -160,10 +160,11 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             stream.fail(self._rejected(stream, exc))  # the first cause ("replaced by a newer stream") stands
         except grpc.aio.AioRpcError:
             pass  # the client went away; nothing to tell it
-        except OSError as exc:
-            # the raw data plane's peer is gone (reset, keepalive timeout, ...): an event of the
-            # network, not of the shard, and nothing can reach the client any more. gRPC's own
-            # reads never raise OSError: a lost gRPC call ends as a cancellation.
+        except ConnectionError as exc:
+            # the raw data plane's peer is gone (reset, keepalive timeout, ...: dataplane.py gives
+            # every way one ConnectionResetError): an event of the network, not of the shard, and
+            # nothing can reach the client any more. gRPC's own reads never raise it: a lost gRPC
+            # call ends as a cancellation. (Not OSError: a TimeoutError is one.)
             self.lost_log.warning("lost:Exchange", "node %s: data plane connection lost: %s", stream.node_id,
                                   exc.strerror or exc)
         except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
