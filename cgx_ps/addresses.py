@@ -12,7 +12,20 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["check_address", "parse_servers", "servers_from_env"]
+__all__ = ["bare_host", "check_address", "host_port", "parse_servers", "servers_from_env"]
+
+
+def bare_host(host: str) -> str:
+    """``host`` without the brackets an IPv6 address wears before a port ("[::1]" -> "::1"): what
+    sockets, asyncio and Python's HTTP server take."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port, an IPv6 address in brackets ("::1", 7070 -> "[::1]:7070"): what gRPC takes (it
+    reads "::1:7070" as a name) and what an operator can paste into CGX_PS_SERVERS."""
+    host = bare_host(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def check_address(address: str) -> None:

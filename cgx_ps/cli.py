@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import MutableMapping, Sequence
 
 # Everything else is imported by build_parser or a command, inside main's Ctrl-C handling: a
 # terminal's Ctrl-C reaches a `cgx-ps cluster`'s shards wherever they are in their start-up.
@@ -105,7 +105,7 @@ def _add_shard_list_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .server.config import DEFAULT_PORT
+    from .server.config import DEFAULT_PORT, flag_defaults
 
     summary, _, rest = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(prog="cgx-ps", description=summary, epilog=rest,
@@ -126,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--metrics-base-port", type=_port(off=-1), default=-1,
                          help="shard i serves metrics on this + i; -1 disables (default)")
     _add_server_options(cluster, per_shard=False)
+    # CGX_PS_DATA_PORT / CGX_PS_HEALTH_PORT name the base here: as a shard's own port, every shard
+    # of the cluster would try to bind the same one
+    env = flag_defaults(os.environ)  # valid: _add_server_options exits on a malformed variable
+    cluster.add_argument("--data-base-port", type=_port(off=-1), default=env["data_port"],
+                         help="shard i's raw data plane listens on this + i; 0: a free port each; -1: off "
+                              "(env CGX_PS_DATA_PORT; default %(default)s)")
+    cluster.add_argument("--health-base-port", type=_port(off=-1), default=env["health_port"],
+                         help="shard i serves a plaintext health-only port on this + i; 0: a free port each; "
+                              "-1: off (env CGX_PS_HEALTH_PORT; default %(default)s)")
 
     demo = sub.add_parser("demo", help="local cluster: shards plus workers training a real model")
     demo.add_argument("--workers", type=_at_least(1), default=2, help="worker processes (default %(default)s)")
@@ -171,8 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_grpc_core(env: MutableMapping[str, str]) -> None:
+    """For a shard: gRPC's C core logs in its own format to stderr, one INFO line per failed TLS
+    handshake (a plaintext client, a stranger's certificate: anyone who can reach the port),
+    neither structured nor rate-limited as the shard's own refusals are. ERROR keeps its errors;
+    an operator's own GRPC_VERBOSITY wins. Set before grpc is imported: the core reads it then."""
+    env.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["server"]:
+        quiet_grpc_core(os.environ)
     try:
         parser = build_parser()
         if not words:
@@ -200,7 +219,8 @@ def _port_range_problem(args: argparse.Namespace) -> str | None:
     """A cluster's shard i listens on base + i: every one of them must be a port."""
     if args.command != "cluster":
         return None
-    for flag, base in (("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port)):
+    for flag, base in (("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port),
+                       ("--data-base-port", args.data_base_port), ("--health-base-port", args.health_base_port)):
         if base > 0 and base + args.shards - 1 > MAX_PORT:
             return f"{flag} {base} + {args.shards} shards goes past port {MAX_PORT}"
     return None

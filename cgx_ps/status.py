@@ -38,8 +38,11 @@ __all__ = ["ShardReport", "probe", "probe_all", "render_table", "run_status", "t
 
 _WHY = {
     grpc.StatusCode.UNAUTHENTICATED: "set CGX_PS_TOKEN_FILE to the job's token file",
-    grpc.StatusCode.UNIMPLEMENTED: "the shard runs a cgx-ps without the Status RPC",
+    # a shard's own --health-port says so itself (and names the gRPC port): this is gRPC's bare answer
+    grpc.StatusCode.UNIMPLEMENTED: "not a shard's gRPC port (another gRPC server, or an older shard's "
+                                   "--health-port), or a cgx-ps without the Status RPC",
 }
+_GRPC_NOT_FOUND = "Method not found!"  # grpc's details for a method no handler serves
 
 
 @dataclass
@@ -75,7 +78,7 @@ def probe(index: int, address: str, security: ChannelSecurity, num_shards: int, 
         return report
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        hint = _WHY.get(code)
+        hint = _WHY.get(code) if code is not grpc.StatusCode.UNIMPLEMENTED or exc.details() == _GRPC_NOT_FOUND else None
         report.problems.append(f"Status refused: {code.name}: {exc.details()}" + (f" ({hint})" if hint else ""))
         return report
     s = report.status

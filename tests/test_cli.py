@@ -186,6 +186,91 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     assert "Traceback" not in err, err
 
 
+def _free_ports(n: int) -> int:
+    """A base port with ``n`` free ports from it on (free now: another process may take one)."""
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise AssertionError("no free ports")
+
+
+def _serving_lines(proc: subprocess.Popen) -> list[str]:
+    """What a `cgx-ps cluster` printed until it said its shards serve (or ended)."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "then `cgx-ps status` shows them" in line:
+            break
+    return lines
+
+
+def _health(port: int) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@pytest.mark.parametrize("how", ["flags", "environment"])
+def test_cluster_gives_each_shard_its_own_data_and_health_port(how):
+    """`cgx-ps cluster --data-base-port B --health-base-port H`: shard i's data plane on B + i, its
+    health port on H + i. CGX_PS_DATA_PORT / CGX_PS_HEALTH_PORT in the environment are those
+    bases: before, they reached every shard as its own port, and shard 1 failed to bind it."""
+    base = _free_ports(4)
+    args, env = ["--shards", "2", "--base-port", "0", "--kernel-threads", "1"], {}
+    if how == "flags":
+        args += ["--data-base-port", str(base), "--health-base-port", str(base + 2)]
+    else:
+        env = {"CGX_PS_DATA_PORT": str(base), "CGX_PS_HEALTH_PORT": str(base + 2)}
+    proc = interruptible([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(**env), start_new_session=True)
+    try:
+        lines = _serving_lines(proc)
+        out = "".join(lines)
+        assert "2 shards serving" in out, out
+        data_ports = sorted(int(line.split("data port ")[1].split(")")[0]) for line in lines if "serving on" in line)
+        assert data_ports == [base, base + 1], out
+        assert [_health(base + 2), _health(base + 3)] == ["SERVING", "SERVING"]
+        os.killpg(proc.pid, signal.SIGINT)
+        out += proc.communicate(timeout=90)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in out, out
+
+
+def test_sigint_to_the_cluster_alone_stops_its_idle_shards_at_once():
+    """`kill -INT` to `cgx-ps cluster` alone (its shards got nothing): before, it waited
+    --drain-timeout + 5 s with idle shards, then stopped them with SIGTERM. Now it passes the
+    SIGINT on and they stop as idle shards do; with --drain-timeout 60 the old wait was 65 s."""
+    proc = cluster_process("--shards", "2", "--base-port", "0", "--kernel-threads", "1", "--drain-timeout", "60")
+    try:
+        out = "".join(_serving_lines(proc))
+        assert "2 shards serving" in out, out
+        started = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        out += proc.communicate(timeout=120)[0]
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in out, out
+    assert out.count("signal received: draining") == 2 and out.count("msg='stopped'") == 2, out
+    assert took < 40, f"{took:.1f}s: the cluster waited out the drain timeout ({out})"
+    # what the cluster says comes before what the shards do, not after they stopped
+    assert out.index("cgx-ps cluster: stopping the shards") < out.index("signal received: draining"), out
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_ctrl_c_stops_the_cluster_without_a_traceback(when):
     """Ctrl-C reaches the whole foreground process group: the cluster and its shards."""
@@ -268,6 +353,8 @@ def test_demo_from_a_wheel_without_the_extras(tmp_path):
     (["cluster", "--base-port", "70000"], "--base-port: must be a port, 0..65535, got 70000"),
     (["cluster", "--base-port", "65535", "--shards", "2"], "--base-port 65535 + 2 shards goes past port 65535"),
     (["cluster", "--metrics-base-port", "-5"], "--metrics-base-port: must be a port, 0..65535 or -1 (off)"),
+    (["cluster", "--data-base-port", "65535", "--shards", "2"], "--data-base-port 65535 + 2 shards goes past port"),
+    (["cluster", "--health-base-port", "-2"], "--health-base-port: must be a port, 0..65535 or -1 (off)"),
     (["demo", "--workers", "0"], "--workers: must be >= 1, got 0"),
     (["demo", "--local-ranks", "-1"], "--local-ranks: must be >= 1, got -1"),
     (["codec-demo", "--numel", "0"], "--numel: must be >= 1, got 0"),

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
+import os
 import socket
+import struct
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import grpc
 import pytest
@@ -486,3 +491,63 @@ async def test_the_metrics_count_open_streams_by_plane(start_shard) -> None:
     finally:
         await close(members)
     await _until(lambda: streams() == {"grpc": 0, "raw": 0}, timeout_s=20)
+
+
+def _reset(sock: socket.socket, sent: bytes = b"") -> None:
+    """End ``sock`` with a TCP RST (SO_LINGER 0), after ``sent`` (a frame's first bytes, say)."""
+    if sent:
+        sock.send(sent)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def _shard_side_error(error: OSError) -> Callable[[Any], None]:
+    """What asyncio's transport does when a read or write on the shard's socket fails with
+    ``error``, as a keepalive timeout's ETIMEDOUT or a write's EPIPE does (_fatal_error)."""
+    def fail(connection: Any) -> None:
+        connection.transport._fatal_error(error)
+    return fail
+
+
+@pytest.mark.parametrize("ending, words", [
+    ("reset", "data plane connection lost: Connection reset by peer"),
+    ("reset mid-frame", "data plane connection lost: Connection reset by peer"),
+    ("shutdown mid-frame", "the connection closed inside a frame"),
+    ("keepalive timeout", "data plane connection lost: Connection timed out"),
+    ("broken pipe", "data plane connection lost: Broken pipe"),
+])
+async def test_a_member_connection_that_ends_is_one_warning_line_never_a_traceback(start_shard, caplog, ending,
+                                                                                    words) -> None:
+    """However a member's connection ends (a reset, a keepalive timeout, a write's EPIPE, a close
+    inside a frame), the shard logs it as one WARNING line naming the node: an event of the
+    network, not an ERROR with a traceback (the user trial's 15 lines for a node cut off past TCP
+    keepalive)."""
+    shard = await start_shard()
+    member, = await _members(shard, 1)
+    try:
+        await _until(lambda: len(shard.dataplane.connections) == 1)
+        connection, = shard.dataplane.connections
+        member._reader.cancel()  # the member's own reaction (a recovery) is not under test
+        client = member._call._frames.sock
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cgx_ps"):
+            if ending == "reset":
+                _reset(client)
+            elif ending == "reset mid-frame":
+                _reset(client, frame_header(1000) + b"x" * 10)
+            elif ending == "shutdown mid-frame":
+                client.send(frame_header(1000) + b"x" * 10)
+                client.shutdown(socket.SHUT_WR)
+            elif ending == "keepalive timeout":
+                _shard_side_error(TimeoutError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT)))(connection)
+            else:
+                _shard_side_error(BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)))(connection)
+            await _until(lambda: any(words in r.getMessage() for r in caplog.records))
+            await _until(lambda: connection not in shard.dataplane.connections)
+            await asyncio.sleep(0.2)  # what else the end writes is in the log by now
+        lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert [r.levelname for r in lines] == ["WARNING"], [r.getMessage() for r in lines]
+        assert "node-0" in lines[0].getMessage() and "unexpected" not in lines[0].getMessage()
+        assert not any(r.exc_info for r in caplog.records), "a traceback in the log"
+    finally:
+        await close([member])

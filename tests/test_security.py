@@ -658,3 +658,31 @@ async def test_results_nobody_waits_for_are_not_kept() -> None:
     stream = Watching([_chunk(round_, 8, 0, b"ab") for round_ in range(2, 50)] + [_chunk(1, 2, 0, b"ok")])
     await client._read_results(stream, client._generation)
     assert bytes(await asyncio.wait_for(result, 5)) == b"ok" and all(not incoming for incoming in kept)
+
+
+@pytest.mark.parametrize("verbosity, handshake_lines", [(None, 0), ("INFO", 1)])
+def test_grpc_core_does_not_log_a_line_per_failed_handshake_unless_asked(pki, tmp_path, verbosity, handshake_lines):
+    """A real `cgx-ps server` with TLS, called in plaintext (as a misconfigured worker or any
+    stranger can): gRPC's core wrote one glog-format INFO line per handshake into the shard's
+    structured log. The shard now starts gRPC at GRPC_VERBOSITY=ERROR; an operator's own wins."""
+    from cgx_ps.server.cluster import launch_shard, wait_for_port_file
+
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    if verbosity:
+        env["GRPC_VERBOSITY"] = verbosity
+    port_file = tmp_path / "ports.json"
+    proc = launch_shard(["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--kernel-threads", "1",
+                         *tls_args(pki, mutual=False)], port_file, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        port = wait_for_port_file(proc, port_file, time.monotonic() + 120)["port"]
+        for _ in range(3):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.RpcError):
+                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "msg='stopped'" in err, err  # the shard's own log is there
+    lines = [line for line in err.splitlines() if "Handshake failed" in line]
+    assert (len(lines) >= 1) == bool(handshake_lines), err

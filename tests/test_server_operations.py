@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -19,10 +20,11 @@ from cgx_ps.kernels import Codec, dequantize, encode
 from cgx_ps.server import ServerConfig, ShardServer
 from cgx_ps.server.cluster import launch_shard, wait_for_port_file
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
+from cgx_ps.worker.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError
 from cgx_ps.worker.layout import Compression, TensorInfo
 from rounds import check_aggregate, close, make_layout, run_round
-from support import METADATA, TOKEN_FILE, connect
+from support import METADATA, SECURITY, TOKEN_FILE, connect
 
 SHARD_SETTINGS = dict(metrics_port=0, round_timeout_s=5.0)  # the conftest `shard` fixture's
 
@@ -183,3 +185,38 @@ async def test_drain_after_a_failed_round_does_not_wait_for_it() -> None:
     await server.stop(drain=True)
     assert asyncio.get_running_loop().time() - t0 < 5
     await close([a, b])
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+@pytest.mark.parametrize("host", ["::1", "[::1]", "::"])
+async def test_an_ipv6_host_serves_every_listener_and_workers_reach_it_on_both_planes(start_shard, host) -> None:
+    """--host takes an IPv6 address with or without brackets, for every listener the shard opens:
+    gRPC wants "[::1]:port", Python's HTTP server (metrics) and asyncio (the data plane) "::1"
+    (the user trial: "::1" refused as "port in use", "[::1]" failing metrics and --data-port)."""
+    shard = await start_shard(host=host, metrics_port=0, health_port=0, data_port=0)
+    body = urllib.request.urlopen(f"http://[::1]:{shard.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'cgx_ps_connected_nodes{shard="0"} 0.0' in body
+    async with grpc.aio.insecure_channel(f"[::1]:{shard.health_port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
+    # node-0 on the raw data plane, node-1 on gRPC: both reach "[::1]:port"
+    clients = [ShardClient(f"[::1]:{shard.port}", f"node-{i}", 2, layout, connect_timeout_s=5, security=SECURITY,
+                           dataplane=plane) for i, plane in enumerate(("raw", "grpc"))]
+    try:
+        for c in clients:
+            await c.connect()
+        pushed, results = await asyncio.wait_for(run_round(clients, layout, 0), 30)
+        check_aggregate(layout.blocks[0], pushed[0], results[0][0], 0)
+        assert len(shard.dataplane.connections) == 1  # node-0's stream went over the data plane
+    finally:
+        await close(clients)

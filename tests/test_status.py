@@ -262,3 +262,33 @@ def test_cgx_ps_status_command(tmp_path):
     assert cgx_ps("status", env={}).returncode == 2
     bad = cgx_ps("status", env={"CGX_PS_SERVERS": "a:1", "CGX_PS_TOKEN_FILE": str(tmp_path / "none")})
     assert bad.returncode == 2 and "cannot read it" in bad.stderr
+
+
+async def test_status_at_the_health_port_says_so_and_names_the_grpc_port(start_shard):
+    """`cgx-ps status` pointed at a shard's --health-port: before, "the shard runs a cgx-ps without
+    the Status RPC". Now the port says what it is and which port to ask; a worker that registers
+    there is told the same. A gRPC server that is no shard at all gets the hint that it may not be
+    a shard's gRPC port, not only that the shard is old."""
+    shard = await start_shard(health_port=0)
+    report, = await asyncio.to_thread(probe_all, [f"127.0.0.1:{shard.health_port}"], SECURITY)
+    assert report.health == "SERVING" and not report.ok
+    assert report.problems == [f"Status refused: UNIMPLEMENTED: this is shard 0's health-only port "
+                               f"(--health-port); its gRPC port is {shard.port}"], report.problems
+    worker = ShardClient(f"127.0.0.1:{shard.health_port}", "node-0", 1, LAYOUT, connect_timeout_s=5,
+                         security=SECURITY)
+    with pytest.raises(Exception, match=f"health-only port .*its gRPC port is {shard.port}"):
+        await worker.connect()
+    await worker.close()
+    stranger = grpc.aio.server()  # the health service only, as another program's server may have it
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, stranger)
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port = stranger.add_insecure_port("127.0.0.1:0")
+    await stranger.start()
+    try:
+        report, = await asyncio.to_thread(probe_all, [f"127.0.0.1:{port}"], SECURITY)
+        assert "not a shard's gRPC port" in report.problems[0], report.problems
+    finally:
+        await stranger.stop(None)

@@ -13,16 +13,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..addresses import host_port
 from ..security import new_token_file
 from .config import shard_flags
 
-__all__ = ["LocalCluster", "launch_shard", "run_cluster", "wait_for_port_file"]
+__all__ = ["LocalCluster", "launch_shard", "run_cluster", "shard_port", "wait_for_port_file"]
 
 
 # A shard compiles its kernels before it serves: ~70 s on 2 cores the first time after an install
 # (numba caches them next to the package; later starts take ~1 s), so the first `cgx-ps demo` or
 # `cgx-ps cluster` after `pip install` needs this much patience.
 STARTUP_TIMEOUT_S = 240.0
+
+
+def shard_port(base: int, i: int) -> int:
+    """Shard ``i``'s port from a cluster's base port: base + i; 0 (a free port each) and -1 (off)
+    as they are."""
+    return base + i if base > 0 else base
 
 
 class LocalCluster:
@@ -37,18 +44,21 @@ class LocalCluster:
     def __init__(self, shards: int, host: str = "127.0.0.1", base_port: int = 0,
                  metrics_base_port: int = -1, extra_args: list[str] | None = None,
                  startup_timeout_s: float = STARTUP_TIMEOUT_S, log_dir: str | None = None,
-                 token_file: str | None = None) -> None:
+                 token_file: str | None = None, data_base_port: int = -1, health_base_port: int = -1) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         self.shards, self.host, self.base_port = shards, host, base_port
         self.metrics_base_port = metrics_base_port
+        self.data_base_port = data_base_port
+        self.health_base_port = health_base_port
         self.extra_args = extra_args or []
         self.startup_timeout_s = startup_timeout_s
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.metrics_ports: list[int] = []
-        self.data_ports: list[int] = []  # the raw data planes' (--data-port in extra_args), else -1
+        self.data_ports: list[int] = []  # the raw data planes', else -1
+        self.health_ports: list[int] = []  # the plaintext health ports, else -1
         self._tmp = tempfile.TemporaryDirectory(prefix="cgx-ps-cluster-")
         if token_file is None:  # the job's token, if the environment names one, else a fresh one
             token_file = os.environ.get("CGX_PS_TOKEN_FILE") or new_token_file(self._tmp.name)
@@ -56,7 +66,7 @@ class LocalCluster:
 
     @property
     def addresses(self) -> list[str]:
-        return [f"{self.host}:{p}" for p in self.ports]
+        return [host_port(self.host, p) for p in self.ports]
 
     def worker_env(self) -> dict[str, str]:
         """The environment workers need to reach these shards."""
@@ -70,9 +80,8 @@ class LocalCluster:
         and raises RuntimeError."""
         files = []
         for i in range(self.shards):
-            port = self.base_port + i if self.base_port else 0
-            mport = self.metrics_base_port + i if self.metrics_base_port > 0 else self.metrics_base_port
-            proc, port_file = self._spawn(i, port, mport)
+            proc, port_file = self._spawn(i, shard_port(self.base_port, i), shard_port(self.metrics_base_port, i),
+                                          shard_port(self.data_base_port, i), shard_port(self.health_base_port, i))
             self.procs.append(proc)
             files.append(port_file)
         deadline = time.monotonic() + self.startup_timeout_s
@@ -85,13 +94,18 @@ class LocalCluster:
             self.ports.append(info["port"])
             self.metrics_ports.append(info["metrics_port"])
             self.data_ports.append(info.get("data_port", -1))
+            self.health_ports.append(info.get("health_port", -1))
         return self
 
-    def _spawn(self, i: int, port: int, metrics_port: int) -> tuple[subprocess.Popen, Path]:
+    def _spawn(self, i: int, port: int, metrics_port: int, data_port: int, health_port: int
+               ) -> tuple[subprocess.Popen, Path]:
         port_file = Path(self._tmp.name) / f"shard{i}.json"
         port_file.unlink(missing_ok=True)
+        # every per-shard port on the command line: a CGX_PS_DATA_PORT or CGX_PS_HEALTH_PORT in
+        # the environment would otherwise give every shard the same one (extra_args still win)
         flags = ["--host", self.host, "--port", str(port), "--shard-index", str(i),
                  "--num-shards", str(self.shards), "--metrics-port", str(metrics_port),
+                 "--data-port", str(data_port), "--health-port", str(health_port),
                  "--token-file", self.token_file or "", *self.extra_args]
         out = open(Path(self.log_dir) / f"shard{i}.log", "a") if self.log_dir else None  # a restart appends
         return launch_shard(flags, port_file, stdout=out, stderr=subprocess.STDOUT if out else None), port_file
@@ -102,7 +116,9 @@ class LocalCluster:
         if self.procs[i].poll() is None:
             raise RuntimeError(f"shard {i} (pid {self.procs[i].pid}) is still running")
         mport = self.metrics_ports[i] if self.metrics_base_port >= 0 else -1
-        proc, port_file = self._spawn(i, self.ports[i], mport)
+        hport = self.health_ports[i] if self.health_base_port >= 0 else -1
+        # the data port as at the start: base + i again, or (0) another free one
+        proc, port_file = self._spawn(i, self.ports[i], mport, shard_port(self.data_base_port, i), hport)
         self.procs[i] = proc
         try:
             info = wait_for_port_file(proc, port_file, time.monotonic() + self.startup_timeout_s)
@@ -110,12 +126,16 @@ class LocalCluster:
             raise type(exc)(f"shard {i} restarted on port {self.ports[i]} {exc}") from None
         self.data_ports[i] = info.get("data_port", -1)  # --data-port 0: another free port
 
+    def signal_running(self, signum: int) -> None:
+        """``signum`` to every shard still running."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
     def stop(self, timeout_s: float = 30.0) -> list[int]:
         """SIGTERM every shard (they drain), wait, SIGKILL stragglers; return exit codes. The
         generated token file goes with the cluster."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        self.signal_running(signal.SIGTERM)
         codes = []
         for proc in self.procs:
             try:
@@ -173,7 +193,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     # (no --token-file: a fresh random one, written where only this user can read it).
     extra = shard_flags(vars(args), skip=("token_file",))
     cluster = LocalCluster(args.shards, args.host, args.base_port, args.metrics_base_port, extra,
-                           token_file=args.token_file or None)
+                           token_file=args.token_file or None, data_base_port=args.data_base_port,
+                           health_base_port=args.health_base_port)
     received: list[int] = []  # signals that ask us to stop
 
     def on_signal(signum: int, frame: object) -> None:
@@ -186,8 +207,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:  # the shard printed its own reason above
         if received:  # Ctrl-C during start-up: the shards got it too
             return 130
-        print(f"cgx-ps cluster: {exc} (its reason is above; shard i uses port --base-port + i, "
-              f"here {args.base_port} on); stopped the others", file=sys.stderr)
+        print(f"cgx-ps cluster: {exc} (its reason is above; shard i uses base + i of "
+              f"{_bases(args)}); stopped the others", file=sys.stderr)
         return 1
     exports = " ".join(f"{k}={v}" for k, v in cluster.worker_env().items())
     print(f"cgx-ps cluster: {args.shards} shards serving; for the workers: export {exports}\n"
@@ -202,15 +223,16 @@ def run_cluster(args: argparse.Namespace) -> int:
             time.sleep(0.2)
     finally:
         if received[:1] == [signal.SIGINT]:
-            # A terminal's Ctrl-C reached the shards too (the whole process group): let them finish
-            # draining. A SIGTERM now could land after a shard's drain, when its handler is gone,
-            # and kill it with -15 although it stopped cleanly.
-            # A SIGINT sent to this process alone (kill -INT) reached no shard: a second signal
-            # (Ctrl-C again, SIGTERM) stops waiting and stops them now.
-            deadline = time.monotonic() + args.drain_timeout + 5
+            # A terminal's Ctrl-C reached the shards too (the whole process group); a SIGINT sent
+            # to this process alone (kill -INT) reached none: passed on, it reaches every shard,
+            # and one that had it already ignores the second (server/main.py). They drain; a
+            # second signal to us (Ctrl-C again, SIGTERM) stops waiting and stops them now.
             if any(p.poll() is None for p in cluster.procs):
-                print("cgx-ps cluster: waiting for the shards to drain (Ctrl-C again to stop them now)",
-                      file=sys.stderr, flush=True)
+                # said before the shards are told: their 'stopped' lines come after it
+                print("cgx-ps cluster: stopping the shards; they finish the rounds in flight first "
+                      "(Ctrl-C again to stop them now)", file=sys.stderr, flush=True)
+                cluster.signal_running(signal.SIGINT)
+            deadline = time.monotonic() + args.drain_timeout + 5
             while any(p.poll() is None for p in cluster.procs) and time.monotonic() < deadline \
                     and len(received) < 2:
                 time.sleep(0.05)
@@ -218,6 +240,13 @@ def run_cluster(args: argparse.Namespace) -> int:
     if 130 in codes:
         return 130  # Ctrl-C while they were starting
     return 0 if all(c == 0 for c in codes) else 1
+
+
+def _bases(args: argparse.Namespace) -> str:
+    """The base ports shard i adds i to, as the flags that set them ("--base-port 7070, ...")."""
+    bases = [("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port),
+             ("--data-base-port", args.data_base_port), ("--health-base-port", args.health_base_port)]
+    return ", ".join(f"{flag} {base}" for flag, base in bases if base > 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

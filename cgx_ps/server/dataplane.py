@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from ..addresses import host_port
 from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
                          split_header, status_body)
 from ..security import AUTH_HEADER
@@ -86,7 +87,12 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.plane.admit(self):
             transport.abort()  # past the cap: closed before a byte is read
             return
-        set_stream_options(transport.get_extra_info("socket"))
+        try:
+            set_stream_options(transport.get_extra_info("socket"))
+        except OSError:  # reset before its options were set: gone before a byte was read
+            self.plane.forget(self)
+            transport.abort()
+            return
         self.task = asyncio.get_running_loop().create_task(self.plane.serve(self))
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -138,7 +144,10 @@ class _Connection(asyncio.BufferedProtocol):
         for timer in (self._deadline, self._linger):
             if timer is not None:
                 timer.cancel()
-        self._frames.put_nowait(ConnectionResetError(f"connection lost: {exc}"))
+        # one kind of error for every way a peer goes (reset, keepalive timeout, EPIPE...), its
+        # reason as a line: readers log it as an event of the network, never with a traceback
+        reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc or "closed")
+        self._frames.put_nowait(ConnectionResetError(reason))
         self._writable.set()
         self.plane.forget(self)
         if self.task is not None:
@@ -230,7 +239,10 @@ class _PlaneContext:
             raise _Aborted() from None
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        await self.end(code, details)
+        try:
+            await self.end(code, details)
+        except OSError:
+            pass  # the client is gone: there is no one left to tell (the gate would log it as unexpected)
         raise _Aborted()
 
     async def end(self, code: grpc.StatusCode, details: str = "") -> None:
@@ -265,7 +277,7 @@ class DataPlane:
         try:
             self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
         except OSError as exc:
-            raise OSError(f"cannot bind the data plane to {host}:{port}: {exc.strerror}; choose another "
+            raise OSError(f"cannot bind the data plane to {host_port(host, port)}: {exc.strerror}; choose another "
                           f"--data-port") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from .. import timeline
+from ..addresses import bare_host, host_port
 from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
 from .allocator import keep_freed_memory
@@ -24,7 +25,7 @@ from .config import GRPC_OPTIONS, ServerConfig
 from .dataplane import DataPlane
 from .fdlimit import FdAction, raise_fd_limit
 from .metrics import ShardMetrics
-from .rpc import SERVICE_NAME, add_parameter_server
+from .rpc import SERVICE_NAME, add_parameter_server, add_wrong_port_answer
 from .service import ParameterServerService
 from .status import ShardStatus
 from .threads import executor_threads, usable_cpus
@@ -45,7 +46,7 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(bare_host(host)).is_loopback
     except ValueError:
         return False  # a name: assume it resolves beyond this machine
 
@@ -86,7 +87,7 @@ class ShardServer:
         self._timeline: timeline.Recorder | None = None
 
     def _bind(self, server: grpc.aio.Server, port: int, secure: bool, flag: str) -> int:
-        address = f"{self.config.host}:{port}"
+        address = host_port(self.config.host, port)
         try:
             bound = (server.add_secure_port(address, self.tls.credentials) if secure and self.tls is not None
                      else server.add_insecure_port(address))
@@ -115,21 +116,23 @@ class ShardServer:
             # serves the health service and nothing else.
             self._health_server = grpc.aio.server(options=_EXCLUSIVE_PORT, maximum_concurrent_rpcs=16)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            add_wrong_port_answer(self._health_server, f"this is shard {self.config.shard_index}'s health-only port "
+                                                       f"(--health-port); its gRPC port is {self.port}")
             self.health_port = self._bind(self._health_server, self.config.health_port, secure=False,
                                           flag="--health-port")
         if self.config.metrics_port >= 0:
-            host = self.config.metrics_host or self.config.host
+            host = bare_host(self.config.metrics_host or self.config.host)
             try:
                 self._metrics_httpd, _ = start_http_server(self.config.metrics_port, addr=host,
                                                            registry=self.metrics.registry)
             except OSError as exc:
-                raise OSError(f"cannot serve metrics on {host}:{self.config.metrics_port}: {exc.strerror}; "
+                raise OSError(f"cannot serve metrics on {host_port(host, self.config.metrics_port)}: {exc.strerror}; "
                               f"choose another --metrics-port (or -1 to disable)") from None
             self.metrics_port = self._metrics_httpd.server_port
         if self.config.data_port >= 0:
             # same gate, same service, same cap on streams as the gRPC port (server/dataplane.py)
             self.dataplane = DataPlane(self.service, gate, self.config.max_concurrent_rpcs)
-            self.data_port = self.service.data_port = await self.dataplane.start(self.config.host,
+            self.data_port = self.service.data_port = await self.dataplane.start(bare_host(self.config.host),
                                                                                  self.config.data_port)
         await server.start()
         self._server = server
@@ -140,7 +143,7 @@ class ShardServer:
             log.warning(warning)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving on %s:%d (shard %d of %d, metrics port %d, data port %s)", self.config.host, self.port,
+        log.info("serving on %s (shard %d of %d, metrics port %d, data port %s)", host_port(self.config.host, self.port),
                  self.config.shard_index, self.config.num_shards, self.metrics_port,
                  self.data_port if self.dataplane is not None else "off")
 
@@ -217,6 +220,13 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
                        "data_port": server.data_port, "pid": os.getpid()}, f)
         os.replace(tmp, port_file)  # readers never see a half-written file
     await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # One signal stops the shard; a later one changes nothing, also once the loop is closed
+        # (whose own handlers would then be Python's: a KeyboardInterrupt traceback, or death by
+        # SIGTERM after a clean stop). `cgx-ps cluster` passes a SIGINT on to its shards, which
+        # a terminal's Ctrl-C has often reached already.
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     log.info("signal received: draining")
     await server.stop(drain=True)
     return 0

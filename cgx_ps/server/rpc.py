@@ -32,7 +32,7 @@ from .errors import (AlreadyExists, BadRequest, Busy, Conflict, Forbidden, Inter
                      ProtocolError, SessionEnded, ShuttingDown, StreamAborted, TimedOut, Unauthenticated, WrongRound)
 
 __all__ = ["MAX_DETAILS_CHARS", "SERVICE_NAME", "STATUS_CODES", "Gate", "RateLimitedLog", "add_parameter_server",
-           "clip", "grpc_status", "read_message", "parse_message"]
+           "add_wrong_port_answer", "clip", "grpc_status", "read_message", "parse_message"]
 
 SERVICE_NAME = "cgx_ps.v1.ParameterServer"
 log = logging.getLogger("cgx_ps.server.rpc")
@@ -228,3 +228,18 @@ def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | N
                                                                  response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     return gate
+
+
+def add_wrong_port_answer(server: grpc.aio.Server, details: str) -> None:
+    """On a port that serves no ParameterServer (the plaintext --health-port): every method of it
+    answers UNIMPLEMENTED with ``details``, which say which port to use. gRPC's own answer,
+    "Method not found!", reads as a shard too old to have the method (`cgx-ps status` said so).
+    Nothing the caller sends is read or parsed."""
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, details)
+
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    methods = ps_pb2.DESCRIPTOR.services_by_name[SERVICE_NAME.rsplit(".", 1)[1]].methods
+    handlers = {m.name: kinds[m.client_streaming, m.server_streaming](refuse) for m in methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -33,7 +33,7 @@ from .errors import (BadRequest, Conflict, Forbidden, InternalError, LimitExceed
 from .frames import PushFrame, read_push
 from .metrics import ShardMetrics
 from .reassembly import InflightPushes, PushAssembler
-from .rpc import discard_rest, grpc_status, read_message
+from .rpc import RateLimitedLog, discard_rest, grpc_status, read_message
 from .session import Session
 from .stream import NodeStream
 
@@ -58,6 +58,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         self._last_ended: Session | None = None  # replaced or shut down last: its members learn why
         self.instance_id = secrets.token_hex(8)  # a restarted shard is another instance
         self.data_port = 0  # the raw data plane's port, advertised at Register; 0: none (ShardServer sets it)
+        # a network that drops every node at once must not write a line per stream per second
+        self.lost_log = RateLimitedLog(log)
 
     @property
     def budget(self) -> ByteBudget:
@@ -158,6 +160,13 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             stream.fail(self._rejected(stream, exc))  # the first cause ("replaced by a newer stream") stands
         except grpc.aio.AioRpcError:
             pass  # the client went away; nothing to tell it
+        except ConnectionError as exc:
+            # the raw data plane's peer is gone (reset, keepalive timeout, ...: dataplane.py gives
+            # every way one ConnectionResetError): an event of the network, not of the shard, and
+            # nothing can reach the client any more. gRPC's own reads never raise it: a lost gRPC
+            # call ends as a cancellation. (Not OSError: a TimeoutError is one.)
+            self.lost_log.warning("lost:Exchange", "node %s: data plane connection lost: %s", stream.node_id,
+                                  exc.strerror or exc)
         except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
             log.exception("node %s: unexpected error reading pushes", stream.node_id)
             stream.fail(InternalError(f"shard error: {exc!r}"))

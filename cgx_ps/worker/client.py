@@ -33,6 +33,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 import grpc
 
 from .. import __version__, timeline
+from ..addresses import bare_host
 from ..layout import layout_hash
 from ..security import ChannelSecurity, read_token
 from ..kernels.wire import max_encoded_size
@@ -219,7 +220,7 @@ class ShardClient(ConnectionSupervisor):
         gRPC with one warning; once a stream went over the plane, a failure is the shard's (raised:
         UNAVAILABLE, which recovery retries)."""
         if self._data_port and not self._raw_refused:
-            host = self.address.rsplit(":", 1)[0].strip("[]")
+            host = bare_host(self.address.rsplit(":", 1)[0])
             try:
                 call = await RawCall.open(host, self._data_port, self._token, read_result)
             except grpc.aio.AioRpcError as exc:

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 import grpc
 import numpy as np
 
+from ..addresses import host_port
 from ..rawframes import HEADER, MAX_FRAME, frame_header, parse_status, preface, set_stream_options, split_header
 from .config import DATAPLANES, dataplane_problem
 from .errors import ConfigError
@@ -171,7 +172,7 @@ class RawCall:
         except (OSError, TimeoutError) as exc:
             if sock is not None:
                 sock.close()
-            raise _unavailable(f"data plane {host}:{port}: {exc or type(exc).__name__}") from None
+            raise _unavailable(f"data plane {host_port(host, port)}: {exc or type(exc).__name__}") from None
         return call
 
     async def write(self, frame: Any) -> None:
