@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ import grpc
 from .transport import GRPC_OPTIONS
 
 __all__ = ["AUTH_HEADER", "ChannelSecurity", "CredentialError", "MIN_TOKEN_CHARS", "bearer_matches",
-           "new_token_file", "read_pem", "read_token"]
+           "check_key_pair", "new_token_file", "read_pem", "read_token"]
 
 AUTH_HEADER = "authorization"  # gRPC metadata keys are lower case
 MIN_TOKEN_CHARS = 16  # a guessable token is no token: refuse short ones at start
@@ -85,6 +86,16 @@ def bearer_matches(metadata: Sequence[tuple[str, str | bytes]] | None, token: by
     return hmac.compare_digest(presented, token)
 
 
+def check_key_pair(cert: str | os.PathLike, key: str | os.PathLike, cert_name: str, key_name: str) -> None:
+    """CredentialError unless ``key`` is the private key of ``cert``: gRPC only says so in its own
+    log and then fails every handshake ("Failed to create security handshaker")."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(str(cert), str(key))
+    except ssl.SSLError as exc:
+        raise CredentialError(f"{key_name} {str(key)!r} is not the key of {cert_name} {str(cert)!r} "
+                              f"({exc.reason or exc})") from None
+
+
 def read_pem(path: str | os.PathLike, what: str) -> bytes:
     """A PEM file's bytes, checked to hold at least one PEM block; errors name the file."""
     data = _read_small_file(path, what)
@@ -122,6 +133,8 @@ class ChannelSecurity:
         """Read every configured file once, so a typo fails at start and names the file."""
         self.metadata()
         self._credentials()
+        if self.tls_cert and self.tls_key:
+            check_key_pair(self.tls_cert, self.tls_key, "CGX_PS_TLS_CERT", "CGX_PS_TLS_KEY")
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         if not self.token_file:

@@ -578,3 +578,25 @@ def test_a_bad_cuda_ipc_record_is_named_before_any_cuda_call(record, message):
 
     with pytest.raises(IntraNodeError, match=message):
         CudaIpcBuffer.open(record, 2, torch.device("cuda", 0))
+
+
+def test_a_peers_posted_error_is_raised_as_its_kind_where_it_can_be():
+    from cgx_ps.worker.errors import RoundFailedError, ShardUnavailableError
+    from cgx_ps.worker.intranode import relayed_error
+
+    error = relayed_error(1, "ShardUnavailableError", "shard a:1 sent no result")
+    assert type(error) is ShardUnavailableError and str(error) == "shard a:1 sent no result (reported by local rank 1)"
+    error = relayed_error(0, "RoundFailedError", "round failed on shard a:1: timed out")  # other fields: kept in words
+    assert type(error) is IntraNodeError and not isinstance(error, RoundFailedError)
+    assert str(error) == "local rank 0 failed: RoundFailedError: round failed on shard a:1: timed out"
+    assert type(relayed_error(0, "SystemExit", "x")) is IntraNodeError  # only our own hierarchy's names
+
+
+def test_a_posted_error_survives_the_segment_round_trip():
+    seg, fd = Segment.create(4)
+    os.close(fd)
+    assert seg.posted_error() is None
+    seg.post_error("ShardUnavailableError", "shard a:1 ü" + "x" * 5000)
+    seg.post_error("IntraNodeError", "a later error")  # the first one stays
+    kind, message = seg.posted_error()
+    assert kind == "ShardUnavailableError" and message.startswith("shard a:1 ü") and len(message.encode()) < 1024

@@ -219,6 +219,37 @@ def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp
         assert exited - stopped < round_timeout + 10, f"rank {r} raised {exited - stopped:.1f}s after the stop"
 
 
+@pytest.mark.slow
+def test_a_stopped_shard_is_named_by_every_local_rank_of_a_node(tmp_path: Path) -> None:
+    """User trial s26, finding 4: with 2 local ranks, the rank that does not own a block of the
+    stopped shard timed out first on its owner ("result from its owner (local rank 0 stalled?)")
+    and torchrun killed the owner before it named the shard. Now the owner posts the shard's error
+    to its node and the other rank waits past the owner's shard timeout: both name the shard."""
+    round_timeout = 3
+    job = f"chaos-{uuid.uuid4().hex[:8]}"
+    with LocalCluster(2, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as cluster:
+        workers = [subprocess.Popen([sys.executable, str(STEP_WORKER), "--steps", "10000", "--step-sleep", "0.05",
+                                     "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"r{r}.pt")],
+                                    env=env_for(r, 2, cluster.addresses, CGX_PS_JOB_ID=job, LOCAL_RANK=str(r),
+                                                LOCAL_WORLD_SIZE="2", CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1"),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for r in range(2)]
+        wait_for_rounds(cluster.addresses[1], 3, workers)
+        os.kill(cluster.procs[1].pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            results = finish(workers, timeout_s=60)
+        finally:
+            os.kill(cluster.procs[1].pid, signal.SIGCONT)
+    for r, (code, err, exited) in enumerate(results):
+        assert code != 0 and "ShardUnavailableError" in err, f"local rank {r}:\n{err[-3000:]}"
+        assert f"shard {cluster.addresses[1]} sent no result" in err, err[-3000:]
+        assert "stalled?" not in err, err[-3000:]
+        assert exited - stopped < round_timeout + 20, f"local rank {r} raised {exited - stopped:.1f}s after the stop"
+    # (which rank raises the node's first error and which relays it, "(reported by local rank N)",
+    # depends on which of the shard's blocks each owns and when its own pushes went unanswered)
+
+
 # ---- a connection that breaks while a push is being written, in-process --------------------------
 
 SHARD_SETTINGS = dict(round_timeout_s=30.0)  # the conftest `start_shard` fixture's

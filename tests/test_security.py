@@ -309,6 +309,60 @@ async def test_a_worker_trusting_another_ca_fails_fast_naming_the_handshake(star
     assert time.monotonic() - t0 < 10
 
 
+# Each TLS mistake a worker can make, and the words its error must carry. gRPC reports the first
+# three alike as "Socket closed" (a shard going away mid-connect says the same): the worker probes.
+TLS_MISTAKES = {
+    "plaintext to a TLS shard": (dict(), "serves TLS and this worker connects in plaintext.*CGX_PS_TLS_CA"),
+    "no client certificate": (dict(tls_ca="ca"), "requires mutual TLS.*sends no client certificate.*CGX_PS_TLS_CERT"),
+    "a client certificate from another CA": (dict(tls_ca="ca", tls_cert="rogue", tls_key="rogue_key"),
+                                             "refused this worker's client certificate CGX_PS_TLS_CERT=.*rogue.pem"),
+    "a wrong server name": (dict(tls_ca="ca", tls_cert="client", tls_key="client_key", server_name="wrong.name"),
+                            "certificate does not name the host.*CGX_PS_TLS_SERVER_NAME"),
+    "a key not matching its certificate": (dict(tls_ca="ca", tls_cert="client", tls_key="rogue_key"),
+                                           "CGX_PS_TLS_KEY is the key of CGX_PS_TLS_CERT"),
+}
+
+
+@pytest.mark.parametrize("mistake", TLS_MISTAKES)
+async def test_each_tls_mistake_of_a_worker_fails_at_once_naming_its_cause(start_shard, pki, mistake):
+    """Before: all but a wrong CA waited out the connect timeout, then said "unreachable ... check
+    that the shard is running"."""
+    server = await start_shard(tls_cert=pki["shard"], tls_key=pki["shard_key"], tls_client_ca=pki["ca"])
+    settings, cause = TLS_MISTAKES[mistake]
+    files = {k: (pki[v] if k != "server_name" else v) for k, v in settings.items()}
+    t0 = time.monotonic()
+    with pytest.raises(ShardRejectedError, match=cause):
+        await member(server, layout_of((64, 64)), security=ChannelSecurity(token_file=TOKEN_FILE, **files),
+                     connect_timeout_s=60)
+    assert time.monotonic() - t0 < 30  # the probe's own limit is 2 x 3 s; the timeout was 60 s
+    assert server.service.session is None
+
+
+async def test_a_port_closing_connections_without_tls_is_still_retried():
+    """The probe must not turn a plain "Socket closed" into a TLS verdict: a plaintext worker
+    against a plaintext port that closes every connection it reads from (gRPC: "Socket closed",
+    as for a TLS mismatch) keeps retrying to its timeout."""
+    async def close_after_first_byte(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)
+        writer.close()
+
+    listener = await asyncio.start_server(close_after_first_byte, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    client = ShardClient(f"127.0.0.1:{port}", "node-0", 1, layout_of((64, 64)), connect_timeout_s=2,
+                         security=SECURITY)
+    with pytest.raises(ShardUnavailableError, match="unreachable for 2s.*Socket closed"):
+        await client.connect()
+    listener.close()
+
+
+def test_a_client_key_not_matching_its_certificate_fails_at_init(pki):
+    env = {"CGX_PS_SERVERS": "a:1", "CGX_PS_TLS_CA": pki["ca"], "CGX_PS_TLS_CERT": pki["client"],
+           "CGX_PS_TLS_KEY": pki["rogue_key"]}
+    with pytest.raises(ConfigError, match="CGX_PS_TLS_KEY .*rogue_key.pem.* is not the key of CGX_PS_TLS_CERT"):
+        WorkerConfig.from_env(env)
+    WorkerConfig.from_env({**env, "CGX_PS_TLS_KEY": pki["client_key"]})
+
+
 def test_missing_tls_files_are_named(tmp_path):
     missing = str(tmp_path / "nope.pem")
     with pytest.raises(ConfigError, match="CGX_PS_TLS_CA.*nope.pem"):

@@ -179,6 +179,28 @@ def test_mismatched_model_refused_and_peer_fails_clearly(tmp_path):
     assert "was not put within 3s" in other.stderr or "waiting for node(s)" in other.stderr, other.stderr[-800:]
 
 
+def test_a_node_started_alone_says_whom_it_waits_for_and_names_them_when_it_gives_up(tmp_path):
+    """Finding 11 of the s26 user trial: node 1 of 2 restarted alone waited in silence, then blamed
+    the root's broadcast ("was not put within ... did the root rank fail"). Node 0 never joined."""
+    with LocalCluster(1, extra_args=["--round-timeout", "3", "--log-level", "WARNING"]) as c:
+        env = env_for(1, 2, c.addresses, CGX_PS_JOB_ID=f"test-{uuid.uuid4().hex[:8]}")
+        alone = subprocess.run([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
+                                str(tmp_path / "1.pt")], env=env, capture_output=True, text=True, timeout=120)
+    assert alone.returncode != 0
+    assert "waiting for blob 'broadcast/0': 1 of 2 nodes have joined shard" in alone.stderr, alone.stderr[-800:]
+    assert "not yet: node-0" in alone.stderr
+    assert "BroadcastError" in alone.stderr and "node(s) never joined the job: node-0 (1 of 2 nodes registered" \
+        in alone.stderr, alone.stderr[-800:]
+
+
+def test_absent_nodes_are_named_when_the_shard_count_allows_it():
+    from cgx_ps.worker.joining import absent_nodes
+
+    assert absent_nodes(2, 2, 1) == ""
+    assert absent_nodes(3, 1, 1) == "node-0, node-2"  # only we registered: every other node is absent
+    assert absent_nodes(4, 2, 0) == "2 of the other 3 nodes"  # a count cannot say which
+
+
 def test_unreachable_shard_gives_a_clear_error(tmp_path):
     results = run_workers(ROOT / "tests/workers/step_worker.py", 1, ["127.0.0.1:9"],
                           lambda r: ["--out", str(tmp_path / "x.pt")], timeout=60,
@@ -312,7 +334,10 @@ def test_two_nodes_of_two_gpu_ranks_reduce_over_cuda_ipc(tmp_path):
 
 def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
     """A local rank that hangs (SIGSTOP: alive, holding its segment) must not hang the node: the
-    other rank fails within the round timeout, naming what it waited for."""
+    other rank fails, naming what it waited for: within the round timeout when it waited for the
+    stalled rank's gradient, OWNER_GIVES_UP_S later when for its result (a live owner would have
+    named a silent shard by then, intranode.py)."""
+    from cgx_ps.worker.intranode import OWNER_GIVES_UP_S
     import signal
     import time
 
@@ -344,9 +369,9 @@ def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
             stalled.send_signal(signal.SIGKILL)
             stalled.communicate(timeout=30)
     assert survivor.returncode != 0
-    assert "IntraNodeError: timed out after 5s waiting for block" in err and "(local rank 1 stalled?)" in err, \
-        err[-1500:]
-    assert elapsed < 5 + 20, elapsed  # the round timeout plus start-up slack, not forever
+    waited = "5s waiting for block" if "gradient (local rank" in err else f"{5 + OWNER_GIVES_UP_S:g}s waiting for block"
+    assert f"IntraNodeError: timed out after {waited}" in err and "(local rank 1 stalled?)" in err, err[-1500:]
+    assert elapsed < 5 + OWNER_GIVES_UP_S + 20, elapsed  # the timeout plus start-up slack, not forever
     assert _shm_files() == before
 
 

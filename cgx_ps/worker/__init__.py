@@ -21,6 +21,8 @@ or, under DDP (and every trainer built on it: Lightning, Accelerate, the HF Trai
     buffers.py    the blocks' flat buffers              engine.py     the communication thread
     client.py     one shard connection, kept alive     broadcast.py  root -> all via shard 0
     recovery.py   what to do when a shard connection breaks (reopen, rejoin, give up, hung)
+    tlsprobe.py   why a shard closed the connection while connecting (a TLS mistake, or not)
+    joining.py    which nodes have not joined, said while a broadcast waits and when it gives up
     dataplane.py  the Exchange stream over a shard's raw data plane (CGX_PS_DATAPLANE), and the choice
     intranode.py  local ranks reduce first (segment.py, rendezvous.py, cuda_ipc.py, shm_flags.py)
     autotune.py   adaptive bits and auto mode decide    adaptive.py, knapsack.py, automode.py

@@ -34,7 +34,7 @@ from ..v1 import ps_pb2
 from .codec_streams import CODEC_STREAMS, CodecStreams
 from .config import WorkerConfig
 from .engine import CommEngine, EngineShare
-from .errors import StepAbandoned
+from .errors import CgxPsError, StepAbandoned
 from .intranode import NodeReducer
 from .stepstats import CommSpan
 
@@ -130,7 +130,12 @@ class BlockExchange:
         # hook's early hand-over encodes autograd's own tensor): it is freed now, not a step later.
         block.work = block.buffer
         self._span.note(first=time.perf_counter())  # first byte out
-        result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
+        try:
+            result = await engine.push_pull(spec.shard, spec.block_id, round_, payload)
+        except CgxPsError as error:  # the shard's error ends the job: the node's other ranks raise it too
+            if reducer is None:
+                raise
+            raise reducer.first_error(error) from None
         abandoned = await in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block,
                                     result)
         self._span.note(last=time.perf_counter())  # last result in

@@ -43,7 +43,8 @@ from ..v1 import ps_pb2, ps_pb2_grpc
 from .config import dataplane_problem
 from .dataplane import RawCall, decide_dataplane
 from .errors import CgxPsError, ConfigError, RoundFailedError, ShardRejectedError, ShardUnavailableError
-from .recovery import Fail, Recover, after_stream_end, broke_under_write, connect_failure
+from .recovery import Fail, Recover, after_stream_end, broke_under_write, closed_while_connecting, connect_failure
+from .tlsprobe import closed_connection_cause
 from .supervisor import ConnectionSupervisor
 
 __all__ = ["Payload", "Result", "ShardClient", "push_frames", "read_result"]
@@ -153,12 +154,17 @@ class ShardClient(ConnectionSupervisor):
         self._channel = self.security.aio_channel(self.address)
         deadline = time.monotonic() + self.connect_timeout_s
         delay = 0.1
+        probed = False
         while True:
             try:
                 await self._register(resume=False, timeout=10.0)
                 break
             except grpc.aio.AioRpcError as exc:
                 fatal = connect_failure(self.address, exc.code(), exc.details() or "", self.security.tls)
+                if fatal is None and not probed and closed_while_connecting(exc.code(), exc.details() or ""):
+                    probed = True  # once: a TLS mismatch does not change between attempts
+                    cause = await asyncio.to_thread(closed_connection_cause, self.address, self.security)
+                    fatal = ShardRejectedError(self.address, "TLS", cause) if cause else None
                 if fatal is not None:
                     raise fatal from None
                 if time.monotonic() + delay > deadline:

@@ -40,7 +40,7 @@ from ..envparse import env_float, env_int
 from ..security import ChannelSecurity
 from .errors import ConfigError
 
-__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "dataplane_problem"]
+__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "dataplane_problem", "node_name"]
 
 INTRANODE_TRANSPORTS = ("auto", "shm", "cuda")
 DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/dataplane.py decides with it)
@@ -118,7 +118,7 @@ class WorkerConfig:
 
     @property
     def node_id(self) -> str:
-        return f"node-{self.node_rank}"
+        return node_name(self.node_rank)
 
     def member_of(self, rank: int) -> tuple[str, int]:
         """(node id, member) under which a global rank talks to the shards: ranks are numbered
@@ -162,3 +162,7 @@ class WorkerConfig:
                      security=security)
         return replace(config, **overrides) if overrides else config
 
+
+def node_name(node_rank: int) -> str:
+    """The id under which node ``node_rank`` registers with the shards."""
+    return f"node-{node_rank}"

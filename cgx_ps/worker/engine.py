@@ -26,7 +26,8 @@ from ..transport import CHUNK_BYTES, chunks
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .client import Payload, Result, ShardClient
 from .config import WorkerConfig
-from .errors import CgxPsError, ConfigError
+from .errors import BroadcastError, CgxPsError, ConfigError
+from .joining import absent_nodes, nodes_joined, report_absent_nodes
 
 __all__ = ["CODEC_DRAIN_S", "CommEngine", "EngineShare"]
 
@@ -231,20 +232,36 @@ class CommEngine:
         self._rpc(put(), f"broadcast put {key!r}")
 
     def get_blob(self, key: str, timeout_s: float) -> tuple[bytes, tuple[str, int]]:
-        """A blob's bytes and who wrote it: (node id, member)."""
+        """A blob's bytes and who wrote it: (node id, member). While it waits, says which nodes have
+        not joined the job (joining.py); if it times out with nodes missing, blames them."""
         shard = self.clients[0]
+        what = f"broadcast get {key!r}"
 
         async def get() -> tuple[bytes, tuple[str, int]]:
             call = ps_pb2_grpc.ParameterServerStub(shard.channel).GetBlob(
                 ps_pb2.GetBlobRequest(key=key, timeout_s=timeout_s, session_id=shard.session_id),
                 timeout=timeout_s + 30, metadata=shard.metadata)
-            parts, writer = [], ("", 0)
-            async for chunk in call:
-                parts.append(chunk.data)
-                writer = (chunk.node_id, chunk.member)
-            return b"".join(parts), writer
+            reporter = asyncio.create_task(report_absent_nodes(shard, f"blob {key!r}", self.config.node_rank))
+            try:
+                parts, writer = [], ("", 0)
+                async for chunk in call:
+                    parts.append(chunk.data)
+                    writer = (chunk.node_id, chunk.member)
+                return b"".join(parts), writer
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or (joined := await nodes_joined(shard)) is None:
+                    raise
+                absent = absent_nodes(joined[1], joined[0], self.config.node_rank)
+                if not absent:
+                    raise
+                raise BroadcastError(f"{what} on shard {shard.address} failed: node(s) never joined the job: {absent} "
+                                 f"({joined[0]} of {joined[1]} nodes registered with the shard within "
+                                 f"{timeout_s:g}s); start them, or check that they use the same CGX_PS_SERVERS, "
+                                 f"CGX_PS_JOB_ID and CGX_PS_NUM_NODES ({exc.details()})") from None
+            finally:
+                reporter.cancel()
 
-        return self._rpc(get(), f"broadcast get {key!r}")
+        return self._rpc(get(), what)
 
     def _rpc(self, coro, what: str):
         try:

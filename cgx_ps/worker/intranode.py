@@ -11,6 +11,13 @@ Each rank's block buffers and flags live in its segment (``segment.py``), which 
 exchange once at start-up (``rendezvous.py``). Flags are stored with release and loaded with
 acquire semantics (``shm_flags.py``), so a process that sees a flag also sees the data it
 announces, on aarch64 as on x86-64.
+
+When a shard fails an owner (stopped, cut off, a failed round), the node's other ranks must
+report the shard, not the owner: they only see that its result does not come. So the owner
+posts the error in its segment (``first_error``) and every wait on the node's flags raises a
+peer's posted error first (``relayed_error``); and a rank waits for its owner's result longer
+than the owner takes to give up on a silent shard (``result_timeout_s``), so a live owner has
+posted before anyone blames it. The first error in the node is then the one every rank reports.
 """
 
 from __future__ import annotations
@@ -30,17 +37,23 @@ from .. import timeline
 from ..layout import block_payload_size
 from ..v1 import ps_pb2
 from .config import WorkerConfig
-from .errors import ConfigError, IntraNodeError
+from . import errors
+from .errors import CgxPsError, ConfigError, IntraNodeError
 from .gpu_setup import decide_transport, peer_access_table
 from .layout import largest_first
+from .recovery import HUNG_GRACE_S, LIVENESS_TIMEOUT_S
 from .rendezvous import close_fds, exchange_fds, rendezvous_name
 from .segment import Segment
 from .shm_flags import load_acquire, store_release
 
-__all__ = ["NodeReducer", "IntraNodeError", "assign_owners", "choose_transport", "close_all", "node_reducer",
-           "rendezvous_name"]
+__all__ = ["NodeReducer", "IntraNodeError", "OWNER_GIVES_UP_S", "assign_owners", "choose_transport", "close_all",
+           "node_reducer", "relayed_error", "rendezvous_name"]
 
 log = logging.getLogger(__name__)
+# Beyond the round timeout, how long an owner may take to give up on a shard that answers nothing
+# (recovery.py: HUNG_GRACE_S + LIVENESS_TIMEOUT_S + a supervisor tick), with room for the owner's
+# own backward before it pushed: a rank waiting for its owner's result waits this much longer.
+OWNER_GIVES_UP_S = HUNG_GRACE_S + LIVENESS_TIMEOUT_S + 10.0
 _open_reducers: "weakref.WeakSet[NodeReducer]" = weakref.WeakSet()
 
 
@@ -177,6 +190,27 @@ class NodeReducer:
 
     # ---- one block of one step (seq = step number + 1) ------------------------------------------
 
+    @property
+    def result_timeout_s(self) -> float:
+        """How long a rank waits for its owner's result: past the owner's own shard timeout."""
+        return self.timeout_s + OWNER_GIVES_UP_S
+
+    def first_error(self, error: CgxPsError) -> CgxPsError:
+        """Our exchange with the shards ended with ``error``: the error to raise, a peer's posted
+        one if there is one already (the node's first), else ours, posted for the peers to raise."""
+        posted = self._posted_by_peer()
+        if posted is not None:
+            return posted
+        self.own.post_error(type(error).__name__, str(error))
+        return error
+
+    def _posted_by_peer(self) -> CgxPsError | None:
+        for r, seg in enumerate(self.segments):
+            posted = seg.posted_error() if seg is not None and r != self.local_rank else None
+            if posted is not None:
+                return relayed_error(r, *posted)
+        return None
+
     def before_write(self, block_id: int, seq: int) -> None:
         """Owner only: peers must have copied the previous result out of our buffer."""
         if self.owner(block_id) == self.local_rank:
@@ -222,7 +256,7 @@ class NodeReducer:
         owner = self.owner(block_id)
         seg = self.segments[owner]
         await self.wait(lambda: load_acquire(seg.done, block_id) >= seq, f"block {block_id}: result from its owner",
-                        only=owner, failed=failed, behind=lambda: [owner])
+                        only=owner, failed=failed, behind=lambda: [owner], timeout_s=self.result_timeout_s)
         mine, theirs = self.buffer(block_id), self._peer_block(owner, block_id)
 
         def copy() -> None:
@@ -239,17 +273,18 @@ class NodeReducer:
         store_release(self.own.consumed, block_id, seq)
 
     async def wait(self, condition, what: str, only: int | None = None, failed=lambda: None,
-                   behind=lambda: []) -> None:
+                   behind=lambda: [], timeout_s: float | None = None) -> None:
         """Poll shared flags without holding a thread: waits on peers must never block the
         codec threads, or two ranks each waiting for the other's encode would deadlock.
         ``behind()`` lists the local ranks still holding the wait up (named on a timeout)."""
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         delay = 50e-6
         while not condition():
             error = failed()
             if error is not None:
                 raise error
-            self._check(what, deadline, only, behind)
+            self._check(what, deadline, only, behind, timeout_s)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
@@ -261,7 +296,11 @@ class NodeReducer:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
-    def _check(self, what: str, deadline: float, only: int | None, behind=lambda: []) -> None:
+    def _check(self, what: str, deadline: float, only: int | None, behind=lambda: [],
+               timeout_s: float | None = None) -> None:
+        posted = self._posted_by_peer()
+        if posted is not None:
+            raise posted
         for r, seg in enumerate(self.segments):
             if seg is not None and r != self.local_rank and (only is None or r == only) \
                     and not _alive(seg.pid):
@@ -270,7 +309,7 @@ class NodeReducer:
             late = behind()
             who = f"local rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} stalled?" if late \
                 else "a local rank stalled?"
-            raise IntraNodeError(f"timed out after {self.timeout_s:g}s waiting for {what} ({who})")
+            raise IntraNodeError(f"timed out after {timeout_s or self.timeout_s:g}s waiting for {what} ({who})")
 
     def close(self) -> None:
         """GPU: unmap the peers' buffers, then wait (briefly) until the peers unmapped ours, since
@@ -293,6 +332,20 @@ class NodeReducer:
         while time.monotonic() < deadline and not all(
                 s.header[7] or not _alive(s.pid) for r, s in enumerate(self.segments) if r != self.local_rank):
             time.sleep(0.005)
+
+
+def relayed_error(local_rank: int, kind: str, message: str) -> CgxPsError:
+    """A peer's posted error, raised here as the same kind where its class takes a message alone
+    (ShardUnavailableError, IntraNodeError, ...), so training code catches it by kind on every
+    rank; an IntraNodeError carrying its kind and words otherwise."""
+    text = f"{message} (reported by local rank {local_rank})"
+    cls = getattr(errors, kind, None) if kind in errors.__all__ else None
+    if isinstance(cls, type) and issubclass(cls, CgxPsError):
+        try:
+            return cls(text)
+        except TypeError:  # ShardRejectedError, RoundFailedError: other fields
+            pass
+    return IntraNodeError(f"local rank {local_rank} failed: {kind}: {message}")
 
 
 def _cupy_importable() -> bool:

@@ -4,7 +4,9 @@
 come up:
 
 0. Connecting or reconnecting fails: ``connect_failure`` says whether to try again (the shard
-   is not there yet) or give up (a refused token, a failed TLS handshake, another refusal).
+   is not there yet) or give up (a refused token, a failed TLS handshake, another refusal). A
+   connection the shard closed before HTTP/2 (``closed_while_connecting``) is probed once
+   (tlsprobe.py): it may be a TLS mismatch gRPC cannot name.
 
 1. A stream ended: ``after_stream_end`` says whether it may be recovered (the shard went away,
    restarted, or the connection dropped) or ends the job (a round failed for everyone, a
@@ -33,7 +35,8 @@ import grpc
 from .errors import CgxPsError, ShardRejectedError
 
 __all__ = ["Backoff", "Fail", "HUNG_GRACE_S", "LIVENESS_TIMEOUT_S", "Recover", "Rejoin", "Reopen", "SLOW_LIMIT",
-           "WRITE_FAILED_DETAILS", "after_stream_end", "broke_under_write", "connect_failure", "hung_after_s", "is_hung", "reconnect_action"]
+           "WRITE_FAILED_DETAILS", "after_stream_end", "broke_under_write", "closed_while_connecting",
+           "connect_failure", "hung_after_s", "is_hung", "reconnect_action"]
 
 # Beyond the round timeout, what a round's result may take: summing, re-encoding and sending it
 # back. With the liveness check below, a stopped shard is reported within the round timeout +
@@ -54,6 +57,13 @@ WRITE_FAILED_DETAILS = "Internal error from Core"
 # ... CERTIFICATE_VERIFY_FAILED"): retrying will not fix a certificate. gRPC's own words only:
 # a bare "tls" would also match a host name such as mtls-shard-0 in a name-lookup failure.
 _TLS_FAILURE_MARKERS = ("handshake failed", "certificate_verify_failed", "ssl_error")
+# gRPC's words when the shard's certificate does not name the host we asked for (the address, or
+# CGX_PS_TLS_SERVER_NAME), and when our own key cannot be used (it does not match our certificate).
+_WRONG_NAME_MARKER = "hostname verification check failed"
+_BAD_CLIENT_KEY_MARKER = "failed to create security handshaker"
+# gRPC's words when the shard closed the connection before HTTP/2 began: a TLS mismatch, or a shard
+# going away mid-connect; tlsprobe.py tells them apart.
+_CLOSED_MARKER = "socket closed"
 
 
 def connect_failure(address: str, code: grpc.StatusCode, details: str, tls: bool = False) -> CgxPsError | None:
@@ -62,12 +72,25 @@ def connect_failure(address: str, code: grpc.StatusCode, details: str, tls: bool
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return ShardRejectedError(address, code.name, f"{details} (check CGX_PS_TOKEN_FILE: the shards and "
                                                       f"workers of a job must use the same token)")
-    if tls and code == grpc.StatusCode.UNAVAILABLE and any(m in details.lower() for m in _TLS_FAILURE_MARKERS):
+    lowered = details.lower()
+    if tls and code == grpc.StatusCode.UNAVAILABLE and _WRONG_NAME_MARKER in lowered:
+        return ShardRejectedError(address, "TLS", f"the shard's certificate does not name the host this worker "
+                                                  f"dials: {details} (check CGX_PS_TLS_SERVER_NAME, or unset it to "
+                                                  f"check the host of CGX_PS_SERVERS)")
+    if tls and code == grpc.StatusCode.UNAVAILABLE and _BAD_CLIENT_KEY_MARKER in lowered:
+        return ShardRejectedError(address, "TLS", f"this worker's TLS client credentials cannot be used: {details} "
+                                                  f"(check that CGX_PS_TLS_KEY is the key of CGX_PS_TLS_CERT)")
+    if tls and code == grpc.StatusCode.UNAVAILABLE and any(m in lowered for m in _TLS_FAILURE_MARKERS):
         return ShardRejectedError(address, "TLS", f"the TLS handshake failed: {details} (check CGX_PS_TLS_CA, "
                                                   f"CGX_PS_TLS_CERT/KEY and CGX_PS_TLS_SERVER_NAME)")
     if code not in _RETRYABLE and not broke_under_write(code, details):
         return ShardRejectedError(address, code.name, details)
     return None
+
+
+def closed_while_connecting(code: grpc.StatusCode, details: str) -> bool:
+    """Did the shard close the connection before HTTP/2 began (worth a TLS probe, tlsprobe.py)?"""
+    return code == grpc.StatusCode.UNAVAILABLE and details.lower().endswith(_CLOSED_MARKER)
 
 
 def broke_under_write(code: grpc.StatusCode | None, details: str) -> bool:

@@ -6,7 +6,8 @@ Two data planes carry the block buffers, one control plane orders them:
   (no file name anywhere), with a header (magic, pid, transport, sizes) and three flags per
   block: ``ready`` (my gradient is in my buffer), ``done`` (owner: the result is in my buffer),
   ``consumed`` (I copied the owner's result). Flags hold the step number + 1, so they never
-  need resetting.
+  need resetting. One error slot: the first error that ended this rank's exchange with the
+  shards (``post_error``), so the node's other ranks raise it instead of a timeout of their own.
 * data, ``shm``: every block's float32 buffer lives in the same segment; peers read it directly.
 * data, ``cuda``: buffers stay on the GPUs; the segment carries the CUDA IPC memory handle, its
   offset from the allocation base and one IPC event handle per block (see ``cuda_ipc.py``).
@@ -23,12 +24,16 @@ import numpy as np
 import torch
 
 from .errors import IntraNodeError
+from .shm_flags import load_acquire, store_release
 
 __all__ = ["Segment", "TRANSPORT_CODES"]
 
 _MAGIC = 0x43475850534E4F44  # "CGXPSNOD"
-# header words: magic, pid, mapped (diagnostic), transport, blocks, export bytes, host floats, detached
-_HEADER_WORDS = 8
+# header words: magic, pid, mapped (diagnostic), transport, blocks, export bytes, host floats, detached,
+# bytes in the error slot (0: none posted)
+_HEADER_WORDS = 9
+_ERROR_WORD = 8
+ERROR_BYTES = 1024  # "Kind\0message", UTF-8, cut to fit: a shard error's message is a few hundred bytes
 # a peer must not be able to shrink its segment under our mapping (reads past the end are SIGBUS)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 TRANSPORT_CODES = {"shm": 1, "cuda": 2}
@@ -50,6 +55,7 @@ class Segment:
         nblocks, export_len, host_numel = (int(x) for x in self.header[4:7])
         flags = np.frombuffer(mapping, dtype=np.int64, count=3 * nblocks, offset=8 * _HEADER_WORDS)
         self.ready, self.done, self.consumed = flags[:nblocks], flags[nblocks:2 * nblocks], flags[2 * nblocks:]
+        self._error_at = 8 * (_HEADER_WORDS + 3 * nblocks)
         at = self._export_at(nblocks)
         self.export = bytes(mapping[at:at + export_len])
         at += -(-export_len // 8) * 8
@@ -68,7 +74,7 @@ class Segment:
             mapping[at:at + len(export)] = export
             # complete before anyone can see it: it leaves this process only after this
             np.frombuffer(mapping, dtype=np.int64, count=_HEADER_WORDS)[:] = [
-                _MAGIC, os.getpid(), 0, TRANSPORT_CODES[transport], nblocks, len(export), host_numel, 0]
+                _MAGIC, os.getpid(), 0, TRANSPORT_CODES[transport], nblocks, len(export), host_numel, 0, 0]
             return cls(mapping, "this rank"), fd
         except BaseException:
             os.close(fd)
@@ -90,11 +96,31 @@ class Segment:
 
     @staticmethod
     def _export_at(nblocks: int) -> int:
-        return 8 * (_HEADER_WORDS + 3 * nblocks)
+        return 8 * (_HEADER_WORDS + 3 * nblocks) + ERROR_BYTES
 
     @staticmethod
     def _size(nblocks: int, export_len: int, host_numel: int) -> int:
-        return 8 * (_HEADER_WORDS + 3 * nblocks) + -(-export_len // 8) * 8 + 4 * host_numel
+        return Segment._export_at(nblocks) + -(-export_len // 8) * 8 + 4 * host_numel
+
+    # ---- the error slot: written once by its rank, read by the others ------------------------------
+
+    def post_error(self, kind: str, message: str) -> None:
+        """Ours only: record the error that ended our exchange; the first one stays."""
+        if self.header[_ERROR_WORD]:
+            return
+        text = f"{kind}\0{message}".encode(errors="replace")[:ERROR_BYTES]
+        self.map[self._error_at:self._error_at + len(text)] = text
+        store_release(self.header, _ERROR_WORD, len(text))  # the text is visible before its length
+
+    def posted_error(self) -> tuple[str, str] | None:
+        """(kind, message) a rank posted, or None. A peer is another process of our uid (checked
+        at the rendezvous), but its slot is still read within bounds and decoded leniently."""
+        length = load_acquire(self.header, _ERROR_WORD)
+        if not 0 < length <= ERROR_BYTES:
+            return None
+        kind, _, message = bytes(self.map[self._error_at:self._error_at + length]).decode(errors="replace") \
+            .partition("\0")
+        return kind[:64], message
 
     @property
     def pid(self) -> int:
