@@ -658,3 +658,18 @@ async def test_results_nobody_waits_for_are_not_kept() -> None:
     stream = Watching([_chunk(round_, 8, 0, b"ab") for round_ in range(2, 50)] + [_chunk(1, 2, 0, b"ok")])
     await client._read_results(stream, client._generation)
     assert bytes(await asyncio.wait_for(result, 5)) == b"ok" and all(not incoming for incoming in kept)
+
+
+def test_a_key_that_is_not_the_certificates_is_named_before_binding(pki, tmp_path):
+    """User trial s26 finding 7: the shard said "cannot bind ...: the port is in use". Now the
+    real command says which file is wrong, in one line, exit status 2."""
+    with pytest.raises(CredentialError, match="--tls-key.* is not the private key of the certificate in --tls-cert"):
+        ShardServer(ServerConfig(port=0, tls_cert=pki["shard"], tls_key=pki["client_key"]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
+    res = subprocess.run([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
+                          "--metrics-port", "-1", "--kernel-threads", "1", "--tls-cert", pki["shard"],
+                          "--tls-key", pki["client_key"]], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 2, res.stderr
+    assert "is not the private key of the certificate in --tls-cert" in res.stderr, res.stderr
+    assert "cannot bind" not in res.stderr and "Traceback" not in res.stderr, res.stderr
