@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["bare_host", "check_address", "host_port", "parse_servers", "servers_from_env"]
+from .envparse import Bounds
+
+__all__ = ["MAX_SHARDS", "SHARD_COUNT", "bare_host", "check_address", "host_port", "parse_servers", "servers_from_env"]
+
+MAX_SHARDS = 1024  # more can only be a typo (a template would expand to that many addresses)
+SHARD_COUNT = Bounds(1, MAX_SHARDS)  # CGX_PS_NUM_SHARDS, --num-shards
 
 
 def bare_host(host: str) -> str:
@@ -38,6 +43,11 @@ def check_address(address: str) -> None:
 def parse_servers(spec: str, num_shards: str = "") -> tuple[str, ...]:
     """The addresses ``spec`` (CGX_PS_SERVERS) names, checked; ValueError naming the variable."""
     spec, num_shards = spec.strip(), num_shards.strip()
+    if num_shards:
+        try:
+            SHARD_COUNT.parse(num_shards)
+        except ValueError as exc:
+            raise ValueError(f"CGX_PS_NUM_SHARDS={num_shards!r}: {exc}") from None
     if "{i}" in spec:
         if not num_shards.isdigit() or int(num_shards) < 1:
             raise ValueError(f"CGX_PS_SERVERS={spec!r} is a template: set CGX_PS_NUM_SHARDS to the shard count")

@@ -18,35 +18,50 @@ import os
 import sys
 from typing import MutableMapping, Sequence
 
+from .envparse import Bounds
+
 # Everything else is imported by build_parser or a command, inside main's Ctrl-C handling: a
 # terminal's Ctrl-C reaches a `cgx-ps cluster`'s shards wherever they are in their start-up.
 
 __all__ = ["build_parser", "main"]
 
 MAX_PORT = 65535
+MAX_COUNT = (1 << 31) - 1  # counts (workers, epochs, elements) that a C int and a host can hold
+MAX_SECONDS = 7 * 86400.0  # a wait longer than a week is a typo
 
 
-def _at_least(minimum: int):
-    """An argparse type: an integer >= ``minimum`` (a bad count is a usage error, not a traceback)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    parse.__name__ = "integer"  # argparse names the type in its message: "invalid integer value"
+def _bounded(bounds: Bounds, name: str = "integer"):
+    """An argparse type: a number within ``bounds`` (envparse.Bounds, the one check of every number
+    a user sets). A bad one is a usage error naming the flag: one line, exit status 2."""
+    def parse(text: str) -> int | float:
+        try:
+            return bounds.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{exc}, got {text!r}") from None
+    parse.__name__ = name  # argparse names the type in its message: "invalid integer value"
     return parse
+
+
+def _at_least(minimum: int, maximum: int = MAX_COUNT):
+    """An argparse type: an integer in ``minimum``..``maximum`` (a bad count is a usage error)."""
+    return _bounded(Bounds(minimum, maximum))
 
 
 def _port(off: int | None = None):
     """An argparse type: a TCP port, 0 (pick a free one) to 65535, or ``off`` (disabled)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value != off and not 0 <= value <= MAX_PORT:
-            raise argparse.ArgumentTypeError(f"must be a port, 0..{MAX_PORT}"
-                                             f"{'' if off is None else f' or {off} (off)'}, got {value}")
-        return value
-    parse.__name__ = "port"
-    return parse
+    return _bounded(Bounds(0, MAX_PORT, off=off), "port")
+
+
+def _bucket_size(text: str) -> int:
+    """An argparse type: elements per max-min bucket, as the codec accepts them."""
+    from .kernels.wire import MAX_BUCKET_SIZE, Codec, CodecError, validate_settings
+
+    value = _at_least(8, MAX_BUCKET_SIZE)(text)
+    try:
+        validate_settings(Codec.MAXMIN, 8, value)
+    except CodecError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("bucket_size ")) from None
+    return value
 
 
 def _compression(text: str) -> str:
@@ -63,13 +78,7 @@ def _compression(text: str) -> str:
 
 def _seconds(zero: bool = False):
     """An argparse type: seconds > 0 (or >= 0 where ``zero`` means something)."""
-    def parse(text: str) -> float:
-        value = float(text)
-        if not (value >= 0 if zero else value > 0) or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero else '> 0'} seconds, got {text}")
-        return value
-    parse.__name__ = "number of seconds"
-    return parse
+    return _bounded(Bounds(0, MAX_SECONDS, integer=False, above=not zero, unit="seconds"), "number of seconds")
 
 
 def _add_server_options(p: argparse.ArgumentParser, *, per_shard: bool) -> None:
@@ -79,8 +88,9 @@ def _add_server_options(p: argparse.ArgumentParser, *, per_shard: bool) -> None:
 
     try:
         defaults = flag_defaults(os.environ)
-    except ValueError as exc:
-        raise SystemExit(f"cgx-ps: {exc}") from None
+    except ValueError as exc:  # a usage error, as a bad flag is (argparse's exit status 2)
+        print(f"cgx-ps: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     security = p.add_argument_group("security (docs/security.md)")
     for name, s in SETTINGS.items():
         if s.per_shard and not per_shard:
@@ -92,7 +102,8 @@ def _add_server_options(p: argparse.ArgumentParser, *, per_shard: bool) -> None:
             default = "; default %(default)s" if defaults[name] != "" else ""
             # an int setting with no default (the metrics port: 9400 + the shard index) is None
             value = None if defaults[name] == "" and s.kind is not str else defaults[name]
-            group.add_argument(s.flag, type=s.kind, default=value, choices=s.choices or None,
+            kind = _bounded(s.bounds, s.kind.__name__) if s.bounds is not None else s.kind
+            group.add_argument(s.flag, type=kind, default=value, choices=s.choices or None,
                                help=f"{s.help} (env {s.env}{default})")
 
 
@@ -152,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     codec = sub.add_parser("codec-demo", help="encode a random gradient: sizes, error and speed")
     codec.add_argument("--numel", type=_at_least(1), default=25_000_000,
                        help="elements of the random gradient (default %(default)s: a 100 MB fp32 tensor)")
-    codec.add_argument("--bucket-size", type=_at_least(1), default=1024,
+    codec.add_argument("--bucket-size", type=_bucket_size, default=1024,
                        help="elements per max-min bucket (default %(default)s)")
 
     status = sub.add_parser("status", help="one line per shard: health, session, rounds, bytes/s, last error",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cgx_ps.server.cluster import launch_shard, wait_for_port_file
-from cgx_ps.server.config import DEFAULT_METRICS_PORT
+from cgx_ps.server.config import DEFAULT_METRICS_PORT, MAX_SHARDS
 from support import TOKEN_FILE, interruptible
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,9 +80,10 @@ def two_free_default_metrics_ports(rng: random.Random) -> int:
     """A shard index i whose default metrics ports, 9400 + i and 9400 + i + 1, are free now. Drawn
     at random from a wide range, so two test runs on one machine (or anything else listening near
     9400) rarely pick the same; a port taken between this check and the shard's bind is retried.
-    Below 32768, where Linux's ephemeral ports (outgoing connections, port 0) begin."""
+    Below 32768, where Linux's ephemeral ports (outgoing connections, port 0) begin; an index a
+    shard accepts (below MAX_SHARDS - 1, for a second shard after it)."""
     while True:
-        index = rng.randrange(0, 20000)
+        index = rng.randrange(0, MAX_SHARDS - 1)
         if port_is_free(DEFAULT_METRICS_PORT + index) and port_is_free(DEFAULT_METRICS_PORT + index + 1):
             return index
 
@@ -349,19 +350,21 @@ def test_demo_from_a_wheel_without_the_extras(tmp_path):
 
 
 @pytest.mark.parametrize("words, says", [
-    (["cluster", "--shards", "0"], "--shards: must be >= 1, got 0"),
-    (["cluster", "--base-port", "70000"], "--base-port: must be a port, 0..65535, got 70000"),
+    (["cluster", "--shards", "0"], "--shards: must be an integer in 1..2147483647, got '0'"),
+    (["cluster", "--base-port", "70000"], "--base-port: must be an integer in 0..65535, got '70000'"),
     (["cluster", "--base-port", "65535", "--shards", "2"], "--base-port 65535 + 2 shards goes past port 65535"),
-    (["cluster", "--metrics-base-port", "-5"], "--metrics-base-port: must be a port, 0..65535 or -1 (off)"),
+    (["cluster", "--metrics-base-port", "-5"], "--metrics-base-port: must be an integer in 0..65535 or -1 (off)"),
     (["cluster", "--data-base-port", "65535", "--shards", "2"], "--data-base-port 65535 + 2 shards goes past port"),
-    (["cluster", "--health-base-port", "-2"], "--health-base-port: must be a port, 0..65535 or -1 (off)"),
-    (["demo", "--workers", "0"], "--workers: must be >= 1, got 0"),
-    (["demo", "--local-ranks", "-1"], "--local-ranks: must be >= 1, got -1"),
-    (["codec-demo", "--numel", "0"], "--numel: must be >= 1, got 0"),
+    (["cluster", "--health-base-port", "-2"], "--health-base-port: must be an integer in 0..65535 or -1 (off)"),
+    (["demo", "--workers", "0"], "--workers: must be an integer in 1..2147483647, got '0'"),
+    (["demo", "--local-ranks", "-1"], "--local-ranks: must be an integer in 1..2147483647, got '-1'"),
+    (["codec-demo", "--numel", "0"], "--numel: must be an integer in 1..2147483647, got '0'"),
+    (["codec-demo", "--bucket-size", "12"], "--bucket-size: must be a multiple of 8 in 8..16777216, got 12"),
     (["demo", "--compression", "9bit"], "--compression: bits must be in 1..8"),
-    (["status", "--timeout", "-1"], "--timeout: must be > 0 seconds, got -1"),
-    (["status", "--watch", "nan"], "--watch: must be > 0 seconds, got nan"),
-    (["wait-for-shards", "--interval", "0"], "--interval: must be > 0 seconds, got 0"),
+    (["status", "--timeout", "-1"], "--timeout: must be a number of seconds > 0 and <= 604800, got '-1'"),
+    (["status", "--watch", "nan"], "--watch: must be a number of seconds > 0 and <= 604800, got 'nan'"),
+    (["wait-for-shards", "--interval", "0"], "--interval: must be a number of seconds > 0 and <= 604800, got '0'"),
+    (["status", "--sample", "-1"], "--sample: must be a number of seconds in 0..604800, got '-1'"),
 ])
 def test_implausible_numbers_are_usage_errors_not_tracebacks(words, says, capsys):
     """Found by hand: `cluster --shards 0`, `demo --workers 0` ended in tracebacks (`demo
@@ -376,10 +379,12 @@ def test_implausible_numbers_are_usage_errors_not_tracebacks(words, says, capsys
     assert says in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("field, value", [("port", 99999), ("port", -1), ("metrics_port", -7), ("health_port", 70000)])
-def test_a_shard_refuses_a_port_that_is_not_one(field, value):
+@pytest.mark.parametrize("field, flag, value", [("port", "--port", 99999), ("port", "--port", -1),
+                                               ("metrics_port", "--metrics-port", -7),
+                                               ("health_port", "--health-port", 70000)])
+def test_a_shard_refuses_a_port_that_is_not_one(field, flag, value):
     """From a flag or the environment alike (CGX_PS_PORT=99999 bound a random port before)."""
     from cgx_ps.server.config import ServerConfig
 
-    with pytest.raises(ValueError, match=f"{field} must be a port"):
+    with pytest.raises(ValueError, match=f"{flag} .* must be an integer in 0..65535"):
         ServerConfig(**{field: value})

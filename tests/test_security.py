@@ -740,3 +740,18 @@ def test_grpc_core_does_not_log_a_line_per_failed_handshake_unless_asked(pki, tm
     assert "msg='stopped'" in err, err  # the shard's own log is there
     lines = [line for line in err.splitlines() if "Handshake failed" in line]
     assert (len(lines) >= 1) == bool(handshake_lines), err
+
+
+def test_a_key_that_is_not_the_certificates_is_named_before_binding(pki, tmp_path):
+    """User trial s26 finding 7: the shard said "cannot bind ...: the port is in use". Now the
+    real command says which file is wrong, in one line, exit status 2."""
+    with pytest.raises(CredentialError, match="--tls-key.* is not the private key of the certificate in --tls-cert"):
+        ShardServer(ServerConfig(port=0, tls_cert=pki["shard"], tls_key=pki["client_key"]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
+    res = subprocess.run([sys.executable, "-m", "cgx_ps.cli", "server", "--host", "127.0.0.1", "--port", "0",
+                          "--metrics-port", "-1", "--kernel-threads", "1", "--tls-cert", pki["shard"],
+                          "--tls-key", pki["client_key"]], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 2, res.stderr
+    assert "is not the private key of the certificate in --tls-cert" in res.stderr, res.stderr
+    assert "cannot bind" not in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -233,9 +233,9 @@ def test_config_standalone_per_node_with_template():
     ({"CGX_PS_SERVERS": "nohostport"}, "is not host:port"),
     ({"CGX_PS_SERVERS": "s-{i}:1"}, "set CGX_PS_NUM_SHARDS"),
     ({"CGX_PS_SERVERS": "a:1,b:2", "CGX_PS_NUM_SHARDS": "3"}, "lists 2 shards but CGX_PS_NUM_SHARDS=3"),
-    ({"CGX_PS_SERVERS": "a:1", "RANK": "x"}, "RANK='x' is not an integer"),
+    ({"CGX_PS_SERVERS": "a:1", "RANK": "x"}, "RANK='x': must be an integer in 0.."),
     ({"CGX_PS_SERVERS": "a:1", "RANK": "4", "WORLD_SIZE": "2"}, "RANK=4 is not in 0..WORLD_SIZE-1=1"),
-    ({"CGX_PS_SERVERS": "a:1", "CGX_PS_CODEC_THREADS": "-1"}, "CGX_PS_CODEC_THREADS=-1 is not in 0..256"),
+    ({"CGX_PS_SERVERS": "a:1", "CGX_PS_CODEC_THREADS": "-1"}, "CGX_PS_CODEC_THREADS='-1': must be an integer in 0..256"),
     ({"CGX_PS_SERVERS": "a:1", "CGX_PS_DATAPLANE": "quic"}, "CGX_PS_DATAPLANE='quic' is not one of auto, grpc, raw"),
 ])
 def test_config_errors_name_the_variable(env, message):

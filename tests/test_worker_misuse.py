@@ -99,7 +99,7 @@ MISUSE = [  # (what the user did, the call, a piece of the message)
     ("no shards configured", lambda: cgx.init(cgx.WorkerConfig.from_env({})), "set CGX_PS_SERVERS"),
     ("timeout not a number", lambda: cgx.WorkerConfig.from_env({"CGX_PS_SERVERS": "a:1",
                                                                 "CGX_PS_CONNECT_TIMEOUT": "soon"}),
-     "CGX_PS_CONNECT_TIMEOUT='soon' is not a number"),
+     "CGX_PS_CONNECT_TIMEOUT='soon': must be a number of seconds"),
 ]
 
 

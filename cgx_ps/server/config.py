@@ -12,17 +12,25 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..envparse import env_flag, env_float, env_int, env_str
+from ..addresses import MAX_SHARDS, SHARD_COUNT
+from ..envparse import PORT, Bounds, env_flag, env_number, env_str, plain_number
 from ..timeline import ENV_PATH as TIMELINE_ENV, ENV_STEPS as TIMELINE_STEPS_ENV, parse_steps
 from ..transport import CHUNK_BYTES, GRPC_OPTIONS
 
-__all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "SETTINGS", "ServerConfig",
-           "Setting", "flag_defaults", "shard_flags"]
+__all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "MAX_SHARDS", "SETTINGS",
+           "ServerConfig", "Setting", "flag_defaults", "shard_flags"]
 
 DEFAULT_PORT = 7070
 DEFAULT_METRICS_PORT = 9400  # a deployed shard serves metrics here unless told otherwise
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _MIB = 1 << 20
+# Upper bounds where a larger value can only be a typo (99999999999 overflows gRPC's C int, or
+# names a pool of threads or a cap no host has): refused with the range instead of a traceback.
+_MAX_SECONDS = 86400.0  # a round or a drain waiting a day is a stuck job, not a setting
+_MAX_MIB = float(1 << 20)  # 1 TiB of buffered pushes or of fp32 state on one shard
+_MAX_THREADS = 256  # as the workers' CGX_PS_CODEC_THREADS
+_MAX_CALLS = 1 << 16  # each call may hold a connection: more than a host's file descriptors
+_PORT_OR_OFF = Bounds(0, 65535, off=-1)
 
 
 @dataclass(frozen=True)
@@ -70,23 +78,13 @@ class ServerConfig:
         return bool(self.token_file or self.tls_client_ca)
 
     def __post_init__(self) -> None:
-        if self.num_shards < 1:
-            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
-        if not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(f"shard_index must be in 0..{self.num_shards - 1}, got {self.shard_index}")
-        for name, off in (("port", None), ("metrics_port", -1), ("health_port", -1), ("data_port", -1)):
-            value = getattr(self, name)
-            if value != off and not 0 <= value <= 65535:
-                raise ValueError(f"{name} must be a port, 0..65535{'' if off is None else f' or {off} (off)'}, "
-                                 f"got {value}")
-        if self.round_timeout_s <= 0:
-            raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
-        if self.max_inflight_bytes < 2 * CHUNK_BYTES:
-            raise ValueError(f"max_inflight_bytes must be >= {2 * CHUNK_BYTES} (two chunks)")
-        if self.max_model_bytes < 1:
-            raise ValueError(f"max_model_bytes must be >= 1, got {self.max_model_bytes}")
-        if self.max_concurrent_rpcs < 8:
-            raise ValueError(f"max_concurrent_rpcs must be >= 8, got {self.max_concurrent_rpcs}")
+        for name, setting in SETTINGS.items():
+            problem = setting.problem(getattr(self, name))
+            if problem:
+                raise ValueError(problem)
+        if self.shard_index >= self.num_shards:
+            raise ValueError(f"--shard-index {self.shard_index} must be below --num-shards {self.num_shards} "
+                             f"(shard indexes are 0..{self.num_shards - 1})")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca and not self.tls_cert:
@@ -124,6 +122,16 @@ class Setting:
     security: bool = False  # listed under the CLI's security heading
     deployed: Any = None  # the default of a deployment, where it differs from the field's
     choices: tuple[str, ...] = ()
+    bounds: Bounds | None = None  # of a number, in the flag's unit: every int and float setting has them
+
+    def problem(self, field_value: Any) -> str | None:
+        """Why the field value ``field_value`` is refused, naming the flag and variable; None if it
+        is fine (or not a number, or not set)."""
+        if self.bounds is None or field_value is None:
+            return None
+        value = field_value / self.unit if self.unit != 1 else field_value
+        problem = self.bounds.problem(value)
+        return f"{self.flag} ({self.env}) {problem}, got {plain_number(value)}" if problem else None
 
     @property
     def dest(self) -> str:
@@ -134,38 +142,47 @@ class Setting:
 # How each ServerConfig field is set outside code, in the order the CLI lists the flags.
 SETTINGS: dict[str, Setting] = {
     "host": Setting("CGX_PS_HOST", "--host", "address to bind", per_shard=True),
-    "port": Setting("CGX_PS_PORT", "--port", "gRPC port, 0 picks a free one", int, per_shard=True),
-    "shard_index": Setting("CGX_PS_SHARD_INDEX", "--shard-index", "this shard's index", int, per_shard=True),
-    "num_shards": Setting("CGX_PS_NUM_SHARDS", "--num-shards", "total shards", int, per_shard=True),
+    "port": Setting("CGX_PS_PORT", "--port", "gRPC port, 0 picks a free one", int, per_shard=True, bounds=PORT),
+    "shard_index": Setting("CGX_PS_SHARD_INDEX", "--shard-index", "this shard's index", int, per_shard=True,
+                           bounds=Bounds(0, MAX_SHARDS - 1)),
+    "num_shards": Setting("CGX_PS_NUM_SHARDS", "--num-shards", "total shards", int, per_shard=True,
+                          bounds=SHARD_COUNT),
     # Tests run many shards on one host: one built in code serves no metrics unless asked.
     # A deployed shard serves metrics on 9400 + its index unless told otherwise (cli.py), so
     # shards started by hand on one host do not collide.
     "metrics_port": Setting("CGX_PS_METRICS_PORT", "--metrics-port", "Prometheus metrics HTTP port, -1 disables, "
                             f"0 picks a free one; default {DEFAULT_METRICS_PORT} + --shard-index", int,
-                            per_shard=True, deployed=""),
+                            per_shard=True, deployed="", bounds=_PORT_OR_OFF),
     "metrics_host": Setting("CGX_PS_METRICS_HOST", "--metrics-host",
                             "address the metrics listen on; empty: the --host address", per_shard=True),
     "health_port": Setting("CGX_PS_HEALTH_PORT", "--health-port", "plaintext port serving only the gRPC health "
-                           "service, for probes that cannot speak TLS; -1 disables", int, per_shard=True),
+                           "service, for probes that cannot speak TLS; -1 disables", int, per_shard=True,
+                           bounds=_PORT_OR_OFF),
     "data_port": Setting("CGX_PS_DATA_PORT", "--data-port", "port of the raw data plane (Exchange streams over "
                          "plain TCP, token-checked; workers use it under CGX_PS_DATAPLANE=auto|raw); -1 (default) "
-                         "off, 0 picks a free one; not with --tls-cert", int, per_shard=True),
+                         "off, 0 picks a free one; not with --tls-cert", int, per_shard=True,
+                         bounds=_PORT_OR_OFF),
     "round_timeout_s": Setting("CGX_PS_ROUND_TIMEOUT", "--round-timeout",
-                               "seconds a round may wait for its last node before it fails for everyone", float),
+                               "seconds a round may wait for its last node before it fails for everyone", float,
+                               bounds=Bounds(0, _MAX_SECONDS, integer=False, above=True, unit="seconds")),
     "max_inflight_bytes": Setting("CGX_PS_MAX_INFLIGHT_MB", "--max-inflight-mb",
                                   "cap on pushed bytes buffered but not yet summed; beyond it pushes wait", float,
-                                  unit=_MIB),
+                                  unit=_MIB, bounds=Bounds(2 * CHUNK_BYTES / _MIB, _MAX_MIB, integer=False, unit="MiB")),
     "drain_timeout_s": Setting("CGX_PS_DRAIN_TIMEOUT", "--drain-timeout",
-                               "on SIGTERM, seconds to finish rounds in flight before exiting", float),
+                               "on SIGTERM, seconds to finish rounds in flight before exiting", float,
+                               bounds=Bounds(0, _MAX_SECONDS, integer=False, unit="seconds")),
     "error_feedback": Setting("CGX_PS_ERROR_FEEDBACK", "--error-feedback",
                               "carry the re-quantization error of each block into the next round", bool),
     "kernel_threads": Setting("CGX_PS_KERNEL_THREADS", "--kernel-threads", "threads summing and re-encoding "
-                              "blocks; 0 = one per CPU (set 1 when the shard shares a host with workers)", int),
+                              "blocks; 0 = one per CPU (set 1 when the shard shares a host with workers)", int,
+                              bounds=Bounds(0, _MAX_THREADS)),
     "max_model_bytes": Setting("CGX_PS_MAX_MODEL_MB", "--max-model-mb", "cap on the fp32 state (accumulators, "
                                "residuals) a job's layout may need on this shard; a larger layout is refused at "
-                               "Register", float, unit=_MIB),
+                               "Register", float, unit=_MIB,
+                               bounds=Bounds(0, _MAX_MIB, integer=False, above=True, unit="MiB")),
     "max_concurrent_rpcs": Setting("CGX_PS_MAX_CONCURRENT_RPCS", "--max-concurrent-rpcs",
-                                   "calls served at once; more are refused with RESOURCE_EXHAUSTED", int),
+                                   "calls served at once; more are refused with RESOURCE_EXHAUSTED", int,
+                                   bounds=Bounds(8, _MAX_CALLS)),
     "token_file": Setting("CGX_PS_TOKEN_FILE", "--token-file", "file holding the job token every call must carry "
                           "as 'authorization: Bearer <token>'", security=True),
     "tls_cert": Setting("CGX_PS_TLS_CERT", "--tls-cert", "PEM certificate chain: serve TLS; re-read when the "
@@ -182,12 +199,11 @@ SETTINGS: dict[str, Setting] = {
                               "a..b-1 (a: or :b open); default all (the newest 100000 events are kept)"),
 }
 _DEFAULTS = {f.name: f.default for f in fields(ServerConfig)}
-_PARSE = {int: env_int, float: env_float, bool: env_flag, str: env_str}
 
 
 def flag_defaults(env: Mapping[str, str]) -> dict[str, Any]:
     """Every setting's value in its flag's unit: the environment's, else the default. Raises
-    ValueError naming a malformed variable."""
+    ValueError naming a malformed or out-of-range variable."""
     out = {}
     for name, s in SETTINGS.items():
         default = _DEFAULTS[name] if s.deployed is None else s.deployed
@@ -195,7 +211,12 @@ def flag_defaults(env: Mapping[str, str]) -> dict[str, Any]:
             default = ""
         elif s.unit != 1:
             default /= s.unit
-        out[name] = _PARSE[s.kind](env, s.env, default)
+        if s.bounds is not None:
+            out[name] = env_number(env, s.env, default, s.bounds)
+        elif s.kind is bool:
+            out[name] = env_flag(env, s.env, default)
+        else:
+            out[name] = env_str(env, s.env, default)
     return out
 
 

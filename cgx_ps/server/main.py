@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -235,8 +236,9 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
 def run_server(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig.from_flags(vars(args))
-    except ValueError as exc:
-        raise SystemExit(f"cgx-ps server: {exc}") from None
+    except ValueError as exc:  # flags that do not fit together: a usage error (argparse's exit status 2)
+        print(f"cgx-ps server: {exc}", file=sys.stderr)
+        return 2
     setup_logging(config.log_level, config.shard_index)
     keep_freed_memory()  # this process is a shard: its buffers come back every round (allocator.py)
     fds = raise_fd_limit(config)  # this process is a shard: its caps' connections need descriptors (fdlimit.py)

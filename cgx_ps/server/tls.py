@@ -11,15 +11,31 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 
 import grpc
 
 from ..security import CredentialError, read_pem
 
-__all__ = ["ReloadingServerCredentials"]
+__all__ = ["ReloadingServerCredentials", "check_key_matches"]
 
 log = logging.getLogger(__name__)
+
+
+def check_key_matches(cert_file: str, key_file: str) -> None:
+    """CredentialError unless ``key_file`` is the private key of ``cert_file``'s certificate. gRPC
+    would refuse the pair only when it binds, as "cannot bind" (a port problem), and refuses a
+    renewed pair half-written (new certificate, old key) at every handshake."""
+    try:
+        # the password makes an encrypted key fail here instead of prompting on the terminal
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file, password=b"")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise CredentialError(f"TLS key file (--tls-key) {key_file!r} is not the private key of the certificate "
+                                  f"in --tls-cert {cert_file!r}") from None
+        raise CredentialError(f"TLS certificate (--tls-cert) {cert_file!r} and key (--tls-key) {key_file!r} cannot "
+                              f"be loaded: {exc.reason or exc}") from None
 
 
 class ReloadingServerCredentials:
@@ -48,6 +64,7 @@ class ReloadingServerCredentials:
         cert = read_pem(self.cert_file, "TLS certificate file (--tls-cert)")
         key = read_pem(self.key_file, "TLS key file (--tls-key)")
         ca = read_pem(self.client_ca_file, "client CA file (--tls-client-ca)") if self.client_ca_file else None
+        check_key_matches(self.cert_file, self.key_file)
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def request_reload(self) -> None:

@@ -33,17 +33,37 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..addresses import check_address, servers_from_env
-from ..envparse import env_float, env_int
+from ..envparse import Bounds, env_number, plain_number
 from ..security import ChannelSecurity
 from .errors import ConfigError
 
-__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "dataplane_problem", "node_name"]
+__all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "SETTINGS", "dataplane_problem", "node_name"]
 
 INTRANODE_TRANSPORTS = ("auto", "shm", "cuda")
 DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/dataplane.py decides with it)
+
+
+# Every number read from the environment, checked where it is read (envparse.Bounds), so the
+# error names the variable the user set, not a value derived from it (RANK from CGX_PS_NUM_NODES).
+_MAX_PROCESSES = 1 << 20  # ranks of one job
+_MAX_SECONDS = 7 * 86400.0  # a wait of more than a week is a typo
+SETTINGS: dict[str, Bounds] = {
+    "RANK": Bounds(0, _MAX_PROCESSES - 1), "WORLD_SIZE": Bounds(1, _MAX_PROCESSES),
+    "LOCAL_RANK": Bounds(0, _MAX_PROCESSES - 1), "LOCAL_WORLD_SIZE": Bounds(1, _MAX_PROCESSES),
+    "GROUP_RANK": Bounds(0, _MAX_PROCESSES - 1), "NODE_RANK": Bounds(0, _MAX_PROCESSES - 1),
+    "CGX_PS_NODE_RANK": Bounds(0, _MAX_PROCESSES - 1), "CGX_PS_NUM_NODES": Bounds(1, _MAX_PROCESSES),
+    "CGX_PS_CONNECT_TIMEOUT": Bounds(0, _MAX_SECONDS, integer=False, unit="seconds"),
+    "CGX_PS_RECOVERY_TIMEOUT": Bounds(0, _MAX_SECONDS, integer=False, unit="seconds"),
+    "CGX_PS_INCARNATION": Bounds(0, (1 << 32) - 1), "TORCHELASTIC_RESTART_COUNT": Bounds(0, (1 << 32) - 1),
+    "CGX_PS_CODEC_THREADS": Bounds(0, 256),
+}
+
+# Fields set from one variable each, checked as it is when they are built in code.
+_FIELD_VARIABLES = {"connect_timeout_s": "CGX_PS_CONNECT_TIMEOUT", "recovery_timeout_s": "CGX_PS_RECOVERY_TIMEOUT",
+                    "codec_threads": "CGX_PS_CODEC_THREADS", "incarnation": "CGX_PS_INCARNATION"}
 
 
 def dataplane_problem(requested: str, tls: bool) -> str | None:
@@ -90,6 +110,11 @@ class WorkerConfig:
     dataplane: str = "auto"
 
     def __post_init__(self) -> None:
+        for name, variable in _FIELD_VARIABLES.items():  # as read from the environment, if set in code
+            value = getattr(self, name)
+            problem = SETTINGS[variable].problem(value)
+            if problem:
+                raise ConfigError(f"{variable}={plain_number(value)}: {problem}")
         checks = [
             (0 <= self.rank < self.world_size, f"RANK={self.rank} is not in 0..WORLD_SIZE-1={self.world_size - 1}"),
             (0 <= self.local_rank < self.local_world_size,
@@ -101,11 +126,7 @@ class WorkerConfig:
              f"CGX_PS_INTRANODE={self.intranode!r} is not one of {', '.join(INTRANODE_TRANSPORTS)}"),
             (dataplane_problem(self.dataplane, self.security.tls) is None,
              dataplane_problem(self.dataplane, self.security.tls) or ""),
-            (0 <= self.codec_threads <= 256, f"CGX_PS_CODEC_THREADS={self.codec_threads} is not in 0..256"),
-            (0 <= self.incarnation < 1 << 32, f"incarnation {self.incarnation} is not in 0..2^32-1"),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
-            (0 <= self.recovery_timeout_s < float("inf"),
-             f"CGX_PS_RECOVERY_TIMEOUT={self.recovery_timeout_s:g} must be a finite number of seconds >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -131,13 +152,16 @@ class WorkerConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "WorkerConfig":
         env = os.environ if env is None else env
 
-        def num(name: str, default: int) -> int:
-            return env_int(env, name, default, error=ConfigError)
+        def num(name: str, default: float) -> Any:
+            return env_number(env, name, default, SETTINGS[name], error=ConfigError)
 
         local_rank, local_size = num("LOCAL_RANK", 0), num("LOCAL_WORLD_SIZE", 1)
         if "CGX_PS_NODE_RANK" in env or "CGX_PS_NUM_NODES" in env:
             # torchrun --standalone on every node: its RANK/WORLD_SIZE are node-local
             node_rank, num_nodes = num("CGX_PS_NODE_RANK", 0), num("CGX_PS_NUM_NODES", 1)
+            if node_rank >= num_nodes:
+                raise ConfigError(f"CGX_PS_NODE_RANK={node_rank} must be below CGX_PS_NUM_NODES={num_nodes} "
+                                  f"(node ranks are 0..{num_nodes - 1})")
             rank, world = node_rank * local_size + local_rank, num_nodes * local_size
         else:
             rank, world = num("RANK", 0), num("WORLD_SIZE", 1)
@@ -152,8 +176,8 @@ class WorkerConfig:
         config = cls(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_size,
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=servers,
-                     connect_timeout_s=env_float(env, "CGX_PS_CONNECT_TIMEOUT", 60.0, error=ConfigError),
-                     recovery_timeout_s=env_float(env, "CGX_PS_RECOVERY_TIMEOUT", 180.0, error=ConfigError),
+                     connect_timeout_s=num("CGX_PS_CONNECT_TIMEOUT", 60.0),
+                     recovery_timeout_s=num("CGX_PS_RECOVERY_TIMEOUT", 180.0),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      incarnation=num("CGX_PS_INCARNATION", num("TORCHELASTIC_RESTART_COUNT", 0)),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",

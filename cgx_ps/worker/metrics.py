@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ..envparse import PORT, env_number
 from .errors import ConfigError
 
 __all__ = ["ENV_HOST", "ENV_PORT", "WorkerMetrics", "after_step"]
@@ -104,15 +105,15 @@ class _Exporter:
 
     def start(self, env: Mapping[str, str]) -> None:
         self.started = True
-        raw = env.get(ENV_PORT, "").strip()
-        if not raw:
+        base = env_number(env, ENV_PORT, None, PORT, ConfigError)
+        if base is None:
             return
-        if not raw.isdigit():
-            raise ConfigError(f"{ENV_PORT}={raw!r} is not a port number")
         from .runtime import current_config
 
         config = current_config()
-        port = int(raw) + config.local_rank if int(raw) else 0
+        port = base + config.local_rank if base else 0
+        if port > PORT.high:
+            raise ConfigError(f"{ENV_PORT}={base} + LOCAL_RANK={config.local_rank} is past port {PORT.high:g}")
         metrics = WorkerMetrics(config.rank)
         try:
             server, _ = start_http_server(port, addr=env.get(ENV_HOST, "").strip() or "0.0.0.0",
