@@ -139,3 +139,5 @@ def test_a_nan_connect_timeout_fails_at_once_instead_of_hanging(tmp_path) -> Non
                          text=True, timeout=120, env=env, cwd=tmp_path)
     assert res.returncode != 0
     assert "CGX_PS_CONNECT_TIMEOUT='nan': must be a number of seconds in 0..604800" in res.stderr, res.stderr[-3000:]
+    # the example to copy says it in one line (user trial finding 13: a 14-42-line traceback before)
+    assert "Traceback" not in res.stderr and "ConfigError: CGX_PS_CONNECT_TIMEOUT='nan'" in res.stderr, res.stderr[-3000:]

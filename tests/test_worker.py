@@ -207,6 +207,9 @@ def test_unreachable_shard_gives_a_clear_error(tmp_path):
                           env_extra={"CGX_PS_CONNECT_TIMEOUT": "1.5"})
     assert results[0].returncode != 0
     assert "ShardUnavailableError: shard 127.0.0.1:9 unreachable for 1.5s" in results[0].stderr
+    # while it waits it says so, once here (then every 15 s): a silent wait looks like a hang
+    assert results[0].stderr.count("shard 127.0.0.1:9 not reachable yet (UNAVAILABLE") == 1, results[0].stderr
+    assert "(CGX_PS_CONNECT_TIMEOUT)" in results[0].stderr
 
 
 # ---- configuration from the environment -------------------------------------------------------------

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 Result = bytes | memoryview  # a block's aggregate: a view of the message it came in, or its chunks joined
 Payload = bytes | PushFrames  # a block's push: its bytes, or framed already (by the codec thread)
+# while a worker waits for a shard at start: how often it says so (a silent wait looks like a hang)
+_WAITING_NOTE_S = 15.0
 _PLAIN = ChannelSecurity()  # no token, no TLS (frozen: one shared default is safe)
 
 # What writing to a stream that has ended raises (the status itself comes to the reader).
@@ -155,6 +157,7 @@ class ShardClient(ConnectionSupervisor):
         deadline = time.monotonic() + self.connect_timeout_s
         delay = 0.1
         probed = False
+        say_at = time.monotonic()  # when to say next that we still wait: at the first failure, then every so often
         while True:
             try:
                 await self._register(resume=False, timeout=10.0)
@@ -167,7 +170,12 @@ class ShardClient(ConnectionSupervisor):
                     fatal = ShardRejectedError(self.address, "TLS", cause) if cause else None
                 if fatal is not None:
                     raise fatal from None
-                if time.monotonic() + delay > deadline:
+                now = time.monotonic()
+                if now + delay <= deadline and now >= say_at:  # a worker waiting in silence looks hung
+                    log.warning("shard %s not reachable yet (%s); retrying for up to %.0fs more "
+                                "(CGX_PS_CONNECT_TIMEOUT)", self.address, _brief(exc), deadline - now)
+                    say_at = now + _WAITING_NOTE_S
+                if now + delay > deadline:
                     raise ShardUnavailableError(
                         f"shard {self.address} unreachable for {self.connect_timeout_s:g}s "
                         f"(last error: {exc.code().name}: {exc.details()}); check CGX_PS_SERVERS and "
