@@ -126,7 +126,8 @@ def test_a_bad_worker_metrics_port_is_a_config_error(value: str) -> None:
         _Exporter().start({"CGX_PS_WORKER_METRICS_PORT": value})
 
 
-def test_a_nan_connect_timeout_fails_at_once_instead_of_hanging(tmp_path) -> None:
+@pytest.mark.parametrize("example", ["cgx_ps.examples.train", "cgx_ps.examples.ddp_train"])
+def test_a_nan_connect_timeout_fails_at_once_instead_of_hanging(tmp_path, example: str) -> None:
     """User trial finding 1: CGX_PS_CONNECT_TIMEOUT=nan and an unreachable shard made the example
     train silently forever. Now it stops before dialling, naming the variable (the bound: 120 s
     of a loaded machine's imports; it took none of the connect timeout before it was refused)."""
@@ -135,7 +136,7 @@ def test_a_nan_connect_timeout_fails_at_once_instead_of_hanging(tmp_path) -> Non
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}
     env = {**clean, "CGX_PS_SERVERS": "127.0.0.1:1", "CGX_PS_TOKEN_FILE": str(token), "CGX_PS_CONNECT_TIMEOUT": "nan",
            "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "cgx_ps.examples.train", "--epochs", "1"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", example, "--epochs", "1"], capture_output=True,
                          text=True, timeout=120, env=env, cwd=tmp_path)
     assert res.returncode != 0
     assert "CGX_PS_CONNECT_TIMEOUT='nan': must be a number of seconds in 0..604800" in res.stderr, res.stderr[-3000:]

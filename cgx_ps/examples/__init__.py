@@ -9,3 +9,24 @@
 
 The last three import their framework, which cgx-ps does not depend on.
 """
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from cgx_ps.worker import CgxPsError
+
+__all__ = ["run"]
+
+
+def run(main: Callable[[], None]) -> None:
+    """An example's entry point: a cgx-ps error ends it with its one-line message (the message names
+    the cause and what to check; the traceback adds nothing for a user), Ctrl-C with exit status
+    130 (128 + SIGINT, as a shell reports it), quietly."""
+    try:
+        main()
+    except CgxPsError as exc:
+        sys.exit(f"{type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        sys.exit(130)

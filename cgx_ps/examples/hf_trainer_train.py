@@ -109,4 +109,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cgx_ps.examples import run
+
+    run(main)  # a cgx-ps error in one line, Ctrl-C quietly

@@ -135,9 +135,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except cgx.CgxPsError as exc:  # the message names the cause and what to check: the traceback adds nothing
-        raise SystemExit(f"{type(exc).__name__}: {exc}") from None
-    except KeyboardInterrupt:  # Ctrl-C: stop quietly (128 + SIGINT, as a shell reports it)
-        raise SystemExit(130) from None
+    from cgx_ps.examples import run
+
+    run(main)  # a cgx-ps error in one line, Ctrl-C quietly
