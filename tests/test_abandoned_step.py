@@ -158,3 +158,73 @@ def test_with_allow_non_finite_adaptive_bits_go_on_after_an_abandoned_step(clust
         assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
     assert one[0]["steps"] == one[1]["steps"] == STEPS - 1
     assert_same_params(one[0], one[1])
+
+
+@pytest.mark.parametrize("compression", ["fp32", "4bit"])
+def test_a_rank_whose_gradient_is_not_finite_tells_the_other_at_once_then_both_go_on(cluster, compression):
+    """Rank 0's gradient of 2.weight is NaN at step 2 (no allow_non_finite): its step() raises the
+    codec's error naming the tensor, as before, and pushes the abandon marker for that block, so
+    rank 1's step() raises StepAbandoned at once. Before, that block was never pushed and rank 1
+    waited for it until the shards' round timeout (RoundFailedError after 120 s). Both catch,
+    zero_grad() and go on in step: replicas equal (fp32: the run that left the batch out)."""
+    one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--compression", compression,
+                                     *(["--nan"] if r == 0 else [])])
+    said = outcome(one[0], FAIL_AT)
+    assert said.startswith("CgxPsError: rank 0: cannot encode the gradient of "), said  # its block's tensors
+    assert "2.weight" in said.split(": ")[2] and "contains NaN/Inf" in said, said
+    told = outcome(one[1], FAIL_AT)
+    assert told.startswith("StepAbandoned: rank 1: step 2 was abandoned by another rank"), told
+    assert "a gradient there that was not finite" in told, told
+    seconds = float(one[1]["outcomes"][FAIL_AT].rsplit(" (", 1)[1].split(" s)")[0])
+    assert seconds < 30, one[1]["outcomes"]  # far below the 120 s round timeout, with slack for a loaded host
+    for r in one:
+        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
+    assert one[0]["steps"] == one[1]["steps"]
+    assert_same_params(one[0], one[1])
+    if compression == "fp32":
+        reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
+        assert_same_params(one[0], reference[0])
+
+
+def test_a_loop_that_does_not_catch_a_non_finite_gradient_stops_every_rank_promptly(cluster):
+    """The same NaN, a loop that catches nothing: both ranks exit non-zero well before the round
+    timeout, rank 0 naming the tensor, rank 1 saying the step was abandoned. Before, rank 1 sat
+    until the 120 s round timeout."""
+    job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--steps", str(STEPS), "--fail-at", str(FAIL_AT),
+                               "--no-catch", *(["--nan"] if r == 0 else [])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env_for(r, 2, cluster.addresses, **job))
+             for r in range(2)]
+    try:
+        errs = []
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=60)  # far below the 120 s round timeout
+            assert proc.returncode != 0, stderr[-3000:]
+            errs.append(stderr)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    said = errs[0].strip().splitlines()[-1]
+    assert said.startswith("cgx_ps.worker.errors.CgxPsError: rank 0: cannot encode the gradient of "), errs[0][-3000:]
+    assert "2.weight" in said.split(": ")[2], said
+    assert "StepAbandoned: rank 1: step 2 was abandoned by another rank" in errs[1], errs[1][-3000:]
+
+
+def test_a_backward_that_fails_after_a_non_finite_gradient_abandons_the_step_quietly(cluster):
+    """Rank 0's gradient of 2.weight is NaN and its backward then raises: that block already went
+    as the marker (its encode refused the NaN), so zero_grad() abandons the step without pushing
+    it again and without raising the codec's error; rank 1 is told at once; both go on in step.
+    Before, rank 1 waited for that block until the round timeout."""
+    one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT),
+                                     *(["--nan", "--fail"] if r == 0 else [])])
+    assert outcome(one[0], FAIL_AT) == "BackwardFailed: backward failed at 2.weight"
+    told = outcome(one[1], FAIL_AT)
+    assert told.startswith("StepAbandoned: rank 1: step 2 was abandoned by another rank"), told
+    for r in one:
+        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
+    assert one[0]["steps"] == one[1]["steps"]
+    assert_same_params(one[0], one[1])
+    reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
+    assert_same_params(one[0], reference[0])

@@ -28,7 +28,7 @@ import torch
 
 from .. import timeline
 from ..chunkframes import PushFrames
-from ..kernels import Codec, ErrorFeedback, PayloadScratch, dequantize, encode_block, non_finite_block
+from ..kernels import Codec, CodecError, ErrorFeedback, PayloadScratch, dequantize, encode_block, non_finite_block
 from ..layout import codec_of
 from ..v1 import ps_pb2
 from .codec_streams import CODEC_STREAMS, CodecStreams
@@ -124,8 +124,8 @@ class BlockExchange:
         if reducer is not None:
             with timeline.span("reduce", round_, timeline.block_track(spec.block_id), block=spec.block_id):
                 await reducer.reduce(spec.block_id, seq, in_thread)
-        payload = await in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
-                                  block, compressed, seed, round_, abandon)
+        payload, refused = await in_thread(timeline.wrapped(self._encode, "encode", round_, block=spec.block_id),
+                                           block, compressed, seed, round_, abandon)
         # Encoded: let go of the gradient's memory where it is not where the average goes (the DDP
         # hook's early hand-over encodes autograd's own tensor): it is freed now, not a step later.
         block.work = block.buffer
@@ -141,6 +141,8 @@ class BlockExchange:
         self._span.note(last=time.perf_counter())  # last result in
         if reducer is not None:
             reducer.publish(spec.block_id, seq)
+        if refused is not None:  # this rank's own error, once its marker's round is done (pushed once)
+            raise refused
         if abandoned:  # raised once the node's other ranks have the result: each of them hears it too
             raise self._abandoned(block, round_)
         return len(payload)
@@ -174,18 +176,26 @@ class BlockExchange:
         return in_thread
 
     def _encode(self, block: BlockState, compressed: bool, seed: int, round_: int,
-                abandon: bool = False) -> PushFrames:  # on a codec thread
+                abandon: bool = False) -> tuple[PushFrames, CodecError | None]:  # on a codec thread
+        """The block's push, and the codec's refusal of this rank's gradient (NaN/Inf without
+        ``allow_non_finite``) where there was one: then the push is the abandon marker, so that
+        the other ranks' step ends at once with ``StepAbandoned`` instead of waiting for this
+        block until the shards' round timeout; the refusal is raised once its round is done."""
         s = block.settings
         codec = codec_of(s) if compressed else Codec.FP32
-        if abandon:  # the header alone; the residual of error feedback stays as it was
+        refused = None
+        if not abandon:
+            try:
+                encoded = encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
+                                       stochastic=s.stochastic, seed=seed, feedback=block.feedback,
+                                       allow_non_finite=self.allow_non_finite, scratch=block.scratch)
+            except CodecError as exc:  # the residual of error feedback is left as it was
+                refused = exc
+        if abandon or refused is not None:  # the header alone; the residual stays as it was
             encoded = non_finite_block(codec, s.bits or 4, s.bucket_size or 1024, block.spec.numel)
-        else:
-            encoded = encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
-                                   stochastic=s.stochastic, seed=seed, feedback=block.feedback,
-                                   allow_non_finite=self.allow_non_finite, scratch=block.scratch)
         # framed here, from the reused encode buffer: the payload's one copy (kept until its result
         # comes: the buffer is encoded into again next round), and none on the communication thread
-        return PushFrames.of(self._engine.wire_block(block.spec.block_id), round_, encoded.stamped())
+        return PushFrames.of(self._engine.wire_block(block.spec.block_id), round_, encoded.stamped()), refused
 
     def _decode(self, block: BlockState, result: bytes) -> bool:  # on a codec thread
         """Decode the average into ``block.result``; whether it is an abandoned step's

@@ -330,7 +330,10 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
     allow_non_finite: for mixed precision with a ``torch.amp.GradScaler``: a NaN/Inf gradient on
         any rank reaches every rank as NaN (instead of an error), so every scaler skips the same
-        step. Synchronize before the scaler looks at the gradients::
+        step. Without it, that rank's ``step()`` raises ``CgxPsError`` naming the tensors and
+        pushes the block as an abandoned step's marker: every other rank's ``step()`` raises
+        ``StepAbandoned`` at once (a loop that catches both and calls ``zero_grad()`` skips the
+        step on every rank). Synchronize before the scaler looks at the gradients::
 
             scaler.scale(loss).backward()
             opt.synchronize()

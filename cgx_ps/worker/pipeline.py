@@ -254,7 +254,7 @@ class BlockPipeline:
                 except StepAbandoned as exc:
                     raise StepAbandoned(
                         f"rank {self.config.rank}: step {self.steps} was abandoned by another rank (a backward that "
-                        f"failed there: {exc}): no rank applies it. To go on as that rank does, catch "
+                        f"failed there, or a gradient there that was not finite: {exc}): no rank applies it. To go on as that rank does, catch "
                         f"StepAbandoned, call zero_grad() and train on the next batch") from None
                 stats.bytes_pushed += pushed
                 stats.fp32_bytes += 4 * block.spec.numel if pushed else 0
@@ -347,7 +347,8 @@ class BlockPipeline:
 
     def _drain(self) -> Exception | None:
         """Wait for every block this step submitted; the first error other than an abandoned
-        step's (that the step is abandoned is known)."""
+        step's (that the step is abandoned is known) or this rank's codec refusing its gradient
+        (that block went as the marker: its round is done, and the step is given up anyway)."""
         first = None
         with self._lock:
             futures = [b.future for b in self._blocks]
@@ -356,7 +357,7 @@ class BlockPipeline:
                 continue
             try:
                 future.wait()
-            except StepAbandoned:
+            except (StepAbandoned, CodecError):
                 pass
             except Exception as exc:  # noqa: BLE001 - kept to raise once every block is done
                 first = first or exc

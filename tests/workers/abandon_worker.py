@@ -3,11 +3,13 @@ from a hook on a chosen parameter, after cgx-ps's own hook on it ran, as a failu
 loss's graph would. The training loop catches what it raises, calls ``zero_grad()`` and goes on
 with the next batch. Prints one JSON line: each step's outcome and the final parameters.
 
-    abandon_worker.py --steps 6 --fail-at 2 [--fail] [--skip] [--compression fp32]
+    abandon_worker.py --steps 6 --fail-at 2 [--fail] [--nan] [--no-catch] [--skip] [--compression fp32]
                       [--warmup-steps N] [--allow-non-finite]
 
 ``--fail``: this rank's backward raises at step ``--fail-at``; ``--skip``: this rank leaves that
-step out altogether (the reference run: no forward, no backward, no step). ``--allow-non-finite``:
+step out altogether (the reference run: no forward, no backward, no step). ``--nan``: instead of
+raising, this rank's gradient of the chosen parameter is NaN at that step. ``--no-catch``: the loop
+catches nothing from cgx-ps (the process ends with the error). ``--allow-non-finite``:
 the loop a GradScaler's user writes (synchronize, then skip the step if a gradient is not finite,
 as ``scaler.step`` does) instead of ``step()``."""
 
@@ -53,6 +55,8 @@ def main() -> None:
     p.add_argument("--fail-at", type=int, default=2)
     p.add_argument("--fail", action="store_true")
     p.add_argument("--skip", action="store_true")
+    p.add_argument("--nan", action="store_true")
+    p.add_argument("--no-catch", action="store_true")
     p.add_argument("--fail-param", default="2.weight",
                    help="the parameter whose hook raises, or 'last': the last of the step's gradients to arrive")
     p.add_argument("--compression", default="fp32")
@@ -75,9 +79,14 @@ def main() -> None:
             armed[0] = False
             raise BackwardFailed(f"backward failed at {args.fail_param}")
 
+    def poison(grad: torch.Tensor) -> torch.Tensor:  # before accumulation: cgx-ps's hook reads the NaN
+        return grad * float("nan") if nan_now[0] else grad
+
+    nan_now = [False]
     for name, param in named.items():
         if args.fail_param in (name, "last"):
             param.register_post_accumulate_grad_hook(fail)
+            param.register_hook(poison)
     rank = cgx.rank()
     outcomes = []
     for step in range(args.steps):
@@ -93,6 +102,7 @@ def main() -> None:
             opt.zero_grad()
         x, y = batch(rank, step)
         armed[0], arrived[0] = args.fail and step == args.fail_at, 0
+        nan_now[0] = args.nan and step == args.fail_at
         try:
             torch.nn.functional.mse_loss(net(x), y).backward()
             if args.allow_non_finite:
@@ -101,6 +111,8 @@ def main() -> None:
                 opt.step()
                 outcomes.append("ok")
         except (BackwardFailed, cgx.CgxPsError) as exc:  # the loop skips the batch: zero_grad() next
+            if args.no_catch:
+                raise
             outcomes.append(f"{type(exc).__name__}: {exc}")
         outcomes[-1] += f" ({time.monotonic() - t0:.1f} s)"
     opt.zero_grad()
