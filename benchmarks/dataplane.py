@@ -104,12 +104,12 @@ class RawPlaneCluster(LocalCluster):
         super().__init__(*args, **kwargs)
         self.io = io
 
-    def _spawn(self, i: int, port: int, metrics_port: int):
+    def _spawn(self, i: int, port: int, metrics_port: int, data_port: int, health_port: int):
         port_file = Path(self._tmp.name) / f"shard{i}.json"
         port_file.unlink(missing_ok=True)
         flags = ["--host", self.host, "--port", str(port), "--shard-index", str(i), "--num-shards",
-                 str(self.shards), "--metrics-port", str(metrics_port), "--token-file", self.token_file or "",
-                 *self.extra_args]
+                 str(self.shards), "--metrics-port", str(metrics_port), "--data-port", str(data_port),
+                 "--health-port", str(health_port), "--token-file", self.token_file or "", *self.extra_args]
 
         def spawn(argv: list[str], **kwargs) -> subprocess.Popen:
             assert argv[1:4] == ["-m", "cgx_ps.cli", "server"], argv  # launch_shard's command line
