@@ -70,6 +70,25 @@ def outcome(result: dict, step: int) -> str:
 STEPS, FAIL_AT = 5, 2
 
 
+def assert_rank_1_was_told_and_both_went_on(cluster, one: list[dict], compression: str, within_s: float,
+                                            says: str) -> None:
+    """Rank 0 gave step FAIL_AT up: rank 1's step raised StepAbandoned (saying ``says``) within
+    ``within_s``, both trained every other step in step to the same parameters, and at fp32 to
+    those of a run that skipped the step."""
+    told = outcome(one[1], FAIL_AT)
+    assert told.startswith("StepAbandoned: rank 1: step 2 was abandoned by another rank"), told
+    assert says in told, told
+    seconds = float(one[1]["outcomes"][FAIL_AT].rsplit(" (", 1)[1].split(" s)")[0])
+    assert seconds < within_s, one[1]["outcomes"]
+    for r in one:
+        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
+    assert one[0]["steps"] == one[1]["steps"]
+    assert_same_params(one[0], one[1])
+    if compression == "fp32":
+        reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
+        assert_same_params(one[0], reference[0])
+
+
 def test_one_process_goes_on_after_a_backward_that_raised_at_a_hook(cluster):
     """world 1: the failed step is abandoned, the next ones train; the parameters are those of a
     run that left that batch out."""
@@ -100,18 +119,8 @@ def test_one_rank_fails_and_the_other_is_told_at_once_then_both_go_on(cluster, c
     one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--compression", compression,
                                      *(["--fail"] if r == 0 else [])])
     assert outcome(one[0], FAIL_AT) == "BackwardFailed: backward failed at 2.weight"
-    told = outcome(one[1], FAIL_AT)
-    assert told.startswith("StepAbandoned: rank 1: step 2 was abandoned by another rank"), told
-    assert "catch StepAbandoned, call zero_grad()" in told, told
-    seconds = float(one[1]["outcomes"][FAIL_AT].rsplit(" (", 1)[1].split(" s)")[0])
-    assert seconds < ROUND_TIMEOUT_S, one[1]["outcomes"]
-    for r in one:
-        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
-    assert one[0]["steps"] == one[1]["steps"]
-    assert_same_params(one[0], one[1])
-    if compression == "fp32":
-        reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
-        assert_same_params(one[0], reference[0])
+    assert_rank_1_was_told_and_both_went_on(cluster, one, compression, ROUND_TIMEOUT_S,
+                                            "catch StepAbandoned, call zero_grad()")
 
 
 def test_a_backward_that_fails_after_its_last_gradient_was_pushed_is_applied_not_abandoned(cluster):
@@ -172,18 +181,8 @@ def test_a_rank_whose_gradient_is_not_finite_tells_the_other_at_once_then_both_g
     said = outcome(one[0], FAIL_AT)
     assert said.startswith("CgxPsError: rank 0: cannot encode the gradient of "), said  # its block's tensors
     assert "2.weight" in said.split(": ")[2] and "contains NaN/Inf" in said, said
-    told = outcome(one[1], FAIL_AT)
-    assert told.startswith("StepAbandoned: rank 1: step 2 was abandoned by another rank"), told
-    assert "a gradient there that was not finite" in told, told
-    seconds = float(one[1]["outcomes"][FAIL_AT].rsplit(" (", 1)[1].split(" s)")[0])
-    assert seconds < 30, one[1]["outcomes"]  # far below the 120 s round timeout, with slack for a loaded host
-    for r in one:
-        assert [outcome(r, s) for s in range(STEPS) if s != FAIL_AT] == ["ok"] * (STEPS - 1), r["outcomes"]
-    assert one[0]["steps"] == one[1]["steps"]
-    assert_same_params(one[0], one[1])
-    if compression == "fp32":
-        reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
-        assert_same_params(one[0], reference[0])
+    # told far below the 120 s round timeout, with slack for a loaded host
+    assert_rank_1_was_told_and_both_went_on(cluster, one, compression, 30, "a gradient there that was not finite")
 
 
 def test_a_loop_that_does_not_catch_a_non_finite_gradient_stops_every_rank_promptly(cluster):

@@ -124,6 +124,18 @@ def start_workers(servers: list[str], tmp_path: Path, steps: int, **env: str) ->
             for r in range(2)]
 
 
+def finish_with_shard_stopped(cluster, shard: int, workers: list[subprocess.Popen],
+                              timeout_s: float) -> tuple[list[tuple[int, str, float]], float]:
+    """``finish`` while shard ``shard`` is SIGSTOPped (alive to TCP and keepalive, answering
+    nothing), and when it was stopped (time.monotonic()); it is continued after."""
+    os.kill(cluster.procs[shard].pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        return finish(workers, timeout_s), stopped
+    finally:
+        os.kill(cluster.procs[shard].pid, signal.SIGCONT)
+
+
 def finish(workers: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, float]]:
     """(exit code, stderr, time.monotonic() at which it printed ShardUnavailableError, else inf) of
     each worker; kills any still running after ``timeout_s``. (The moment the error is raised, not
@@ -207,12 +219,7 @@ def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp
     with LocalCluster(2, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as cluster:
         workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 180 s
         wait_for_rounds(cluster.addresses[1], 3, workers)
-        os.kill(cluster.procs[1].pid, signal.SIGSTOP)  # alive to TCP and keepalive, answering nothing
-        stopped = time.monotonic()
-        try:
-            results = finish(workers, timeout_s=30)
-        finally:
-            os.kill(cluster.procs[1].pid, signal.SIGCONT)
+        results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=30)
     for r, (code, err, exited) in enumerate(results):
         assert code != 0 and "ShardUnavailableError" in err, f"rank {r}:\n{err[-3000:]}"
         assert f"shard {cluster.addresses[1]} sent no result" in err, err[-3000:]
@@ -235,12 +242,7 @@ def test_a_stopped_shard_is_named_by_every_local_rank_of_a_node(tmp_path: Path) 
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                    for r in range(2)]
         wait_for_rounds(cluster.addresses[1], 3, workers)
-        os.kill(cluster.procs[1].pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        try:
-            results = finish(workers, timeout_s=60)
-        finally:
-            os.kill(cluster.procs[1].pid, signal.SIGCONT)
+        results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=60)
     for r, (code, err, exited) in enumerate(results):
         assert code != 0 and "ShardUnavailableError" in err, f"local rank {r}:\n{err[-3000:]}"
         assert f"shard {cluster.addresses[1]} sent no result" in err, err[-3000:]
