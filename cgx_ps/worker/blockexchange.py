@@ -189,7 +189,7 @@ class BlockExchange:
                 encoded = encode_block(block.work, codec, bits=s.bits or 4, bucket_size=s.bucket_size or 1024,
                                        stochastic=s.stochastic, seed=seed, feedback=block.feedback,
                                        allow_non_finite=self.allow_non_finite, scratch=block.scratch)
-            except CodecError as exc:  # the residual of error feedback is left as it was
+            except CodecError as exc:
                 refused = exc
         if abandon or refused is not None:  # the header alone; the residual stays as it was
             encoded = non_finite_block(codec, s.bits or 4, s.bucket_size or 1024, block.spec.numel)
