@@ -60,12 +60,12 @@ class Bounds:
         return value
 
 
-PORT = Bounds(0, 65535)
+PORT = Bounds(0, 65535)  # a TCP port; 0 picks a free one
 
 
 def plain_number(x: float) -> str:
     """1048576, not 1.04858e+06: a number as the user would type it."""
-    return str(int(x)) if math.isfinite(x) and x == int(x) else f"{x:g}"  # a TCP port; 0 picks a free one
+    return str(int(x)) if math.isfinite(x) and x == int(x) else f"{x:g}"
 
 
 def env_number(env: Mapping[str, str], name: str, default: T, bounds: Bounds,

@@ -17,8 +17,9 @@ from ..envparse import PORT, Bounds, env_flag, env_number, env_str, plain_number
 from ..timeline import ENV_PATH as TIMELINE_ENV, ENV_STEPS as TIMELINE_STEPS_ENV, parse_steps
 from ..transport import CHUNK_BYTES, GRPC_OPTIONS
 
-__all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "MAX_SHARDS", "SETTINGS",
-           "ServerConfig", "Setting", "flag_defaults", "shard_flags"]
+__all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "HEALTH_PORT_CALLS",
+           "MAX_SHARDS", "MIN_CONCURRENT_RPCS", "SETTINGS", "ServerConfig", "Setting", "flag_defaults",
+           "shard_flags"]
 
 DEFAULT_PORT = 7070
 DEFAULT_METRICS_PORT = 9400  # a deployed shard serves metrics here unless told otherwise
@@ -30,6 +31,8 @@ _MAX_SECONDS = 86400.0  # a round or a drain waiting a day is a stuck job, not a
 _MAX_MIB = float(1 << 20)  # 1 TiB of buffered pushes or of fp32 state on one shard
 _MAX_THREADS = 256  # as the workers' CGX_PS_CODEC_THREADS
 _MAX_CALLS = 1 << 16  # each call may hold a connection: more than a host's file descriptors
+MIN_CONCURRENT_RPCS = 8  # the least --max-concurrent-rpcs a shard takes
+HEALTH_PORT_CALLS = 16  # the health-only port's maximum_concurrent_rpcs (main.py; fdlimit.py counts them)
 _PORT_OR_OFF = Bounds(0, 65535, off=-1)
 
 
@@ -182,7 +185,7 @@ SETTINGS: dict[str, Setting] = {
                                bounds=Bounds(0, _MAX_MIB, integer=False, above=True, unit="MiB")),
     "max_concurrent_rpcs": Setting("CGX_PS_MAX_CONCURRENT_RPCS", "--max-concurrent-rpcs",
                                    "calls served at once; more are refused with RESOURCE_EXHAUSTED", int,
-                                   bounds=Bounds(8, _MAX_CALLS)),
+                                   bounds=Bounds(MIN_CONCURRENT_RPCS, _MAX_CALLS)),
     "token_file": Setting("CGX_PS_TOKEN_FILE", "--token-file", "file holding the job token every call must carry "
                           "as 'authorization: Bearer <token>'", security=True),
     "tls_cert": Setting("CGX_PS_TLS_CERT", "--tls-cert", "PEM certificate chain: serve TLS; re-read when the "

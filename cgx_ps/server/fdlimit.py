@@ -25,7 +25,7 @@ import enum
 import resource
 from dataclasses import dataclass
 
-from .config import ServerConfig
+from .config import HEALTH_PORT_CALLS, MIN_CONCURRENT_RPCS, ServerConfig
 
 __all__ = ["FdAction", "FdLimit", "RESERVED_FDS", "decide_fd_limit", "fds_needed", "raise_fd_limit"]
 
@@ -33,8 +33,6 @@ __all__ = ["FdAction", "FdLimit", "RESERVED_FDS", "decide_fd_limit", "fds_needed
 # holds 24 (listening sockets, epoll/eventfd/io_uring of gRPC and the loop, pipes, stdio); a scrape,
 # the numba cache's files and the health port's few calls come and go on top.
 RESERVED_FDS = 64
-_HEALTH_CALLS = 16  # the health-only port's maximum_concurrent_rpcs (server/main.py)
-_MIN_CALLS = 8  # the least --max-concurrent-rpcs ServerConfig takes
 
 
 class FdAction(enum.Enum):
@@ -56,7 +54,7 @@ def fds_needed(config: ServerConfig) -> int:
     streams and pending connections, the health port's calls, and ``RESERVED_FDS``."""
     calls = config.max_concurrent_rpcs
     plane = 2 * calls if config.data_port >= 0 else 0
-    health = _HEALTH_CALLS if config.health_port >= 0 else 0
+    health = HEALTH_PORT_CALLS if config.health_port >= 0 else 0
     return RESERVED_FDS + calls + plane + health
 
 
@@ -70,7 +68,7 @@ def decide_fd_limit(config: ServerConfig, soft: int, hard: int) -> FdLimit:
         return FdLimit(FdAction.RAISE, needed, needed)
     per_call = 3 if config.data_port >= 0 else 1
     fits = (hard - (needed - per_call * config.max_concurrent_rpcs)) // per_call
-    lower = f" or lower --max-concurrent-rpcs to {fits} or less" if fits >= _MIN_CALLS else ""
+    lower = f" or lower --max-concurrent-rpcs to {fits} or less" if fits >= MIN_CONCURRENT_RPCS else ""
     plane = (" (as many calls on the gRPC port, streams on the data plane and connections waiting there for "
              "their preface: --data-port)" if config.data_port >= 0 else "")
     return FdLimit(FdAction.SHORT, needed, hard, problem=(

@@ -22,7 +22,7 @@ from ..addresses import bare_host, host_port
 from ..kernels.warm import warm_kernels
 from ..security import CredentialError, read_token
 from .allocator import keep_freed_memory
-from .config import GRPC_OPTIONS, ServerConfig
+from .config import GRPC_OPTIONS, HEALTH_PORT_CALLS, ServerConfig
 from .dataplane import DataPlane
 from .fdlimit import FdAction, raise_fd_limit
 from .metrics import ShardMetrics
@@ -115,7 +115,7 @@ class ShardServer:
         if self.config.health_port >= 0:
             # Kubelet gRPC probes speak plaintext: with TLS on, they get a port of their own that
             # serves the health service and nothing else.
-            self._health_server = grpc.aio.server(options=_EXCLUSIVE_PORT, maximum_concurrent_rpcs=16)
+            self._health_server = grpc.aio.server(options=_EXCLUSIVE_PORT, maximum_concurrent_rpcs=HEALTH_PORT_CALLS)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             add_wrong_port_answer(self._health_server, f"this is shard {self.config.shard_index}'s health-only port "
                                                        f"(--health-port); its gRPC port is {self.port}")
