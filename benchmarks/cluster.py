@@ -20,7 +20,9 @@ threads per worker:
                   DDP's allreduce)
     cgx-4bit-raw, ddp-cgx-4bit-raw
                   cgx-4bit and ddp-cgx-4bit with the shards' raw data plane open (``--data-port``):
-                  the workers' pushes and results over plain TCP instead of gRPC streams
+                  the workers' pushes and results over plain TCP instead of gRPC streams; the
+                  transport a shard uses by default (without TLS). The other cgx configurations
+                  keep their streams on gRPC (``--data-port -1``), as they did when it was not
 
 ddp-cgx-4bit and ddp-cgx-auto are the second front end of the same block pipeline: DDP's buckets and overlap,
 cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:

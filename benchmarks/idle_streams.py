@@ -57,7 +57,9 @@ def measure(tree: Path, tmp: str, token: str, nodes: int, block_mb: float) -> fl
     port_file = Path(tmp) / f"port-{time.monotonic_ns()}.json"
     flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--token-file", token,
              "--kernel-threads", "1", "--log-level", "ERROR", "--max-inflight-mb", str(int(4 * nodes * block_mb))]
-    env = {**os.environ, "PYTHONPATH": str(tree), "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+    # CGX_PS_DATA_PORT=-1: gRPC streams in every tree (the data plane is a shard's default now;
+    # a variable, which trees older than it ignore, rather than a flag they would refuse)
+    env = {**os.environ, "PYTHONPATH": str(tree), "MALLOC_MMAP_THRESHOLD_": str(128 << 10), "CGX_PS_DATA_PORT": "-1"}
     proc = launch_shard(flags, port_file, cwd=tree, env=env)
     try:
         address = f"127.0.0.1:{wait_for_port_file(proc, port_file, time.monotonic() + STARTUP_TIMEOUT_S)['port']}"

@@ -4,6 +4,7 @@ memory once it has settled (``shard_memory.py``, ``shard_attack.py``)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ def start_shard(tmp: str, token: str, inflight_mb: int, error_feedback: bool = F
     flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--token-file", token,
              "--max-inflight-mb", str(inflight_mb), "--kernel-threads", "1", "--log-level", "ERROR",
              *(["--error-feedback"] if error_feedback else []), *extra]
-    proc = launch_shard(flags, port_file, cwd=ROOT)
+    # gRPC streams, as when this was measured (the data plane is a shard's default now)
+    proc = launch_shard(flags, port_file, cwd=ROOT, env={**os.environ, "CGX_PS_DATA_PORT": "-1"})
     try:
         port = wait_for_port_file(proc, port_file, time.monotonic() + STARTUP_TIMEOUT_S)["port"]
     except (RuntimeError, TimeoutError) as exc:

@@ -140,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     # CGX_PS_DATA_PORT / CGX_PS_HEALTH_PORT name the base here: as a shard's own port, every shard
     # of the cluster would try to bind the same one
     env = flag_defaults(os.environ)  # valid: _add_server_options exits on a malformed variable
-    cluster.add_argument("--data-base-port", type=_port(off=-1), default=env["data_port"],
+    cluster.add_argument("--data-base-port", type=_port(off=-1),
+                         default=None if env["data_port"] == "" else env["data_port"],
                          help="shard i's raw data plane listens on this + i; 0: a free port each; -1: off "
-                              "(env CGX_PS_DATA_PORT; default %(default)s)")
+                              "(env CGX_PS_DATA_PORT; default: a free port each, off with --tls-cert)")
     cluster.add_argument("--health-base-port", type=_port(off=-1), default=env["health_port"],
                          help="shard i serves a plaintext health-only port on this + i; 0: a free port each; "
                               "-1: off (env CGX_PS_HEALTH_PORT; default %(default)s)")
@@ -232,7 +233,7 @@ def _port_range_problem(args: argparse.Namespace) -> str | None:
         return None
     for flag, base in (("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port),
                        ("--data-base-port", args.data_base_port), ("--health-base-port", args.health_base_port)):
-        if base > 0 and base + args.shards - 1 > MAX_PORT:
+        if base is not None and base > 0 and base + args.shards - 1 > MAX_PORT:
             return f"{flag} {base} + {args.shards} shards goes past port {MAX_PORT}"
     return None
 

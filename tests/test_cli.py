@@ -220,16 +220,17 @@ def _health(port: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-@pytest.mark.parametrize("how", ["flags", "environment"])
+@pytest.mark.parametrize("how", ["flags", "environment", "default"])
 def test_cluster_gives_each_shard_its_own_data_and_health_port(how):
     """`cgx-ps cluster --data-base-port B --health-base-port H`: shard i's data plane on B + i, its
     health port on H + i. CGX_PS_DATA_PORT / CGX_PS_HEALTH_PORT in the environment are those
-    bases: before, they reached every shard as its own port, and shard 1 failed to bind it."""
+    bases: before, they reached every shard as its own port, and shard 1 failed to bind it.
+    Without either: each shard's data plane on a free port of its own (the default), no health port."""
     base = _free_ports(4)
     args, env = ["--shards", "2", "--base-port", "0", "--kernel-threads", "1"], {}
     if how == "flags":
         args += ["--data-base-port", str(base), "--health-base-port", str(base + 2)]
-    else:
+    elif how == "environment":
         env = {"CGX_PS_DATA_PORT": str(base), "CGX_PS_HEALTH_PORT": str(base + 2)}
     proc = interruptible([sys.executable, "-m", "cgx_ps.cli", "cluster", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=env_without_cgx_ps(**env), start_new_session=True)
@@ -237,9 +238,14 @@ def test_cluster_gives_each_shard_its_own_data_and_health_port(how):
         lines = _serving_lines(proc)
         out = "".join(lines)
         assert "2 shards serving" in out, out
-        data_ports = sorted(int(line.split("data port ")[1].split(")")[0]) for line in lines if "serving on" in line)
-        assert data_ports == [base, base + 1], out
-        assert [_health(base + 2), _health(base + 3)] == ["SERVING", "SERVING"]
+        data_ports = sorted(int(line.split("data port ")[1].split(")")[0].split(",")[0])
+                            for line in lines if "serving on" in line)
+        if how == "default":
+            assert len(set(data_ports)) == 2 and min(data_ports) > 0, out
+            assert out.count("a free one: --data-port chooses it, -1 turns it off") == 2, out
+        else:
+            assert data_ports == [base, base + 1], out
+            assert [_health(base + 2), _health(base + 3)] == ["SERVING", "SERVING"]
         os.killpg(proc.pid, signal.SIGINT)
         out += proc.communicate(timeout=90)[0]
     finally:

@@ -16,13 +16,14 @@ def test_every_field_has_one_environment_variable_and_flag() -> None:
 
 
 def test_from_env_reads_the_variables_over_the_defaults() -> None:
-    assert ServerConfig.from_env({}) == ServerConfig(metrics_port=9400)  # deployed shards serve metrics
+    # deployed shards serve metrics, and the raw data plane on a free port
+    assert ServerConfig.from_env({}) == ServerConfig(metrics_port=9400, data_port=0)
     config = ServerConfig.from_env({"CGX_PS_PORT": "7001", "CGX_PS_MAX_INFLIGHT_MB": "2.5", "CGX_PS_NUM_SHARDS": "4",
                                     "CGX_PS_SHARD_INDEX": "3", "CGX_PS_ERROR_FEEDBACK": "1", "CGX_PS_TOKEN_FILE": "",
                                     "CGX_PS_TLS_CERT": "c.pem", "CGX_PS_TLS_KEY": "k.pem", "CGX_PS_LOG_LEVEL": "DEBUG"})
     assert (config.port, config.max_inflight_bytes, config.num_shards, config.shard_index) == (7001, 5 << 19, 4, 3)
     assert config.error_feedback and config.token_file is None and config.tls_cert == "c.pem"
-    assert config.log_level == "DEBUG"
+    assert config.log_level == "DEBUG" and config.data_port == -1  # no plaintext data plane beside TLS
     assert ServerConfig.from_env({"CGX_PS_ERROR_FEEDBACK": "false"}).error_feedback is False
     # overrides are field values, applied before validation (the index is valid for 2 shards only)
     assert ServerConfig.from_env({"CGX_PS_SHARD_INDEX": "1"}, num_shards=2).shard_index == 1
@@ -38,6 +39,31 @@ def test_from_env_reads_the_variables_over_the_defaults() -> None:
 def test_bad_settings_are_named(env: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServerConfig.from_env(env)
+
+
+@pytest.mark.parametrize("argv, env, data_port", [
+    ([], {}, 0),  # the default: a free port, advertised at Register
+    (["--data-port", "-1"], {}, -1),
+    ([], {"CGX_PS_DATA_PORT": "-1"}, -1),
+    ([], {"CGX_PS_DATA_PORT": "7072"}, 7072),
+    (["--data-port", "7073"], {"CGX_PS_DATA_PORT": "7072"}, 7073),
+    (["--tls-cert", "c.pem", "--tls-key", "k.pem"], {}, -1),  # TLS: off unless asked (and asking is refused)
+    ([], {"CGX_PS_TLS_CERT": "c.pem", "CGX_PS_TLS_KEY": "k.pem"}, -1),
+])
+def test_a_deployed_shard_opens_the_data_plane_unless_told_otherwise_or_under_tls(monkeypatch, argv, env,
+                                                                                  data_port) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = cli.build_parser().parse_args(["server", "--port", "0", *argv])
+    assert ServerConfig.from_flags(vars(args)).data_port == data_port
+    assert ServerConfig(port=0).data_port == -1  # built in code (tests, embedding): off unless asked
+
+
+@pytest.mark.parametrize("argv", [["--data-port", "0"], ["--data-port", "7072"]])
+def test_asking_for_the_data_plane_under_tls_is_refused(argv) -> None:
+    args = cli.build_parser().parse_args(["server", "--tls-cert", "c.pem", "--tls-key", "k.pem", *argv])
+    with pytest.raises(ValueError, match="--data-port cannot be used with --tls-cert"):
+        ServerConfig.from_flags(vars(args))
 
 
 def test_the_cli_takes_its_defaults_from_the_environment(monkeypatch, capsys) -> None:

@@ -216,7 +216,7 @@ def shard_process(tmp_path: Path, *args: str):
 def test_cgx_ps_status_command(tmp_path):
     """A user's first look: the exit code gates readiness, each shard gets one line."""
     with shard_process(tmp_path, "--shard-index", "0", "--num-shards", "2", "--data-port", "0") as (a, ports), \
-            shard_process(tmp_path, "--shard-index", "1", "--num-shards", "2") as (b, _):
+            shard_process(tmp_path, "--shard-index", "1", "--num-shards", "2", "--data-port", "-1") as (b, _):
         env = {"CGX_PS_SERVERS": f"{a},{b}", "CGX_PS_TOKEN_FILE": TOKEN_FILE}
         ok = cgx_ps("status", env=env)
         assert ok.returncode == 0, ok.stdout + ok.stderr

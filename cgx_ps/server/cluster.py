@@ -26,10 +26,10 @@ __all__ = ["LocalCluster", "launch_shard", "run_cluster", "shard_port", "wait_fo
 STARTUP_TIMEOUT_S = 240.0
 
 
-def shard_port(base: int, i: int) -> int:
-    """Shard ``i``'s port from a cluster's base port: base + i; 0 (a free port each) and -1 (off)
-    as they are."""
-    return base + i if base > 0 else base
+def shard_port(base: int | None, i: int) -> int | None:
+    """Shard ``i``'s port from a cluster's base port: base + i; 0 (a free port each), -1 (off) and
+    None (the shard's own default) as they are."""
+    return base + i if base is not None and base > 0 else base
 
 
 class LocalCluster:
@@ -44,7 +44,8 @@ class LocalCluster:
     def __init__(self, shards: int, host: str = "127.0.0.1", base_port: int = 0,
                  metrics_base_port: int = -1, extra_args: list[str] | None = None,
                  startup_timeout_s: float = STARTUP_TIMEOUT_S, log_dir: str | None = None,
-                 token_file: str | None = None, data_base_port: int = -1, health_base_port: int = -1) -> None:
+                 token_file: str | None = None, data_base_port: int | None = -1, health_base_port: int = -1
+                 ) -> None:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         self.shards, self.host, self.base_port = shards, host, base_port
@@ -97,18 +98,21 @@ class LocalCluster:
             self.health_ports.append(info.get("health_port", -1))
         return self
 
-    def _spawn(self, i: int, port: int, metrics_port: int, data_port: int, health_port: int
+    def _spawn(self, i: int, port: int, metrics_port: int, data_port: int | None, health_port: int
                ) -> tuple[subprocess.Popen, Path]:
         port_file = Path(self._tmp.name) / f"shard{i}.json"
         port_file.unlink(missing_ok=True)
         # every per-shard port on the command line: a CGX_PS_DATA_PORT or CGX_PS_HEALTH_PORT in
-        # the environment would otherwise give every shard the same one (extra_args still win)
+        # the environment would otherwise give every shard the same one (extra_args still win);
+        # data_port None: the shard's default (a free port, off under TLS: config.deployed_data_port),
+        # without a CGX_PS_DATA_PORT of the environment, which names one port for all of them
+        data = ["--data-port", str(data_port)] if data_port is not None else []
+        env = {k: v for k, v in os.environ.items() if k != "CGX_PS_DATA_PORT"} if data_port is None else None
         flags = ["--host", self.host, "--port", str(port), "--shard-index", str(i),
-                 "--num-shards", str(self.shards), "--metrics-port", str(metrics_port),
-                 "--data-port", str(data_port), "--health-port", str(health_port),
-                 "--token-file", self.token_file or "", *self.extra_args]
+                 "--num-shards", str(self.shards), "--metrics-port", str(metrics_port), *data,
+                 "--health-port", str(health_port), "--token-file", self.token_file or "", *self.extra_args]
         out = open(Path(self.log_dir) / f"shard{i}.log", "a") if self.log_dir else None  # a restart appends
-        return launch_shard(flags, port_file, stdout=out, stderr=subprocess.STDOUT if out else None), port_file
+        return launch_shard(flags, port_file, stdout=out, stderr=subprocess.STDOUT if out else None, env=env), port_file
 
     def restart(self, i: int) -> None:
         """Start shard ``i`` again on its port (as a StatefulSet restarts a pod on its address),
@@ -246,7 +250,7 @@ def _bases(args: argparse.Namespace) -> str:
     """The base ports shard i adds i to, as the flags that set them ("--base-port 7070, ...")."""
     bases = [("--base-port", args.base_port), ("--metrics-base-port", args.metrics_base_port),
              ("--data-base-port", args.data_base_port), ("--health-base-port", args.health_base_port)]
-    return ", ".join(f"{flag} {base}" for flag, base in bases if base > 0)
+    return ", ".join(f"{flag} {base}" for flag, base in bases if base is not None and base > 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,8 +18,8 @@ from ..timeline import ENV_PATH as TIMELINE_ENV, ENV_STEPS as TIMELINE_STEPS_ENV
 from ..transport import CHUNK_BYTES, GRPC_OPTIONS
 
 __all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "HEALTH_PORT_CALLS",
-           "MAX_SHARDS", "MIN_CONCURRENT_RPCS", "SETTINGS", "ServerConfig", "Setting", "flag_defaults",
-           "shard_flags"]
+           "MAX_SHARDS", "MIN_CONCURRENT_RPCS", "SETTINGS", "ServerConfig", "Setting", "deployed_data_port",
+           "flag_defaults", "shard_flags"]
 
 DEFAULT_PORT = 7070
 DEFAULT_METRICS_PORT = 9400  # a deployed shard serves metrics here unless told otherwise
@@ -66,7 +66,8 @@ class ServerConfig:
     # a plaintext port serving only the gRPC health service (for kubelet probes when TLS is on)
     health_port: int = -1
     # the raw data plane (server/dataplane.py): Exchange streams over plain TCP, token-checked;
-    # -1 off (the default: a second listener is a second attack surface), 0 a free port (tests)
+    # -1 off, 0 a free port. Off for a shard built in code (tests, embedding); a deployed shard
+    # (the CLI, from_env) opens it on a free port unless it serves TLS: deployed_data_port
     data_port: int = -1
     # where metrics listen; None: the same address as the gRPC port
     metrics_host: str | None = None
@@ -106,12 +107,12 @@ class ServerConfig:
         """The environment's settings over the defaults, then ``overrides`` (field values)."""
         values = flag_defaults(os.environ if env is None else env)
         fields = {name: _field_value(name, v) for name, v in values.items()}
-        return cls(**_deployed_metrics_port({**fields, **overrides}))
+        return cls(**_deployed_ports({**fields, **overrides}))
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> "ServerConfig":
         """From the CLI's parsed flags (``vars(args)``), whose defaults came from ``flag_defaults``."""
-        return cls(**_deployed_metrics_port({name: _field_value(name, flags[s.dest]) for name, s in SETTINGS.items()}))
+        return cls(**_deployed_ports({name: _field_value(name, flags[s.dest]) for name, s in SETTINGS.items()}))
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,10 @@ SETTINGS: dict[str, Setting] = {
                            "service, for probes that cannot speak TLS; -1 disables", int, per_shard=True,
                            bounds=_PORT_OR_OFF),
     "data_port": Setting("CGX_PS_DATA_PORT", "--data-port", "port of the raw data plane (Exchange streams over "
-                         "plain TCP, token-checked; workers use it under CGX_PS_DATAPLANE=auto|raw); -1 (default) "
-                         "off, 0 picks a free one; not with --tls-cert", int, per_shard=True,
-                         bounds=_PORT_OR_OFF),
+                         "plain TCP, token-checked like the gRPC port; advertised to workers at Register, used "
+                         "under their CGX_PS_DATAPLANE=auto|raw); 0 picks a free one, -1 turns it off; default: a "
+                         "free port, off with --tls-cert (which it cannot be used with)", int, per_shard=True,
+                         deployed="", bounds=_PORT_OR_OFF),
     "round_timeout_s": Setting("CGX_PS_ROUND_TIMEOUT", "--round-timeout",
                                "seconds a round may wait for its last node before it fails for everyone", float,
                                bounds=Bounds(0, _MAX_SECONDS, integer=False, above=True, unit="seconds")),
@@ -236,11 +238,24 @@ def shard_flags(flags: Mapping[str, Any], skip: tuple[str, ...] = ()) -> list[st
     return argv
 
 
-def _deployed_metrics_port(fields: dict[str, Any]) -> dict[str, Any]:
-    """A shard told no metrics port serves on 9400 + its index: shards started by hand on one
-    host (``cgx-ps server --shard-index i`` each) then do not collide."""
+def deployed_data_port(tls: bool) -> int:
+    """The raw data plane of a deployed shard told no --data-port: a free port (0), advertised to
+    the workers at Register, so that shards started by hand on one host cannot collide on it; off
+    (-1) under TLS, where the plaintext plane would undo the TLS and saves nothing (config check
+    below). The plane is the faster transport (BENCHMARKS.md: ≈ 1.2× the shard's MB per CPU-second,
+    less worker CPU per step), token-checked like the gRPC port, and a worker that cannot reach it
+    falls back to gRPC with one warning (worker/client.py), so it is on unless asked otherwise."""
+    return -1 if tls else 0
+
+
+def _deployed_ports(fields: dict[str, Any]) -> dict[str, Any]:
+    """Defaults of a deployed shard where they differ from one built in code. No metrics port:
+    9400 + its index, so shards started by hand on one host (``cgx-ps server --shard-index i``
+    each) do not collide. No data port: ``deployed_data_port``."""
     if fields.get("metrics_port") is None:
         fields["metrics_port"] = DEFAULT_METRICS_PORT + fields.get("shard_index", 0)
+    if fields.get("data_port") is None:
+        fields["data_port"] = deployed_data_port(bool(fields.get("tls_cert")))
     return fields
 
 

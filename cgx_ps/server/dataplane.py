@@ -1,5 +1,6 @@
-"""The raw data plane's listener: Exchange streams over plain TCP beside the gRPC port (off unless
-``--data-port`` is given; plaintext, token-authenticated, never with TLS).
+"""The raw data plane's listener: Exchange streams over plain TCP beside the gRPC port (a deployed
+shard's default: on a free port unless ``--data-port`` says otherwise, config.deployed_data_port;
+plaintext, token-authenticated, never with TLS).
 
 Why: Python gRPC costs the shard about a quarter of its CPU per round and the workers about 40%
 of theirs for pushes and results; a plain TCP stream read by an asyncio BufferedProtocol gets it

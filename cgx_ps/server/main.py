@@ -56,8 +56,18 @@ def exposure_warning(config: ServerConfig) -> str | None:
     """The one warning a shard open to the network without token or TLS logs at start."""
     if is_loopback(config.host) or config.token_file or config.tls_cert:
         return None
-    return (f"listening on {config.host} with neither --token-file nor --tls-cert: anyone who can reach this "
-            f"port can read the job's broadcasts and push gradients (docs/security.md)")
+    ports = "these ports (gRPC and the data plane)" if config.data_port >= 0 else "this port"
+    return (f"listening on {config.host} with neither --token-file nor --tls-cert: anyone who can reach {ports} "
+            f"can read the job's broadcasts and push gradients (docs/security.md)")
+
+
+def _data_port_words(server: "ShardServer") -> str:
+    """The data port as the start line names it: a free port picked for it says so (it is the
+    default: a firewall must let the workers reach it, or they use gRPC after one warning)."""
+    if server.dataplane is None:
+        return "off"
+    return f"{server.data_port}, a free one: --data-port chooses it, -1 turns it off" if server.config.data_port == 0 \
+        else str(server.data_port)
 
 
 class ShardServer:
@@ -145,8 +155,7 @@ class ShardServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (shard %d of %d, metrics port %d, data port %s)", host_port(self.config.host, self.port),
-                 self.config.shard_index, self.config.num_shards, self.metrics_port,
-                 self.data_port if self.dataplane is not None else "off")
+                 self.config.shard_index, self.config.num_shards, self.metrics_port, _data_port_words(self))
 
     async def stop(self, drain: bool = True) -> None:
         """NOT_SERVING, finish the rounds in flight (up to drain_timeout_s), then stop. Idempotent."""
