@@ -57,6 +57,10 @@ def first_difference(expected: ps_pb2.Layout, got: ps_pb2.Layout) -> str | None:
         if a.codec != b.codec:
             return (f"tensor {a.name!r}: codec {_settings_text(a.codec)} expected, "
                     f"got {_settings_text(b.codec)}")
+        if a.allow_non_finite != b.allow_non_finite:
+            return (f"tensor {a.name!r}: allow_non_finite={b.allow_non_finite}, the session's nodes passed "
+                    f"allow_non_finite={a.allow_non_finite}: every rank must pass the same (a NaN/Inf gradient "
+                    f"would end the step differently on each)")
     if len(expected.tensors) != len(got.tensors):
         n = min(len(expected.tensors), len(got.tensors))
         extra = (expected.tensors if len(expected.tensors) > n else got.tensors)[n].name

@@ -7,6 +7,7 @@ the job could only be restarted; the other rank's step waited out the round time
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from cgx_ps.server import LocalCluster
-from support import env_for
+from support import env_for, until
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/abandon_worker.py"
@@ -227,3 +228,30 @@ def test_a_backward_that_fails_after_a_non_finite_gradient_abandons_the_step_qui
     assert_same_params(one[0], one[1])
     reference = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--skip"])
     assert_same_params(one[0], reference[0])
+
+
+def test_ranks_that_differ_in_allow_non_finite_are_refused_at_start(cluster):
+    """allow_non_finite decides how a NaN/Inf ends the step (a non-finite step every scaler skips,
+    or StepAbandoned), so every rank must pass the same: the rank that registers second is refused
+    at start, naming the setting and both values. Before, both trained, each ready to end such a
+    step its own way."""
+    job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--steps", str(STEPS),
+                               *(["--allow-non-finite"] if r == 0 else [])], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=env_for(r, 2, cluster.addresses, **job))
+             for r in range(2)]
+    try:
+        # the refused rank exits; the other, registered, would wait for it at its first round
+        asyncio.run(until(lambda: any(proc.poll() is not None for proc in procs), 120, "a rank exiting"))
+        ended = next(proc for proc in procs if proc.poll() is not None)
+        _, stderr = ended.communicate()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert ended.returncode != 0, stderr[-3000:]
+    said = stderr.strip().splitlines()[-1]
+    assert "ShardRejectedError" in said, stderr[-3000:]
+    mine, theirs = ("True", "False") if ended is procs[0] else ("False", "True")
+    assert f"allow_non_finite={mine}, the session's nodes passed allow_non_finite={theirs}" in said, said

@@ -123,8 +123,14 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
             assert_same(flat[0], flat[1], f"{name}: rank 0 vs rank 1")
     r0 = results[0]
 
-    # the hook is the DistributedOptimizer's pipeline: the same layout, the same bits
-    assert r0["hook_4bit"]["layout"] == r0["optimizer_4bit"]["layout"]
+    # the hook is the DistributedOptimizer's pipeline: the same layout (but for allow_non_finite, on
+    # by default for the hook only), the same bits
+    hook_layout, optimizer_layout = (ps_pb2.Layout.FromString(r0[n]["layout"]) for n in ("hook_4bit", "optimizer_4bit"))
+    assert {t.allow_non_finite for t in hook_layout.tensors} == {True}
+    assert {t.allow_non_finite for t in optimizer_layout.tensors} == {False}
+    for t in hook_layout.tensors:
+        t.allow_non_finite = False
+    assert hook_layout == optimizer_layout
     layout = ps_pb2.Layout.FromString(r0["hook_4bit"]["layout"])
     assert len(layout.blocks) > 2 and {b.shard for b in layout.blocks} == {0, 1}
     assert_same(r0["hook_4bit"]["final"], r0["optimizer_4bit"]["final"], "hook vs DistributedOptimizer")
@@ -404,3 +410,26 @@ def test_bad_state_options_are_named_before_any_training():
         cgx.ddp_comm_hook(object(), None)
     with pytest.raises(cgx.CgxPsError, match="registers with the shards at the first backward"):
         _ = cgx.DDPHookState(model).stats
+
+
+def test_hook_without_allow_non_finite_a_nan_gradient_abandons_the_step_on_every_rank_at_once(tmp_path):
+    """The hook with allow_non_finite=False, rank 1's gradient NaN at step 1 (README, "Under DDP":
+    what each rank's backward raises). Rank 1's backward raises the codec's error naming the
+    tensor; it pushes the abandon marker for that block, so rank 0's backward raises StepAbandoned
+    at once (far below the 120 s round timeout), both through DDP's RuntimeError. Neither applies
+    the step, the loop catches and goes on: the later steps train, the replicas stay equal."""
+    with LocalCluster(2, extra_args=["--round-timeout", "120", "--log-level", "WARNING"]) as slow:
+        results = run_ddp_workers(slow, tmp_path, "--scenarios", "hook_nan", timeout=200)
+    runs = [r["hook_nan"] for r in results]
+    outcomes = [[o.rsplit(" (", 1)[0] for o in run["outcomes"]] for run in runs]
+    seconds = [float(run["outcomes"][1].rsplit(" (", 1)[1].split(" s)")[0]) for run in runs]
+    told, failed = outcomes[0][1], outcomes[1][1]
+    assert failed.startswith("RuntimeError: "), failed  # DDP's own wrapping of the hook's error
+    assert "CgxPsError: rank 1: cannot encode the gradient of " in failed and "2.weight" in failed, failed
+    assert "StepAbandoned: rank 0: step 1 was abandoned by another rank" in told, told
+    assert max(seconds) < 30, runs[0]["outcomes"]
+    for steps in outcomes:
+        assert [steps[0], *steps[2:]] == ["ok"] * 3, steps
+    for run in runs:
+        assert_same(run["before"][1], run["before"][2], "the abandoned step")  # applied nowhere
+    assert_same(runs[0]["final"], runs[1]["final"], "rank 0 vs rank 1")

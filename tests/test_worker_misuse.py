@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import cgx_ps.worker as cgx
+from cgx_ps.security import ChannelSecurity
 from cgx_ps.server import LocalCluster
+from cgx_ps.status import probe_all
+from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import runtime
 from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
 from support import env_for
@@ -132,3 +135,17 @@ def test_shards_listed_out_of_order_are_named(cluster):
     out = run(cluster, "frozen_after", servers=list(reversed(cluster.addresses)))
     assert "list the shards in index order" in out.get("error", ""), out
     assert "CGX_PS_SERVERS[0]=" in out["error"] and "is shard 1 of 2" in out["error"], out
+
+
+@pytest.mark.parametrize("order", [(1, 0), (0, 0)], ids=["reversed", "one shard twice"])
+def test_a_worker_refused_for_the_shards_order_leaves_no_session_behind(order):
+    """usertrial-s26 finding 14: refused only after registering, the worker left an idle session on
+    every shard it reached (shown by `cgx-ps status`; a restart with another node count or layout
+    under the same job id was then refused). The order is checked before anything registers."""
+    with LocalCluster(2, extra_args=["--log-level", "WARNING"]) as fresh:
+        out = run(fresh, "frozen_after", servers=[fresh.addresses[i] for i in order])
+        assert "list the shards in index order" in out.get("error", ""), out
+        states = [r.status.session_state for r in probe_all(fresh.addresses, ChannelSecurity(token_file=fresh.token_file))]
+        assert states == [ps_pb2.SESSION_STATE_NONE] * 2, states
+        out = run(fresh, "frozen_after")  # the corrected start trains at once
+        assert "error" not in out and out["after"] == out["before"], out

@@ -46,16 +46,18 @@ class CodecSettings(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., bits: _Optional[int] = ..., bucket_size: _Optional[int] = ..., stochastic: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "codec")
+    __slots__ = ("name", "shape", "dtype", "codec", "allow_non_finite")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     codec: CodecSettings
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ...) -> None: ...
+    allow_non_finite: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("tensor_index", "offset", "numel")

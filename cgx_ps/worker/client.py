@@ -124,6 +124,7 @@ class ShardClient(ConnectionSupervisor):
         self._raw_refused = False  # under auto, its first connect failed: gRPC for this client from then on
         self.registration: ps_pb2.RegisterResponse | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._connect_deadline = 0.0  # time.monotonic() by which connecting must have worked
         self._call = None
         self._reader: asyncio.Task | None = None
         self._write_lock = asyncio.Lock()
@@ -152,16 +153,43 @@ class ShardClient(ConnectionSupervisor):
 
     # ---- setup ----------------------------------------------------------------------------------
 
+    async def identify(self) -> ps_pb2.StatusResponse:
+        """Which shard this address is (its Status), asked before registering anywhere: a worker
+        that lists the shards out of order learns it while no shard holds a session for it
+        (registered, it would leave an idle session behind on every shard it reached). Retries
+        as ``connect`` does, within the same ``connect_timeout_s``."""
+        self._open_channel()
+        return await self._until_answered(lambda: self._stub().Status(
+            ps_pb2.StatusRequest(), timeout=10.0, wait_for_ready=False, metadata=self._metadata))
+
     async def connect(self) -> ps_pb2.RegisterResponse:
-        self._channel = self.security.aio_channel(self.address)
-        deadline = time.monotonic() + self.connect_timeout_s
+        self._open_channel()
+        await self._until_answered(lambda: self._register(resume=False, timeout=10.0))
+        async with self._write_lock:
+            try:
+                await self._open_stream()
+            except grpc.aio.AioRpcError as exc:  # CGX_PS_DATAPLANE=raw, and its port cannot be reached
+                raise ShardUnavailableError(f"shard {self.address}: {exc.details()} (CGX_PS_DATAPLANE=raw)") from None
+        self._supervise()
+        return self.registration
+
+    def _open_channel(self) -> None:
+        """The channel to the shard, and the deadline of connecting through it (set once: asking
+        for the shard's index first does not extend the wait for it)."""
+        if self._channel is None:
+            self._channel = self.security.aio_channel(self.address)
+            self._connect_deadline = time.monotonic() + self.connect_timeout_s
+
+    async def _until_answered(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """``call``'s answer, retried with backoff while the shard cannot be reached (or is busy
+        with another job) until the connect deadline; a refusal raises at once."""
+        deadline = self._connect_deadline
         delay = 0.1
         probed = False
         say_at = time.monotonic()  # when to say next that we still wait: at the first failure, then every so often
         while True:
             try:
-                await self._register(resume=False, timeout=10.0)
-                break
+                return await call()
             except grpc.aio.AioRpcError as exc:
                 fatal = connect_failure(self.address, exc.code(), exc.details() or "", self.security.tls)
                 if fatal is None and not probed and closed_while_connecting(exc.code(), exc.details() or ""):
@@ -182,13 +210,6 @@ class ShardClient(ConnectionSupervisor):
                         f"that the shard is running") from None
                 await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: nodes retry apart
                 delay = min(delay * 2, 2.0)
-        async with self._write_lock:
-            try:
-                await self._open_stream()
-            except grpc.aio.AioRpcError as exc:  # CGX_PS_DATAPLANE=raw, and its port cannot be reached
-                raise ShardUnavailableError(f"shard {self.address}: {exc.details()} (CGX_PS_DATAPLANE=raw)") from None
-        self._supervise()
-        return self.registration
 
     async def _register(self, resume: bool, timeout: float) -> None:
         # Rejoining, present the incarnation the shard counted for our start (admission.py), the

@@ -29,12 +29,22 @@ from .config import WorkerConfig
 from .errors import BroadcastError, CgxPsError, ConfigError
 from .joining import absent_nodes, nodes_joined, report_absent_nodes
 
-__all__ = ["CODEC_DRAIN_S", "CommEngine", "EngineShare"]
+__all__ = ["CODEC_DRAIN_S", "CommEngine", "EngineShare", "shard_order_problem"]
 
 log = logging.getLogger(__name__)
 # How long close() waits for codec calls in flight: a block's encode or decode takes milliseconds;
 # a call still running after this is stuck, not slow.
 CODEC_DRAIN_S = 10.0
+
+
+def shard_order_problem(position: int, address: str, shard_index: int, num_shards: int) -> str | None:
+    """Why CGX_PS_SERVERS[position] may not be the shard at ``address`` (which says it is shard
+    ``shard_index`` of ``num_shards``); None if it may. Blocks go to the shard at their owner's
+    position: a shard listed elsewhere would be sent blocks it does not own."""
+    if shard_index == position:
+        return None
+    return (f"CGX_PS_SERVERS[{position}]={address} is shard {shard_index} of {num_shards}: list the shards "
+            f"in index order on every worker")
 
 
 class CommEngine:
@@ -77,15 +87,24 @@ class CommEngine:
         for c in self.clients:
             c.on_error = self._one_shard_failed
 
+        async def identify_all() -> list[ps_pb2.StatusResponse]:
+            return await asyncio.gather(*[c.identify() for c in self.clients])
+
         async def connect_all() -> None:
             await asyncio.gather(*[c.connect() for c in self.clients])
 
+        # the order first: refused after registering, this worker would leave an idle session behind
+        for i, status in enumerate(self._call(identify_all())):
+            self._check_order(i, status.shard_index, status.num_shards)
         self._call(connect_all())
-        for i, c in enumerate(self.clients):
-            if c.registration.shard_index != i:
-                raise ConfigError(f"CGX_PS_SERVERS[{i}]={c.address} is shard {c.registration.shard_index} of "
-                                  f"{c.registration.num_shards}: list the shards in index order on every worker")
+        for i, c in enumerate(self.clients):  # a shard restarted in between with another index
+            self._check_order(i, c.registration.shard_index, c.registration.num_shards)
         self.round_timeout_s = max(c.registration.round_timeout_s for c in self.clients)
+
+    def _check_order(self, position: int, shard_index: int, num_shards: int) -> None:
+        problem = shard_order_problem(position, self.config.servers[position], shard_index, num_shards)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _one_shard_failed(self, failed: ShardClient, error: CgxPsError) -> None:
         """A shard's connection ended the job (not back within the recovery timeout, a failed

@@ -109,7 +109,9 @@ class TensorInfo:
 
 
 def build_layout(tensors: Iterable[TensorInfo], num_shards: int, compression: Compression | None = None,
-                 block_bytes: int = DEFAULT_BLOCK_BYTES) -> ps_pb2.Layout:
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, allow_non_finite: bool = False) -> ps_pb2.Layout:
+    """The blocks ``tensors`` travel in. ``allow_non_finite`` is declared with every tensor, so
+    that the shards refuse a node (or local rank) that passed another value than the session's."""
     if num_shards < 1:
         raise ConfigError(f"a layout needs at least one shard, got num_shards={num_shards}")
     compression = compression or Compression()
@@ -117,7 +119,7 @@ def build_layout(tensors: Iterable[TensorInfo], num_shards: int, compression: Co
     layout = ps_pb2.Layout(num_shards=num_shards)
     for t in infos:
         layout.tensors.add(name=t.name, shape=list(t.shape), dtype=t.dtype,
-                           codec=compression.settings_for(t.name, t.shape))
+                           codec=compression.settings_for(t.name, t.shape), allow_non_finite=allow_non_finite)
     block_numel = max(1, block_bytes // 4)
     groups: dict[bytes, list[int]] = {}
     for i, spec in enumerate(layout.tensors):

@@ -115,7 +115,7 @@ class BlockPipeline:
         one session: the process's one engine carries them all."""
         num_shards = len(current_config().servers)
         layouts = [build_layout([TensorInfo.of(n, t) for n, t in spec.named_tensors], num_shards, spec.compression,
-                                spec.block_bytes) for spec in specs]
+                                spec.block_bytes, bool(spec.options.get("allow_non_finite", False))) for spec in specs]
         engines, config = engines_for_layouts(layouts)
         return [cls(layout, engine, config, {n: t.device for n, t in spec.named_tensors}, **spec.options)
                 for layout, engine, spec in zip(layouts, engines, specs)]

@@ -478,11 +478,11 @@ def gan_run(rank: int, steps: int = 2) -> dict:
             "layouts": [g_state.layout.SerializeToString(), d_state.layout.SerializeToString()]}
 
 
-def _inject_inf(model: torch.nn.Module, name: str) -> torch.utils.hooks.RemovableHandle:
+def _inject_inf(model: torch.nn.Module, name: str, value: float = float("inf")) -> torch.utils.hooks.RemovableHandle:
     """Overflow one element of one parameter's gradient (before DDP or cgx-ps sees it)."""
     def poison(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
-        grad.view(-1)[5] = float("inf")
+        grad.view(-1)[5] = value
         return grad
 
     return dict(model.named_parameters())[name].register_hook(poison)
@@ -526,6 +526,35 @@ def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1, u
         after = _snapshot(model)
         changed.append(any(not torch.equal(before[n], after[n]) for n in after))
     return {"final": _snapshot(model), "scales": scales, "changed": changed, "paths": paths}
+
+
+def hook_nan_run(rank: int, steps: int = 4, nan_step: int = 1) -> dict:
+    """The hook with ``allow_non_finite=False``; at ``nan_step`` rank 1's gradient of 2.weight is
+    NaN. Each step's outcome on this rank (with its seconds), and the parameters before each step
+    and at the end: what a loop that catches the error and goes on sees."""
+    model = _model()
+    ddp = _ddp(model, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(cgx.DDPHookState(ddp, compression="4bit", block_bytes=BLOCK_BYTES,
+                                            allow_non_finite=False), cgx.ddp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    named = list(model.named_parameters())
+    outcomes, before = [], []
+    for step in range(steps):
+        before.append(_snapshot(model))
+        handle = _inject_inf(model, "2.weight", float("nan")) if step == nan_step and rank == 1 else None
+        t0 = time.monotonic()
+        try:
+            opt.zero_grad()
+            _loss(ddp, named, rank, step).backward()
+            opt.step()
+            outcomes.append("ok")
+        except Exception as exc:  # noqa: BLE001 - recorded for the parent test
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            if handle is not None:
+                handle.remove()
+        outcomes[-1] += f" ({time.monotonic() - t0:.1f} s)"
+    return {"outcomes": outcomes, "before": before, "final": _snapshot(model)}
 
 
 def bf16_run(rank: int, steps: int = 3, overflow_step: int = 1) -> dict:
@@ -609,6 +638,7 @@ ON_REQUEST = {
     "hook_auto_probe": hook_auto_probe_run,
     "hook_auto_scaled": hook_auto_scaled_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
+    "hook_nan": hook_nan_run,
 }
 
 
