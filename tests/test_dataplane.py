@@ -219,6 +219,32 @@ async def test_auto_falls_back_to_grpc_once_and_raw_insists(start_shard, caplog)
         await _members(plain, 1, plane="raw")
 
 
+@contextlib.contextmanager
+def _unanswered_port():
+    """A port whose connects hang, as behind a firewall that drops packets: a listener with a
+    backlog of none, whose one queued connection is never accepted (the kernel drops the SYNs
+    after it)."""
+    with socket.socket() as listener, socket.socket() as queued:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        queued.connect(listener.getsockname())
+        yield listener.getsockname()[1]
+
+
+async def test_a_data_port_that_drops_packets_is_given_up_after_the_connect_timeout_saying_so() -> None:
+    """Under auto, a worker waits this long once per shard, then takes gRPC with one warning: the
+    warning must say why (the timeout's own error has no text: it read "data plane host:port: ")."""
+    with _unanswered_port() as port:
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await RawCall.open("127.0.0.1", port, TOKEN, read_result, connect_timeout_s=0.5)
+        took = time.monotonic() - started
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert raised.value.details() == (f"data plane 127.0.0.1:{port}: no answer within 0.5s (packets to the port "
+                                      f"dropped: a firewall or NetworkPolicy?)"), raised.value.details()
+    assert 0.5 <= took < 5.0, took
+
+
 async def test_frame_layer_fuzz_ends_every_connection_cleanly_and_the_members_train_on(shard, caplog) -> None:
     shard.dataplane.first_frame_timeout_s = shard.dataplane.frame_timeout_s = 0.5
     members = await _members(shard, 2)
