@@ -187,6 +187,11 @@ async def test_streams_past_the_cap_are_refused(start_shard) -> None:
         code, details = await _ending(reader, 2.0)
         assert code == "RESOURCE_EXHAUSTED" and "the cap" in details  # as gRPC refuses a call past it
         writer.close()
+        # without the token: the token is checked first, so a stranger learns nothing of the cap
+        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+        writer.write(_frame(preface(b"not-the-job-token")))
+        assert (await _ending(reader, 2.0))[0] == "UNAUTHENTICATED"
+        writer.close()
         held.pop()[1].close()  # one leaves: there is room again
         await _until(lambda: len(shard.dataplane.connections) == 7)
         reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)

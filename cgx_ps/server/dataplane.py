@@ -21,7 +21,8 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
   each frame until the service asks for the next, so a stream holds at most one unread frame and
   the push budget's backpressure reaches TCP;
 - at most ``max_connections`` streams (the gRPC port's --max-concurrent-rpcs: one past it is
-  refused, RESOURCE_EXHAUSTED, as gRPC refuses a call past it), and at most ``max_pending``
+  refused, RESOURCE_EXHAUSTED, as gRPC refuses a call past it; counted once the gate has passed
+  the token, so a client without it is told UNAUTHENTICATED, not how full the cap is), and at most ``max_pending``
   connections that have not yet sent their preface (so before the token): one more closes the
   oldest of them. A client without the token cannot fill the cap members need (on the gRPC port
   it holds no call slot at all); to push an honest client out it must open ``max_pending``
@@ -322,11 +323,10 @@ class DataPlane:
             preface = parse_preface(frame[1])
             if preface.problem:
                 raise BadRequest(preface.problem)
-            self.promote(connection)
             context = _PlaneContext(connection, preface.token)
-            await self.gate.run("Exchange", context, lambda: self.service.Exchange(context, plane="raw"))
+            await self.gate.run("Exchange", context, lambda: self._stream(connection, context))
             await context.end(grpc.StatusCode.OK)
-        except ProtocolError as exc:  # the preface's refusals (the gate maps everything after it)
+        except ProtocolError as exc:  # the preface's refusals (the gate maps everything after it, the cap too)
             self.gate.log.warning("refused:dataplane", "data plane connection from %s refused: %s", connection.peer,
                                   exc.message)
             await _quietly(_PlaneContext(connection, b"").end(*grpc_status(exc)))
@@ -334,6 +334,12 @@ class DataPlane:
             pass  # the stream's status went out, or the peer is gone
         finally:
             connection.close(linger_s=self.frame_timeout_s)
+
+    async def _stream(self, connection: _Connection, context: _PlaneContext) -> None:
+        """The Exchange stream, once the gate has passed the token: a client without it is told
+        UNAUTHENTICATED, never how full the cap is, and holds no place under it."""
+        self.promote(connection)
+        await self.service.Exchange(context, plane="raw")
 
     def stop_accepting(self) -> None:
         """No new connections; those open go on (their rounds finish in the drain)."""
