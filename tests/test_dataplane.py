@@ -490,6 +490,25 @@ async def test_the_raw_stream_tries_every_address_of_the_shards_name(shard: Shar
         call.cancel()
 
 
+async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(start_shard) -> None:
+    """--host :: (docs/deploy.md's advice for IPv6 clusters): gRPC's port takes IPv4 connections
+    too, so the data plane must, or a dual-stack cluster's IPv4 workers get gRPC only (auto, after a
+    warning) or fail (raw)."""
+    shard = await start_shard(host="::")
+    members = [ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=5, security=SECURITY,
+                           dataplane="raw")]
+    try:
+        await members[0].connect()
+        _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
+        reader, writer = await asyncio.open_connection("::1", shard.data_port)  # and IPv6, as before
+        writer.write(_frame(preface(b"not-the-job-token")))
+        assert (await _ending(reader))[0] == "UNAUTHENTICATED"
+        writer.close()
+    finally:
+        await close(members)
+
+
 async def test_the_metrics_count_open_streams_by_plane(start_shard) -> None:
     """An operator sees which plane the workers use: cgx_ps_exchange_streams{plane} counts the
     streams open on each, both series there from the start, and each falls back when its

@@ -37,6 +37,8 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 from typing import Any
 
 import grpc
@@ -276,7 +278,11 @@ class DataPlane:
         """Listen; the port bound (``port`` 0: a free one)."""
         loop = asyncio.get_running_loop()
         try:
-            self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
+            if _serves_ipv4_too(host):
+                sock = socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=True)
+                self._server = await loop.create_server(lambda: _Connection(self), sock=sock)
+            else:
+                self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
         except OSError as exc:
             raise OSError(f"cannot bind the data plane to {host_port(host, port)}: {exc.strerror}; choose another "
                           f"--data-port") from None
@@ -359,6 +365,17 @@ class DataPlane:
                 connection.transport.abort()
         self.connections.clear()
         self.pending.clear()
+
+
+def _serves_ipv4_too(host: str) -> bool:
+    """Must a listener on ``host`` take IPv4 connections on an IPv6 socket? For "::" (every
+    address), yes: gRPC's port on it does (IPV6_V6ONLY off), and asyncio's own listener would not
+    (it sets IPV6_V6ONLY on every IPv6 socket), so a dual-stack shard's IPv4 workers would find
+    its data port refused."""
+    try:
+        return ipaddress.ip_address(host) == ipaddress.IPv6Address("::") and socket.has_dualstack_ipv6()
+    except ValueError:  # a name, not an address
+        return False
 
 
 async def _quietly(write: Any) -> None:
