@@ -33,6 +33,7 @@ from cgx_ps.layout import layout_hash
 from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
 from cgx_ps.security import ChannelSecurity, read_token
 from cgx_ps.server import LocalCluster, ShardServer
+from cgx_ps.server.dataplane import DataPlane
 from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
@@ -507,6 +508,35 @@ async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(s
         writer.close()
     finally:
         await close(members)
+
+
+async def test_a_name_of_several_addresses_gets_one_data_port_on_all_of_them(shard: ShardServer,
+                                                                             monkeypatch) -> None:
+    """Port 0 on a name with an IPv4 and an IPv6 address (localhost where /etc/hosts lists ::1 too):
+    asyncio bound each to a free port of its own and one was advertised, so a worker naming the
+    other address was refused (or gave its token to another program on that port)."""
+    loop = asyncio.get_running_loop()
+    resolve = loop.getaddrinfo
+
+    async def dual_stack_name(host, port, **kwargs):
+        if host != "dual.invalid":
+            return await resolve(host, port, **kwargs)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", dual_stack_name)
+    plane = DataPlane(shard.service, shard.dataplane.gate, max_connections=8)
+    port = await plane.start("dual.invalid", 0)
+    try:
+        assert {sock.getsockname()[1] for sock in plane._server.sockets} == {port}
+        assert len(plane._server.sockets) == 2
+        for address in ("127.0.0.1", "::1"):
+            reader, writer = await asyncio.open_connection(address, port)
+            writer.write(_frame(preface(b"not-the-job-token")))
+            assert (await _ending(reader))[0] == "UNAUTHENTICATED", address
+            writer.close()
+    finally:
+        await plane.close()
 
 
 async def test_the_metrics_count_open_streams_by_plane(start_shard) -> None:

@@ -275,19 +275,29 @@ class DataPlane:
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
-        """Listen; the port bound (``port`` 0: a free one)."""
-        loop = asyncio.get_running_loop()
+        """Listen; the port bound (``port`` 0: a free one, the same on every address of ``host``)."""
         try:
-            if _serves_ipv4_too(host):
-                sock = socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=True)
-                self._server = await loop.create_server(lambda: _Connection(self), sock=sock)
-            else:
-                self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
+            self._server = await self._listen(host, port)
+            ports = [sock.getsockname()[1] for sock in self._server.sockets]
+            if len(set(ports)) > 1:
+                # port 0 on a name of several addresses (localhost: 127.0.0.1 and ::1): asyncio gives
+                # each its own free port, and only one is advertised, so a worker reaching the name by
+                # another address would be refused, or hand its token to whatever listens there.
+                # gRPC's port is one port on all of them: so is this one.
+                self._server.close()
+                self._server = await self._listen(host, ports[0])
         except OSError as exc:
             raise OSError(f"cannot bind the data plane to {host_port(host, port)}: {exc.strerror}; choose another "
                           f"--data-port") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    async def _listen(self, host: str, port: int) -> asyncio.Server:
+        loop = asyncio.get_running_loop()
+        if _serves_ipv4_too(host):
+            sock = socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=True)
+            return await loop.create_server(lambda: _Connection(self), sock=sock)
+        return await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
 
     def admit(self, connection: _Connection) -> bool:
         """A new connection, before a byte of it is read: it waits for its preface among the
