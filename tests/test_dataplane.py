@@ -33,7 +33,7 @@ from cgx_ps.layout import layout_hash
 from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
 from cgx_ps.security import ChannelSecurity, read_token
 from cgx_ps.server import LocalCluster, ShardServer
-from cgx_ps.server.dataplane import DataPlane
+from cgx_ps.server.dataplane import DataPlane, peer_name
 from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
@@ -491,7 +491,7 @@ async def test_the_raw_stream_tries_every_address_of_the_shards_name(shard: Shar
         call.cancel()
 
 
-async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(start_shard) -> None:
+async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(start_shard, caplog) -> None:
     """--host :: (docs/deploy.md's advice for IPv6 clusters): gRPC's port takes IPv4 connections
     too, so the data plane must, or a dual-stack cluster's IPv4 workers get gRPC only (auto, after a
     warning) or fail (raw)."""
@@ -502,12 +502,27 @@ async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(s
         await members[0].connect()
         _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
         assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
-        reader, writer = await asyncio.open_connection("::1", shard.data_port)  # and IPv6, as before
-        writer.write(_frame(preface(b"not-the-job-token")))
-        assert (await _ending(reader))[0] == "UNAUTHENTICATED"
-        writer.close()
+        caplog.set_level("WARNING", logger="cgx_ps.server.rpc")
+        for address, named in (("::1", "ipv6:[::1]:"), ("127.0.0.1", "ipv4:127.0.0.1:")):  # and IPv6, as before
+            reader, writer = await asyncio.open_connection(address, shard.data_port)
+            writer.write(_frame(preface(b"not-the-job-token")))
+            assert (await _ending(reader))[0] == "UNAUTHENTICATED"
+            writer.close()
+            # the log names an IPv4 client as the gRPC port's lines do, not as ipv6:::ffff:127.0.0.1
+            assert any(f"from {named}" in r.getMessage() for r in caplog.records), named
     finally:
         await close(members)
+
+
+@pytest.mark.parametrize("peername, name", [
+    (("10.0.0.5", 41234), "ipv4:10.0.0.5:41234"),
+    (("::ffff:10.0.0.5", 41234, 0, 0), "ipv4:10.0.0.5:41234"),  # an IPv4 client of the socket on ::
+    (("fd00::5", 41234, 0, 0), "ipv6:[fd00::5]:41234"),
+    (("fe80::1%eth0", 41234, 0, 2), "ipv6:[fe80::1]:41234"),
+    (None, "unknown"),
+])
+def test_peers_are_named_as_grpc_names_them(peername, name) -> None:
+    assert peer_name(peername) == name
 
 
 async def test_a_name_of_several_addresses_gets_one_data_port_on_all_of_them(shard: ShardServer,

@@ -52,7 +52,7 @@ from .errors import BadRequest, LimitExceeded, ProtocolError, TimedOut
 from .rpc import Gate, clip, grpc_status
 from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 
-__all__ = ["DataPlane", "FRAME_TIMEOUT_S"]
+__all__ = ["DataPlane", "FRAME_TIMEOUT_S", "peer_name"]
 
 FRAME_TIMEOUT_S = 30.0  # from a frame's first byte to its last: 8 MiB at under 300 kB/s is cut off
 _SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
@@ -85,8 +85,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        host, port = (transport.get_extra_info("peername") or ("unknown", 0))[:2]
-        self.peer = f"ipv{6 if ':' in str(host) else 4}:{host}:{port}"
+        self.peer = peer_name(transport.get_extra_info("peername"))
         if not self.plane.admit(self):
             transport.abort()  # past the cap: closed before a byte is read
             return
@@ -375,6 +374,19 @@ class DataPlane:
                 connection.transport.abort()
         self.connections.clear()
         self.pending.clear()
+
+
+def peer_name(peername: Any) -> str:
+    """A client as the gRPC port's log lines name it: ipv4:10.0.0.5:41234, and an IPv4 client of
+    the dual-stack socket on ``::`` so too (not ipv6:::ffff:10.0.0.5:41234), so that one client
+    reads the same on both ports; ipv6:[fd00::5]:41234 (gRPC escapes the brackets: %5B, %5D)."""
+    try:
+        address, port = ipaddress.ip_address(peername[0].split("%")[0]), peername[1]
+    except (TypeError, IndexError, ValueError):  # no address (the socket is gone already)
+        return "unknown"
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return f"ipv{address.version}:{host_port(str(address), port)}"
 
 
 def _serves_ipv4_too(host: str) -> bool:
