@@ -33,6 +33,7 @@ from cgx_ps.layout import layout_hash
 from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
 from cgx_ps.security import ChannelSecurity, read_token
 from cgx_ps.server import LocalCluster, ShardServer
+from cgx_ps.server.dataplane import DataPlane, peer_name
 from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
@@ -187,6 +188,11 @@ async def test_streams_past_the_cap_are_refused(start_shard) -> None:
         code, details = await _ending(reader, 2.0)
         assert code == "RESOURCE_EXHAUSTED" and "the cap" in details  # as gRPC refuses a call past it
         writer.close()
+        # without the token: the token is checked first, so a stranger learns nothing of the cap
+        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+        writer.write(_frame(preface(b"not-the-job-token")))
+        assert (await _ending(reader, 2.0))[0] == "UNAUTHENTICATED"
+        writer.close()
         held.pop()[1].close()  # one leaves: there is room again
         await _until(lambda: len(shard.dataplane.connections) == 7)
         reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
@@ -217,6 +223,32 @@ async def test_auto_falls_back_to_grpc_once_and_raw_insists(start_shard, caplog)
     plain = await start_shard(data_port=-1)
     with pytest.raises(ConfigError, match=f"shard 127.0.0.1:{plain.port} advertises no data port"):
         await _members(plain, 1, plane="raw")
+
+
+@contextlib.contextmanager
+def _unanswered_port():
+    """A port whose connects hang, as behind a firewall that drops packets: a listener with a
+    backlog of none, whose one queued connection is never accepted (the kernel drops the SYNs
+    after it)."""
+    with socket.socket() as listener, socket.socket() as queued:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        queued.connect(listener.getsockname())
+        yield listener.getsockname()[1]
+
+
+async def test_a_data_port_that_drops_packets_is_given_up_after_the_connect_timeout_saying_so() -> None:
+    """Under auto, a worker waits this long once per shard, then takes gRPC with one warning: the
+    warning must say why (the timeout's own error has no text: it read "data plane host:port: ")."""
+    with _unanswered_port() as port:
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await RawCall.open("127.0.0.1", port, TOKEN, read_result, connect_timeout_s=0.5)
+        took = time.monotonic() - started
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert raised.value.details() == (f"data plane 127.0.0.1:{port}: no answer within 0.5s (packets to the port "
+                                      f"dropped: a firewall or NetworkPolicy?)"), raised.value.details()
+    assert 0.5 <= took < 5.0, took
 
 
 async def test_frame_layer_fuzz_ends_every_connection_cleanly_and_the_members_train_on(shard, caplog) -> None:
@@ -483,6 +515,69 @@ async def test_the_raw_stream_tries_every_address_of_the_shards_name(shard: Shar
         await _until(lambda: len(shard.dataplane.connections) == 1 and not shard.dataplane.pending)
     finally:
         call.cancel()
+
+
+async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(start_shard, caplog) -> None:
+    """--host :: (docs/deploy.md's advice for IPv6 clusters): gRPC's port takes IPv4 connections
+    too, so the data plane must, or a dual-stack cluster's IPv4 workers get gRPC only (auto, after a
+    warning) or fail (raw)."""
+    shard = await start_shard(host="::")
+    members = [ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=5, security=SECURITY,
+                           dataplane="raw")]
+    try:
+        await members[0].connect()
+        _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
+        caplog.set_level("WARNING", logger="cgx_ps.server.rpc")
+        for address, named in (("::1", "ipv6:[::1]:"), ("127.0.0.1", "ipv4:127.0.0.1:")):  # and IPv6, as before
+            reader, writer = await asyncio.open_connection(address, shard.data_port)
+            writer.write(_frame(preface(b"not-the-job-token")))
+            assert (await _ending(reader))[0] == "UNAUTHENTICATED"
+            writer.close()
+            # the log names an IPv4 client as the gRPC port's lines do, not as ipv6:::ffff:127.0.0.1
+            assert any(f"from {named}" in r.getMessage() for r in caplog.records), named
+    finally:
+        await close(members)
+
+
+@pytest.mark.parametrize("peername, name", [
+    (("10.0.0.5", 41234), "ipv4:10.0.0.5:41234"),
+    (("::ffff:10.0.0.5", 41234, 0, 0), "ipv4:10.0.0.5:41234"),  # an IPv4 client of the socket on ::
+    (("fd00::5", 41234, 0, 0), "ipv6:[fd00::5]:41234"),
+    (("fe80::1%eth0", 41234, 0, 2), "ipv6:[fe80::1]:41234"),
+    (None, "unknown"),
+])
+def test_peers_are_named_as_grpc_names_them(peername, name) -> None:
+    assert peer_name(peername) == name
+
+
+async def test_a_name_of_several_addresses_gets_one_data_port_on_all_of_them(shard: ShardServer,
+                                                                             monkeypatch) -> None:
+    """Port 0 on a name with an IPv4 and an IPv6 address (localhost where /etc/hosts lists ::1 too):
+    asyncio bound each to a free port of its own and one was advertised, so a worker naming the
+    other address was refused (or gave its token to another program on that port)."""
+    loop = asyncio.get_running_loop()
+    resolve = loop.getaddrinfo
+
+    async def dual_stack_name(host, port, **kwargs):
+        if host != "dual.invalid":
+            return await resolve(host, port, **kwargs)
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", dual_stack_name)
+    plane = DataPlane(shard.service, shard.dataplane.gate, max_connections=8)
+    port = await plane.start("dual.invalid", 0)
+    try:
+        assert {sock.getsockname()[1] for sock in plane._server.sockets} == {port}
+        assert len(plane._server.sockets) == 2
+        for address in ("127.0.0.1", "::1"):
+            reader, writer = await asyncio.open_connection(address, port)
+            writer.write(_frame(preface(b"not-the-job-token")))
+            assert (await _ending(reader))[0] == "UNAUTHENTICATED", address
+            writer.close()
+    finally:
+        await plane.close()
 
 
 async def test_the_metrics_count_open_streams_by_plane(start_shard) -> None:

@@ -22,7 +22,8 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
   each frame until the service asks for the next, so a stream holds at most one unread frame and
   the push budget's backpressure reaches TCP;
 - at most ``max_connections`` streams (the gRPC port's --max-concurrent-rpcs: one past it is
-  refused, RESOURCE_EXHAUSTED, as gRPC refuses a call past it), and at most ``max_pending``
+  refused, RESOURCE_EXHAUSTED, as gRPC refuses a call past it; counted once the gate has passed
+  the token, so a client without it is told UNAUTHENTICATED, not how full the cap is), and at most ``max_pending``
   connections that have not yet sent their preface (so before the token): one more closes the
   oldest of them. A client without the token cannot fill the cap members need (on the gRPC port
   it holds no call slot at all); to push an honest client out it must open ``max_pending``
@@ -37,6 +38,8 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 from typing import Any
 
 import grpc
@@ -50,7 +53,7 @@ from .errors import BadRequest, LimitExceeded, ProtocolError, TimedOut
 from .rpc import Gate, clip, grpc_status
 from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 
-__all__ = ["DataPlane", "FRAME_TIMEOUT_S"]
+__all__ = ["DataPlane", "FRAME_TIMEOUT_S", "peer_name"]
 
 FRAME_TIMEOUT_S = 30.0  # from a frame's first byte to its last: 8 MiB at under 300 kB/s is cut off
 _SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
@@ -83,8 +86,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        host, port = (transport.get_extra_info("peername") or ("unknown", 0))[:2]
-        self.peer = f"ipv{6 if ':' in str(host) else 4}:{host}:{port}"
+        self.peer = peer_name(transport.get_extra_info("peername"))
         if not self.plane.admit(self):
             transport.abort()  # past the cap: closed before a byte is read
             return
@@ -273,15 +275,29 @@ class DataPlane:
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
-        """Listen; the port bound (``port`` 0: a free one)."""
-        loop = asyncio.get_running_loop()
+        """Listen; the port bound (``port`` 0: a free one, the same on every address of ``host``)."""
         try:
-            self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
+            self._server = await self._listen(host, port)
+            ports = [sock.getsockname()[1] for sock in self._server.sockets]
+            if len(set(ports)) > 1:
+                # port 0 on a name of several addresses (localhost: 127.0.0.1 and ::1): asyncio gives
+                # each its own free port, and only one is advertised, so a worker reaching the name by
+                # another address would be refused, or hand its token to whatever listens there.
+                # gRPC's port is one port on all of them: so is this one.
+                self._server.close()
+                self._server = await self._listen(host, ports[0])
         except OSError as exc:
             raise OSError(f"cannot bind the data plane to {host_port(host, port)}: {exc.strerror}; choose another "
                           f"--data-port") from None
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
+
+    async def _listen(self, host: str, port: int) -> asyncio.Server:
+        loop = asyncio.get_running_loop()
+        if _serves_ipv4_too(host):
+            sock = socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=True)
+            return await loop.create_server(lambda: _Connection(self), sock=sock)
+        return await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
 
     def admit(self, connection: _Connection) -> bool:
         """A new connection, before a byte of it is read: it waits for its preface among the
@@ -323,11 +339,10 @@ class DataPlane:
             preface = parse_preface(frame[1])
             if preface.problem:
                 raise BadRequest(preface.problem)
-            self.promote(connection)
             context = _PlaneContext(connection, preface.token)
-            await self.gate.run("Exchange", context, lambda: self.service.Exchange(context, plane="raw"))
+            await self.gate.run("Exchange", context, lambda: self._stream(connection, context))
             await context.end(grpc.StatusCode.OK)
-        except ProtocolError as exc:  # the preface's refusals (the gate maps everything after it)
+        except ProtocolError as exc:  # the preface's refusals (the gate maps everything after it, the cap too)
             self.gate.log.warning("refused:dataplane", "data plane connection from %s refused: %s", connection.peer,
                                   exc.message)
             await _quietly(_PlaneContext(connection, b"").end(*grpc_status(exc)))
@@ -335,6 +350,12 @@ class DataPlane:
             pass  # the stream's status went out, or the peer is gone
         finally:
             connection.close(linger_s=self.frame_timeout_s)
+
+    async def _stream(self, connection: _Connection, context: _PlaneContext) -> None:
+        """The Exchange stream, once the gate has passed the token: a client without it is told
+        UNAUTHENTICATED, never how full the cap is, and holds no place under it."""
+        self.promote(connection)
+        await self.service.Exchange(context, plane="raw")
 
     def stop_accepting(self) -> None:
         """No new connections; those open go on (their rounds finish in the drain)."""
@@ -354,6 +375,30 @@ class DataPlane:
                 connection.transport.abort()
         self.connections.clear()
         self.pending.clear()
+
+
+def peer_name(peername: Any) -> str:
+    """A client as the gRPC port's log lines name it: ipv4:10.0.0.5:41234, and an IPv4 client of
+    the dual-stack socket on ``::`` so too (not ipv6:::ffff:10.0.0.5:41234), so that one client
+    reads the same on both ports; ipv6:[fd00::5]:41234 (gRPC escapes the brackets: %5B, %5D)."""
+    try:
+        address, port = ipaddress.ip_address(peername[0].split("%")[0]), peername[1]
+    except (TypeError, IndexError, ValueError):  # no address (the socket is gone already)
+        return "unknown"
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return f"ipv{address.version}:{host_port(str(address), port)}"
+
+
+def _serves_ipv4_too(host: str) -> bool:
+    """Must a listener on ``host`` take IPv4 connections on an IPv6 socket? For "::" (every
+    address), yes: gRPC's port on it does (IPV6_V6ONLY off), and asyncio's own listener would not
+    (it sets IPV6_V6ONLY on every IPv6 socket), so a dual-stack shard's IPv4 workers would find
+    its data port refused."""
+    try:
+        return ipaddress.ip_address(host) == ipaddress.IPv6Address("::") and socket.has_dualstack_ipv6()
+    except ValueError:  # a name, not an address
+        return False
 
 
 async def _quietly(write: Any) -> None:

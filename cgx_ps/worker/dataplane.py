@@ -149,6 +149,15 @@ async def _connect(host: str, port: int) -> socket.socket:
     raise error
 
 
+def _connect_problem(error: OSError, timeout_s: float) -> str:
+    """Why a data plane connection failed, as the one warning line says it: the timeout's own
+    error has no message (the line read "data plane host:port: "), and a port that never
+    answers is what a firewall dropping its packets looks like."""
+    if isinstance(error, TimeoutError) and not str(error):
+        return f"no answer within {timeout_s:g}s (packets to the port dropped: a firewall or NetworkPolicy?)"
+    return str(error) or type(error).__name__
+
+
 class RawCall:
     """One Exchange stream over a data plane connection, as ShardClient uses a grpc.aio call."""
 
@@ -169,10 +178,10 @@ class RawCall:
             set_stream_options(sock)
             call = cls(_FrameSocket(sock), read_message)
             await call._frames.write(preface(token))
-        except (OSError, TimeoutError) as exc:
+        except OSError as exc:  # TimeoutError among them
             if sock is not None:
                 sock.close()
-            raise _unavailable(f"data plane {host_port(host, port)}: {exc or type(exc).__name__}") from None
+            raise _unavailable(f"data plane {host_port(host, port)}: {_connect_problem(exc, connect_timeout_s)}") from None
         return call
 
     async def write(self, frame: Any) -> None:
