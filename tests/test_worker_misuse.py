@@ -41,6 +41,11 @@ def run(cluster, scenario: str, servers: list[str] | None = None) -> dict:
 
 @pytest.mark.parametrize("scenario, error", [
     ("unnamed", "ConfigError: the optimizer holds 1 trainable tensor(s) not in named_parameters"),
+    # usertrial-s27 finding 2: a group added after wrapping trained apart on each rank, silently
+    ("added_later", "ConfigError: add_param_group after wrapping: 2 trainable tensor(s) that the DistributedOptimizer "
+                    "does not synchronize"),
+    ("added_frozen_then_thawed", "CgxPsError: 2 tensor(s) were frozen (requires_grad=False) when the "
+                                 "DistributedOptimizer was created"),
     ("thawed", "CgxPsError: 1 tensor(s) were frozen (requires_grad=False) when the DistributedOptimizer was created"),
     ("extra_pass", "gradient computed 2 times before step(), but backward_passes_per_step=1"),
     ("nan", "CgxPsError: rank 0: cannot encode the gradient of"),

@@ -10,6 +10,11 @@ per GPU/CPU worker; DDP needs its own process group, which torchrun's rendezvous
 
 ``--plain-ddp`` trains the same model with DDP's own allreduce, for comparison. The lines marked
 "cgx" are all that the hook adds to a DDP script.
+
+Checkpoint and resume as in ``cgx_ps.examples.train``: with ``--checkpoint DIR`` every rank saves
+the model, the optimizer and the hook's state (``state.state_dict()``: step counters and this
+rank's error-feedback residuals) every ``--checkpoint-every`` steps, and a restarted job loads the
+newest step every rank saved, before the first backward, and goes on bit for bit.
 """
 
 from __future__ import annotations
@@ -67,14 +72,22 @@ def main() -> None:
                                  error_feedback=args.error_feedback)
         ddp.register_comm_hook(state, cgx.ddp_comm_hook)                   # cgx
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    checkpoints = cgx.Checkpoints(args.checkpoint) if args.checkpoint else None   # cgx
+    start, saved = checkpoints.load_latest() if checkpoints else (0, None)
+    if saved is not None:  # before the first backward: the hook resumes at the checkpoint's rounds
+        model.load_state_dict(saved["model"])  # the same on every rank: no broadcast needed
+        optimizer.load_state_dict(saved["optimizer"])
+        if state is not None and "cgx_ps" in saved:  # absent after --plain-ddp: the hook starts fresh
+            state.load_state_dict(saved["cgx_ps"])                         # cgx
+        print(f"rank {config.rank}: resumed from step {start} ({args.checkpoint})", flush=True)
 
     steps_per_epoch = len(y_train) // args.batch_size
     total = args.epochs * steps_per_epoch
     total = min(total, args.max_steps) if args.max_steps else total
-    step, step_times = 0, []
-    for epoch in range(args.epochs):
+    step, step_times = start, []
+    for epoch in range(start // steps_per_epoch, args.epochs):
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
-        for i in range(min(steps_per_epoch, total - step)):
+        for i in range(step - epoch * steps_per_epoch, min(steps_per_epoch, total - epoch * steps_per_epoch)):
             t0 = time.perf_counter()
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
             optimizer.zero_grad()
@@ -86,12 +99,15 @@ def main() -> None:
             if args.json and config.rank == 0:
                 print(json.dumps({"event": "step", "step": step, "loss": loss.item(), "step_s": step_times[-1],
                                   "total_steps": total}), flush=True)
+            if checkpoints is not None and step % args.checkpoint_every == 0:
+                checkpoints.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                        **({"cgx_ps": state.state_dict()} if state else {})})   # cgx
 
     with torch.no_grad():
         logits = model(x_test.to(device))
         accuracy = (logits.argmax(1) == y_test.to(device)).float().mean().item()
-    summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "steps": step,
-               **replica_fingerprint(model), "median_step_s": sorted(step_times)[len(step_times) // 2],
+    summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "steps": step, "resumed_from": start,
+               **replica_fingerprint(model), "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else 0.0,
                **(hook_report(state) if state else {})}
     print(json.dumps(summary) if args.json else f"rank {config.rank}: accuracy {accuracy:.3f} after {step} steps",
           flush=True)

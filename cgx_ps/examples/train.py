@@ -34,7 +34,9 @@ import torch.nn.functional as F
 import cgx_ps.worker as cgx
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(checkpoints: bool = True) -> argparse.ArgumentParser:
+    """The flags every example shares; ``checkpoints=False`` for a script that does not save any
+    (a flag it would accept and ignore loses a user's progress without a word)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="digits: scikit-learn's handwritten digits; synthetic: 10 Gaussian classes of the same "
                         "shape, for a machine without scikit-learn (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON line per step (for cgx-ps demo)")
+    if not checkpoints:
+        return p
     p.add_argument("--checkpoint", metavar="DIR", help="save every rank's state here, and resume from the newest "
                                                        "complete checkpoint found at start")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="N", help="steps between checkpoints")

@@ -103,6 +103,26 @@ class _DistributedMixin:
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad)
                            for p in self._cgx_params.values() if p.requires_grad]
 
+    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - torch's, refusing unsynchronized tensors
+        if not hasattr(self, "_cgx_name_of"):  # torch's own __init__ (never: we wrap a built optimizer)
+            return super().add_param_group(param_group)
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error about its order
+            param_group = {**param_group, "params": list(params)}  # a generator is read once
+        listed = [params] if isinstance(params, torch.Tensor) else list(param_group["params"])
+        # the layout and the shards' sessions are fixed at wrapping: a tensor added now would train
+        # on this rank's gradient alone, and the replicas would drift apart without a word
+        unsynced = [p for p in listed if isinstance(p, torch.Tensor) and p.requires_grad
+                    and id(p) not in self._cgx_name_of]
+        if unsynced:
+            raise ConfigError(f"add_param_group after wrapping: {len(unsynced)} trainable tensor(s) that the "
+                              f"DistributedOptimizer does not synchronize (its blocks are fixed when it is created); "
+                              f"put every parameter in the optimizer before wrapping it (e.g. in a group with lr=0 "
+                              f"until it is needed), or train under DDP with cgx.ddp_comm_hook")
+        super().add_param_group(param_group)
+        # frozen now: they must stay without gradients, as those frozen when wrapped (synchronize())
+        self._cgx_frozen.extend(p for p in listed if isinstance(p, torch.Tensor) and id(p) not in self._cgx_name_of)
+
     # ---- hooks: gradients enter here --------------------------------------------------------------
 
     def _cgx_on_grad(self, param: torch.nn.Parameter) -> None:
@@ -206,7 +226,8 @@ class _DistributedMixin:
             driver.abort()
             self._cgx_next_step()
             raise CgxPsError(f"{len(thawed)} tensor(s) were frozen (requires_grad=False) when the "
-                             f"DistributedOptimizer was created but have gradients now; ranks would update them "
+                             f"DistributedOptimizer was created (or add_param_group gave them) but have gradients now; "
+                             f"ranks would update them "
                              f"apart: create the DistributedOptimizer after unfreezing")
         collective = None
         try:

@@ -20,6 +20,21 @@ def scenario(name: str) -> dict:
         extra = torch.nn.Parameter(torch.ones(3))
         cgx.DistributedOptimizer(torch.optim.SGD([*model.parameters(), extra], lr=0.1), model.named_parameters())
         return out
+    if name == "added_later":  # the last layer joins the optimizer after wrapping (add_param_group)
+        named = list(model[0].named_parameters())
+        opt = cgx.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), named, compression="fp32")
+        opt.add_param_group({"params": model[2].parameters()})  # a generator, as users pass it
+        return out
+    if name == "added_frozen_then_thawed":  # added frozen after wrapping (allowed), trained later
+        opt = cgx.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), model[0].named_parameters(),
+                                       compression="fp32")
+        model[2].requires_grad_(False)
+        opt.add_param_group({"params": model[2].parameters()})
+        model[2].requires_grad_(True)
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+        return out
     if name == "thawed":  # frozen when wrapped, trained later
         model[0].bias.requires_grad_(False)
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5),
