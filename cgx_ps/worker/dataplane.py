@@ -21,7 +21,8 @@ import grpc
 import numpy as np
 
 from ..addresses import host_port
-from ..rawframes import HEADER, MAX_FRAME, frame_header, parse_status, preface, set_stream_options, split_header
+from ..rawframes import (HEADER, MAX_CHALLENGE, MAX_FRAME, frame_header, opening, parse_challenge, parse_status, preface,
+                         proof, set_stream_options, split_header)
 from .config import DATAPLANES, dataplane_problem
 from .errors import ConfigError
 
@@ -107,16 +108,17 @@ class _FrameSocket:
             got += n
         return got
 
-    async def read(self) -> tuple[bool, bytes | memoryview] | None:
+    async def read(self, limit: int = MAX_FRAME) -> tuple[bool, bytes | memoryview] | None:
         """(is a status frame, body) of the next frame; None at EOF between frames."""
         got = await self._fill(memoryview(self._header))
         if got == 0:
             return None
         if got < HEADER.size:
-            raise ConnectionResetError("connection closed inside a frame header")
+            raise ConnectionResetError(f"connection closed inside a frame header ({bytes(self._header[:got])!r})")
         size, status = split_header(self._header)
-        if size > MAX_FRAME:  # a shard sends none: refused before it is allocated
-            raise ConnectionResetError(f"frame of {size} bytes from the shard; at most {MAX_FRAME}")
+        if size > limit:  # a shard sends none: refused before it is allocated
+            raise ConnectionResetError(f"frame of {size} bytes from the shard (header {bytes(self._header)!r}); "
+                                       f"at most {limit}")
         body = memoryview(np.empty(size, np.uint8))  # not zeroed: the socket overwrites every byte
         if await self._fill(body) < size:
             raise ConnectionResetError(f"connection closed inside a frame of {size} bytes")
@@ -158,6 +160,15 @@ def _connect_problem(error: OSError, timeout_s: float) -> str:
     return str(error) or type(error).__name__
 
 
+def _shard_status(body: bytes | memoryview) -> grpc.aio.AioRpcError:
+    """A status frame as the error of a gRPC call that ended with it."""
+    name, details = parse_status(body)
+    code = grpc.StatusCode.__members__.get(name)
+    if code is None:  # no status a shard writes: say what came, not an empty UNKNOWN
+        code, details = grpc.StatusCode.UNKNOWN, f"malformed status from the shard: {name[:40]!r} {details}"
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class RawCall:
     """One Exchange stream over a data plane connection, as ShardClient uses a grpc.aio call."""
 
@@ -168,21 +179,53 @@ class RawCall:
     @classmethod
     async def open(cls, host: str, port: int, token: bytes, read_message: Any,
                    connect_timeout_s: float = CONNECT_TIMEOUT_S) -> "RawCall":
-        """Connect and send the preface; ``read_message`` reads a result frame (client.read_result).
-        Raises an UNAVAILABLE AioRpcError when the port cannot be reached within
-        ``connect_timeout_s`` (a firewall that drops packets would hold a connect for minutes)."""
-        sock = None
+        """Connect and do the handshake (rawframes.py): the opening, the shard's challenge, the
+        preface with the proof of ``token``; ``read_message`` reads a result frame
+        (client.read_result). Raises an UNAVAILABLE AioRpcError when the port cannot be reached,
+        or what answers is no cgx-ps shard, within ``connect_timeout_s`` (a firewall that drops
+        packets would hold a connect for minutes), before anything of the token is sent; the
+        shard's own status when it refuses the opening (another framing version)."""
+        where = f"data plane {host_port(host, port)}"
+        sock, call = None, None
         try:
             async with asyncio.timeout(connect_timeout_s):
                 sock = await _connect(host, port)
-            set_stream_options(sock)
-            call = cls(_FrameSocket(sock), read_message)
-            await call._frames.write(preface(token))
-        except OSError as exc:  # TimeoutError among them
-            if sock is not None:
+                set_stream_options(sock)
+                call = cls(_FrameSocket(sock), read_message)
+                await call._frames.write(opening())
+                nonce = await call._challenge(where)
+            await call._frames.write(preface(proof(token, nonce)))
+        except (OSError, grpc.aio.AioRpcError) as exc:  # TimeoutError among the OSErrors
+            if call is not None:
+                call.cancel()
+            elif sock is not None:
                 sock.close()
-            raise _unavailable(f"data plane {host_port(host, port)}: {_connect_problem(exc, connect_timeout_s)}") from None
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise
+            if call is not None and isinstance(exc, TimeoutError):  # connected: then nothing a shard would say
+                raise _unavailable(f"{where}: no challenge within {connect_timeout_s:g}s of connecting: not a cgx-ps "
+                                   f"shard of data plane version 2 (a port-forward or proxy to another program?)"
+                                   ) from None
+            raise _unavailable(f"{where}: {_connect_problem(exc, connect_timeout_s)}") from None
         return call
+
+    async def _challenge(self, where: str) -> bytes:
+        """The shard's nonce. A status in its place (a shard of another framing version names
+        both) is raised as the shard's; anything else that is not a challenge, as UNAVAILABLE:
+        what answers on this port is not a cgx-ps shard."""
+        try:
+            frame = await self._frames.read(MAX_CHALLENGE)
+        except ConnectionResetError as exc:
+            raise _unavailable(f"{where}: not a cgx-ps shard's challenge: {exc}") from None
+        if frame is None:
+            raise _unavailable(f"{where}: the connection closed before the shard's challenge")
+        status, body = frame
+        if status:
+            raise _shard_status(body)
+        challenge = parse_challenge(body)
+        if challenge.problem:
+            raise _unavailable(f"{where}: {challenge.problem}")
+        return challenge.nonce
 
     async def write(self, frame: Any) -> None:
         try:
@@ -211,13 +254,9 @@ class RawCall:
                 if not status:
                     yield self._parsed(body)
                     continue
-                name, details = parse_status(body)
-                if name == "OK":
+                if parse_status(body)[0] == "OK":
                     return  # the stream's clean end, as a gRPC call's OK status
-                code = grpc.StatusCode.__members__.get(name)
-                if code is None:  # no status a shard writes: say what came, not an empty UNKNOWN
-                    code, details = grpc.StatusCode.UNKNOWN, f"malformed status from the shard: {name[:40]!r} {details}"
-                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+                raise _shard_status(body)
         except OSError as exc:
             raise _unavailable(f"data plane stream broke: {exc}") from None
         raise _unavailable("data plane connection closed without a status")  # the shard died or was cut off
