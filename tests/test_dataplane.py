@@ -38,7 +38,7 @@ from cgx_ps.server.dataplane import DataPlane, peer_name, presented_token
 from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
-from cgx_ps.worker.dataplane import DataplaneChoice, RawCall, decide_dataplane
+from cgx_ps.worker.dataplane import DataplaneChoice, RawCall, decide_dataplane, falls_back_to_grpc
 from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
 from rounds import check_aggregate, close, encode_block, make_layout, run_round
 from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
@@ -411,6 +411,79 @@ async def test_auto_falls_back_to_grpc_once_and_raw_insists(start_shard, caplog)
     plain = await start_shard(data_port=-1)
     with pytest.raises(ConfigError, match=f"shard 127.0.0.1:{plain.port} advertises no data port"):
         await _members(plain, 1, plane="raw")
+
+
+class _UnreachableDataPlane(DataPlane):
+    """A shard's data plane that listens, but advertises a port nobody listens on: as seen from a
+    worker behind a port-forward of the gRPC port alone, or a NetworkPolicy without the new port."""
+
+    async def start(self, host: str, port: int) -> int:
+        await super().start(host, port)
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            return unused.getsockname()[1]
+
+
+async def test_auto_falls_back_to_grpc_on_a_rejoin_whose_new_data_port_cannot_be_reached(start_shard, caplog,
+                                                                                        monkeypatch) -> None:
+    """A restarted shard may listen on another data port (ephemeral: a free one): a worker that
+    rejoins it and cannot reach that port goes on over gRPC, with the one warning, as on a first
+    connect (before: once the plane had worked, the rejoin failed until the recovery timeout
+    ended the job). A stream that breaks mid-run, with no new Register, stays the shard's failure."""
+    import cgx_ps.server.main as shard_main
+
+    shard = await start_shard()
+    port = shard.port
+    member = ShardClient(f"127.0.0.1:{port}", "node-0", 1, LAYOUT, connect_timeout_s=10, security=SECURITY,
+                         dataplane="auto", recovery_timeout_s=20)
+    caplog.set_level("WARNING", logger="cgx_ps.worker")
+    try:
+        await member.connect()
+        await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+        assert len(shard.dataplane.connections) == 1  # over the plane
+        first_instance = member.registration.instance_id
+        await shard.stop(drain=False)
+        monkeypatch.setattr(shard_main, "DataPlane", _UnreachableDataPlane)
+        restarted = await start_shard(port=port)
+        pushed, results = await asyncio.wait_for(run_round([member], LAYOUT, 1), 30)  # through the rejoin
+        for block in LAYOUT.blocks:
+            check_aggregate(block, pushed[block.block_id], bytes(results[0][block.block_id]), 1)
+        assert member.registration.instance_id != first_instance and member.recoveries == 1
+        assert member.error is None and not restarted.dataplane.connections  # over gRPC
+        warnings = [r.getMessage() for r in caplog.records if "cannot be reached" in r.getMessage()]
+        assert len(warnings) == 1 and f"data port {restarted.service.data_port}" in warnings[0], warnings
+    finally:
+        await close([member])
+
+
+async def test_under_auto_a_stream_broken_mid_run_stays_the_shards_failure(shard: ShardServer, caplog) -> None:
+    """The other half of the rule: with no new Register (the same shard instance), a data port that
+    stops answering is not a reason to change planes: recovery retries it, and its timeout ends
+    the job, as for a shard gone."""
+    member = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=10, security=SECURITY,
+                         dataplane="auto", recovery_timeout_s=1.0)
+    caplog.set_level("WARNING", logger="cgx_ps.worker")
+    try:
+        await member.connect()
+        await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+        connection, = shard.dataplane.connections
+        shard.dataplane.stop_accepting()  # the port stops answering; gRPC and the session stay
+        connection.transport.abort()
+        await _until(lambda: member.error is not None, timeout_s=20)
+        assert isinstance(member.error, ShardUnavailableError) and "recovery timeout" in str(member.error)
+        assert not [r for r in caplog.records if "cannot be reached" in r.getMessage()]  # no fallback
+    finally:
+        await close([member])
+
+
+@pytest.mark.parametrize("requested, just_registered, falls_back", [
+    ("auto", True, True),  # a first connect, or a rejoin: the port is closed to us, not the shard gone
+    ("auto", False, False),  # a stream repaired with no new Register: the plane worked, the shard failed
+    ("raw", True, False),  # asked for: a port that cannot be reached is an error, always
+    ("raw", False, False),
+])
+def test_falls_back_to_grpc(requested: str, just_registered: bool, falls_back: bool) -> None:
+    assert falls_back_to_grpc(requested, just_registered) is falls_back
 
 
 @contextlib.contextmanager

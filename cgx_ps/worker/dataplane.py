@@ -4,6 +4,9 @@ cgx_ps/rawframes.py): which transport a shard's Exchange stream takes, and the s
 * ``decide_dataplane``: the raw plane when the shard advertises a data port (RegisterResponse)
   and the worker does not use TLS (the plane is plaintext, and under TLS it saves nothing), else
   gRPC. A pure function of its inputs, as ``gpu_setup.decide_transport``.
+* ``falls_back_to_grpc``: under auto, whether a data port that cannot be reached sends the
+  stream to gRPC (the shard has just answered Register: the network's doing) or is the shard's
+  failure (a stream that broke mid-run: recovery's), also a pure function.
 * ``RawCall``: one Exchange stream over a data plane connection, shaped as the grpc.aio call
   ``ShardClient`` uses (``write``, ``cancel``, async iteration over the results). Its end is an
   ``AioRpcError`` with the shard's status, and a connection that breaks (reset, EOF without a
@@ -26,7 +29,7 @@ from ..rawframes import (HEADER, MAX_CHALLENGE, MAX_FRAME, frame_header, opening
 from .config import DATAPLANES, dataplane_problem
 from .errors import ConfigError
 
-__all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane"]
+__all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane", "falls_back_to_grpc"]
 
 _SMALL = 1 << 16  # frames below this are handed on as bytes, larger ones as the buffer read
 CONNECT_TIMEOUT_S = 5.0  # a data port that does not answer by then is unreachable (auto: gRPC instead)
@@ -58,6 +61,16 @@ def decide_dataplane(requested: str, advertised_port: int, tls: bool, shard: str
         return DataplaneChoice("grpc", f"shard {shard} advertises a plaintext data port, but this worker uses "
                                        f"TLS: its Exchange stream stays on gRPC")
     return DataplaneChoice("raw")
+
+
+def falls_back_to_grpc(requested: str, just_registered: bool) -> bool:
+    """Under CGX_PS_DATAPLANE=``requested``, does a raw data plane connection that failed send the
+    stream to gRPC? Only under auto, and only right after the shard answered Register (a first
+    connect, or a rejoin of a restarted shard, which may listen on a new port): a port that cannot
+    be reached then is a firewall, a NetworkPolicy or a port-forward of the gRPC port alone. On a
+    stream repaired without a new Register (the plane worked for this registration), it is the
+    shard's failure, which recovery retries; under raw, it always is."""
+    return requested == "auto" and just_registered
 
 
 def _unavailable(details: str) -> grpc.aio.AioRpcError:
