@@ -6,10 +6,14 @@ or missing token before anything else is read, garbage, a bad magic or version, 
 gRPC's limit before it is allocated, a Hello over MAX_HELLO, a bad session id), what is cut off
 (a silent connection, a trickled frame, streams past the cap, a member that stops reading), that
 silent connections cannot lock the members out, and that none of it harms the members' rounds,
-whose sums are exact. The worker's side against a broken shard (junk, huge or cut frames and
-statuses), and its cancel of a write the shard does not read. Real processes: two workers on CGX_PS_DATAPLANE=raw survive a shard killed and
-restarted under them with exactly the reference's parameters (those the gRPC stream gives:
-tests/test_worker.py). And the choice of plane, as a table.
+whose sums are exact. The handshake (framing version 2): a plain socket server at the advertised
+port, whatever it answers, gets the worker's opening and never the token; a proof, recorded or
+obtained with a challenge of one's own, is refused when replayed; framing versions are named both
+ways. The worker's side against a broken shard (junk, huge or cut frames and statuses), and its
+cancel of a write the shard does not read. Under auto, a rejoin whose new data port cannot be
+reached takes gRPC; a stream broken mid-run stays recovery's. Real processes: two workers on
+CGX_PS_DATAPLANE=raw survive a shard killed and restarted under them with exactly the reference's
+parameters (those the gRPC stream gives: tests/test_worker.py). And the choice of plane, as a table.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ import grpc
 import numpy as np
 
 from ..addresses import host_port
-from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, challenge, frame_header, new_nonce, opening,
-                         parse_preface, proof, set_stream_options, split_header, status_body)
+from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, Preface, challenge, frame_header, new_nonce,
+                         opening, parse_preface, proof, set_stream_options, split_header, status_body)
 from ..security import AUTH_HEADER
 from .errors import BadRequest, LimitExceeded, ProtocolError, TimedOut
 from .rpc import Gate, clip, grpc_status
@@ -390,7 +390,7 @@ class DataPlane:
         self.pending.clear()
 
 
-async def _handshake_frame(connection: _Connection) -> Any:
+async def _handshake_frame(connection: _Connection) -> Preface:
     """A client's handshake frame, parsed (rawframes.Preface); BadRequest for one that is not."""
     frame = await connection.read(MAX_PREFACE)
     if frame is None or frame[0]:

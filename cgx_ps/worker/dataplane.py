@@ -24,8 +24,8 @@ import grpc
 import numpy as np
 
 from ..addresses import host_port
-from ..rawframes import (HEADER, MAX_CHALLENGE, MAX_FRAME, frame_header, opening, parse_challenge, parse_status, preface,
-                         proof, set_stream_options, split_header)
+from ..rawframes import (HEADER, MAX_CHALLENGE, MAX_FRAME, frame_header, opening, parse_challenge, parse_status,
+                         preface, proof, set_stream_options, split_header)
 from .config import DATAPLANES, dataplane_problem
 from .errors import ConfigError
 
