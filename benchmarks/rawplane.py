@@ -17,8 +17,9 @@ result through the same ``NodeStream`` writer (its cap and write timeout); only 
 and out differs.
 
 The wire (cgx_ps/rawframes.py): frames of a 4-byte little-endian length and that many bytes. A
-connection's first frame is the preface (magic, version, the job token: checked once,
-``hmac.compare_digest``), then the Exchange stream's
+connection starts with the handshake (the worker's opening, the shard's challenge of a fresh
+nonce, the worker's preface with an HMAC of it keyed by the job token: checked once,
+``hmac.compare_digest``; the token itself never travels), then the Exchange stream's
 messages exactly as gRPC carries them (a serialized Hello, then ``chunkframes`` pushes; results
 are ``frames.result_frames``' bytes, built once and sent to every node as they are, by
 ``sock_sendall`` on the same object: no per-node copy). The shard receives each frame into a
@@ -36,8 +37,7 @@ Python's ``ssl`` on memory BIOs (``TlsFrameSocket``): what TLS costs a data plan
 Python; a native one would use its TLS library (or kernel TLS) directly.
 
 What the "sock" and TLS variants leave out, compared with gRPC (the shipped listener adds them):
-- certificate reloading (tls.py) and ALPN; the token goes in the clear without --tls-cert,
-  as it does over gRPC;
+- certificate reloading (tls.py) and ALPN;
 - HTTP/2 flow control and multiplexing: a slow reader is held up by TCP's window and the
   NodeStream's write timeout only, and each stream is a connection of its own;
 - keepalive pings (a dead peer is noticed by TCP or the round timeout only);
@@ -52,7 +52,6 @@ What the "sock" and TLS variants leave out, compared with gRPC (the shipped list
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import signal
@@ -64,9 +63,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cgx_ps.rawframes import (HEADER, MAX_FRAME, MAX_PREFACE, frame_header, parse_preface, parse_status, preface,
-                              split_header, status_body)
-from cgx_ps.server.dataplane import DataPlane
+from cgx_ps.rawframes import (HEADER, MAX_CHALLENGE, MAX_FRAME, MAX_PREFACE, challenge, frame_header, new_nonce,
+                              opening, parse_challenge, parse_preface, parse_status, preface, proof, split_header,
+                              status_body)
+from cgx_ps.server.dataplane import DataPlane, presented_token
 from cgx_ps.server.errors import BadRequest, ProtocolError, TimedOut, Unauthenticated
 from cgx_ps.server.rpc import Gate, grpc_status
 from cgx_ps.server.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
@@ -233,6 +233,19 @@ class _RawContext:
         return self._peer
 
 
+async def _handshake(frames: FrameSocket, token: bytes | None) -> bool:
+    """The shard's side of the handshake (cgx_ps/rawframes.py): does the worker prove ``token``?"""
+    first = await frames.read(MAX_PREFACE)
+    if first is None or first[0] or parse_preface(first[1]).problem:
+        return False
+    nonce = new_nonce()
+    await frames.write(challenge(nonce))
+    presented = await frames.read(MAX_PREFACE)
+    if presented is None or presented[0] or parse_preface(presented[1]).problem:
+        return False
+    return token is None or presented_token(parse_preface(presented[1]).rest, nonce, token) == token
+
+
 async def _serve_connection(service: ParameterServerService, token: bytes | None,
                             frames: FrameSocket, peer: str) -> None:
     context = _RawContext(frames, peer)
@@ -240,11 +253,10 @@ async def _serve_connection(service: ParameterServerService, token: bytes | None
         try:
             if isinstance(frames, TlsFrameSocket):
                 await asyncio.wait_for(frames.handshake(), FIRST_MESSAGE_TIMEOUT_S)
-            presented = await asyncio.wait_for(frames.read(MAX_PREFACE), FIRST_MESSAGE_TIMEOUT_S)
+            proven = await asyncio.wait_for(_handshake(frames, token), FIRST_MESSAGE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise TimedOut(f"no token within {FIRST_MESSAGE_TIMEOUT_S:g}s of connecting") from None
-        first = parse_preface(presented[1]) if presented is not None and not presented[0] else None
-        if first is None or first.problem or (token is not None and not hmac.compare_digest(first.token, token)):
+        if not proven:
             raise Unauthenticated("missing or wrong job token")
         await service.Exchange(context)
     except ProtocolError as exc:  # as rpc.py's gate maps a refusal to a status
@@ -367,7 +379,16 @@ class RawCall:
             sock.close()
             raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
         call = cls(frames)
-        await call.write(preface(token))
+        try:  # the handshake (cgx_ps/rawframes.py): the opening, the shard's challenge, the proof
+            await frames.write(opening())
+            answer = await frames.read(MAX_CHALLENGE)
+            nonce = parse_challenge(answer[1]).nonce if answer is not None and not answer[0] else b""
+            if not nonce:
+                raise ConnectionResetError(f"no challenge from the shard: {answer!r:.200}")
+            await frames.write(preface(proof(token, nonce)))
+        except (OSError, ssl.SSLError) as exc:
+            frames.close()
+            raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
         return call
 
     async def write(self, frame: bytes | memoryview) -> None:

@@ -4,46 +4,75 @@ server/dataplane.py, and a worker's stream, worker/dataplane.py).
 A connection carries one Exchange stream as frames: a 4-byte little-endian word (the body's
 length, its top bit set for a status frame) and that many bytes.
 
-- The first frame, the preface, is ``MAGIC``, ``VERSION`` and the job token (empty when the
-  shard has none): a stray client of another protocol, or a future frame format, is refused by
-  its first bytes, and the token is checked before anything else is read.
+- The handshake (version 2). The worker opens with ``MAGIC`` and ``VERSION`` (``opening``), and
+  nothing else; the shard answers with a challenge: ``MAGIC``, ``VERSION`` and a fresh random
+  nonce (``challenge``); the worker then sends its preface: ``MAGIC``, ``VERSION`` and its proof
+  of the job token, HMAC-SHA256(token, ``PROOF_LABEL`` + nonce) (empty when it has no token).
+  The token itself never travels on the plane: the data port is the one a shard advertises, and
+  behind a proxy, a port-forward or a tunnel whatever listens on that port of that host (not a
+  process the user configured) gets the worker's opening only, and a proof for a nonce of its
+  choosing (bound to that nonce: no use on a connection to the shard, whose nonce is fresh).
+  The worker checks the challenge before it sends anything more: another protocol's bytes, a
+  wrong magic or version, a short or huge frame end the attempt.
+- The worker speaks first so that a framing mismatch is told, by whichever end is older or
+  newer, with a status naming both versions: a version 1 worker's first frame (magic, 1, its
+  token) is answered so by a version 2 shard, and a version 2 worker's opening by a version 1
+  shard; and a stray client of another protocol is refused by its first bytes.
 - Then the Exchange messages exactly as gRPC carries them: a serialized Hello and
   ``chunkframes`` pushes one way, results (``frames.result_frames``' bytes) the other.
 - The stream ends with a status frame from the shard, ``CODE\\ndetails`` (a ``grpc.StatusCode``
   name; ``OK`` for a clean end), standing in for gRPC's trailers. A client sends none.
 
 A frame is limited to gRPC's own receive limit (``MAX_FRAME``), checked on the header, before a
-byte of the body is allocated. The plane is plaintext only: with TLS, gRPC is as fast
-(BENCHMARKS.md, "What Python gRPC costs the shard"; docs/data-plane.md), so TLS deployments keep it.
+byte of the body is allocated; the handshake's frames to far less (``MAX_PREFACE``,
+``MAX_CHALLENGE``). The plane is plaintext only: with TLS, gRPC is as fast (BENCHMARKS.md, "What
+Python gRPC costs the shard"; docs/data-plane.md), so TLS deployments keep it. Plaintext, a man
+in the middle who relays a live connection to the shard can use that one connection, as he can
+read and change everything on it anyway: the proof keeps the token from whoever merely listens
+at the advertised port, it does not make the plane an authenticated channel (TLS, on gRPC, does).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import socket
 import struct
 from dataclasses import dataclass
 
 from .transport import GRPC_OPTIONS
 
-__all__ = ["HEADER", "MAGIC", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_STATUS_DETAILS", "MAX_TOKEN", "STATUS_BIT",
-           "VERSION", "Preface", "frame_header", "parse_preface", "parse_status", "preface", "set_stream_options",
-           "split_header", "status_body"]
+__all__ = ["HEADER", "MAGIC", "MAX_CHALLENGE", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_STATUS_DETAILS",
+           "MAX_TOKEN", "NONCE_BYTES", "PROOF_LABEL", "STATUS_BIT", "VERSION", "Challenge", "Preface", "challenge",
+           "frame_header", "new_nonce", "opening", "parse_challenge", "parse_preface", "parse_status", "preface",
+           "proof", "set_stream_options", "split_header", "status_body"]
 
-MAGIC = b"CGXD"  # "cgx-ps data": the first bytes of every connection
-VERSION = 1  # of this framing; a shard refuses another with a status that names both
+MAGIC = b"CGXD"  # "cgx-ps data": the first bytes of every connection, both ways
+VERSION = 2  # of this framing (2: the challenge-response handshake); a mismatch is refused with a status naming both
 HEADER = struct.Struct("<I")
 STATUS_BIT = 1 << 31  # a status frame: the stream's last
 MAX_FRAME = dict(GRPC_OPTIONS)["grpc.max_receive_message_length"]  # the limit gRPC enforces on a message
 MAX_TOKEN = 4096  # read_token's own limit on a token file is far below this
+NONCE_BYTES = 32
+# What a proof is of: an HMAC of this label and the nonce, so that a proof can be nothing but a
+# cgx-ps data plane proof (no other use of the job token as an HMAC key yields the same bytes)
+PROOF_LABEL = b"cgx-ps data plane proof v2\0"
 # The stream's first message, its Hello, before the shard has checked its session id: far above a
 # Hello's size (two ids, a hash, a member), and far below MAX_FRAME, so that the token alone (a
 # member's session id is not needed to get this far) cannot park a large frame per connection
 MAX_HELLO = 1 << 16
+# A client's handshake frames, before its token is proven: room for a version 1 worker's first
+# frame (magic, version, the token itself), so that it is answered with both versions' numbers
 MAX_PREFACE = len(MAGIC) + 1 + MAX_TOKEN
 MAX_STATUS_DETAILS = 1024  # a status's details, as the shard clips them (server/rpc.py, MAX_DETAILS_CHARS)
+# What a worker reads in place of a challenge: a challenge, or a shard's status refusing the
+# opening (a code name and details of MAX_STATUS_DETAILS characters, 4 bytes at most each)
+MAX_CHALLENGE = 32 + 4 * MAX_STATUS_DETAILS
 # TCP keepalive as gRPC's (transport.GRPC_OPTIONS: a probe after 30 s idle), so either end notices
 # a peer that vanished (a powered-off node, a dropped NAT entry) within about a minute
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
+_HEAD = MAGIC + bytes((VERSION,))
 
 
 def set_stream_options(sock: socket.socket) -> None:
@@ -64,29 +93,70 @@ def split_header(word: bytes | bytearray | memoryview) -> tuple[int, bool]:
     return value & ~STATUS_BIT, bool(value & STATUS_BIT)
 
 
-def preface(token: bytes) -> bytes:
-    """The body of a connection's first frame."""
-    return MAGIC + bytes((VERSION,)) + token
+def opening() -> bytes:
+    """The body of a worker's first frame: which framing it speaks, and nothing of its token."""
+    return _HEAD
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def challenge(nonce: bytes) -> bytes:
+    """The body of the shard's answer to an opening."""
+    return _HEAD + nonce
+
+
+def proof(token: bytes, nonce: bytes) -> bytes:
+    """A worker's proof that it holds ``token``, for the shard's ``nonce``; empty without a token."""
+    return hmac.new(token, PROOF_LABEL + nonce, hashlib.sha256).digest() if token else b""
+
+
+def preface(proof_: bytes) -> bytes:
+    """The body of a worker's second frame: its ``proof``."""
+    return _HEAD + proof_
 
 
 @dataclass(frozen=True)
 class Preface:
-    """A first frame read: the token it presents, or why it is refused (``problem``)."""
+    """A client's handshake frame read: what follows its magic and version (the proof), or why it
+    is refused (``problem``)."""
 
-    token: bytes = b""
+    rest: bytes = b""
     problem: str = ""
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """A shard's challenge read: its nonce, or why it is not one (``problem``)."""
+
+    nonce: bytes = b""
+    problem: str = ""
+
+
+def _head_problem(data: bytes, speaker: str, listener: str) -> str:
+    """Why ``data`` does not start with this framing's magic and version, or ""."""
+    if data[:len(MAGIC)] != MAGIC:
+        return f"not a cgx-ps data plane {speaker}: it starts with {data[:len(MAGIC)]!r}, not {MAGIC!r}"
+    version = data[len(MAGIC):len(MAGIC) + 1]
+    if version != bytes((VERSION,)):
+        found = version[0] if version else "none"
+        return f"data plane framing version {found}; this {listener} speaks version {VERSION}"
+    return ""
 
 
 def parse_preface(body: bytes | memoryview) -> Preface:
     data = bytes(body)
-    if data[:len(MAGIC)] != MAGIC:
-        return Preface(problem=f"not a cgx-ps data plane connection: it starts with {data[:len(MAGIC)]!r}, "
-                               f"not {MAGIC!r}")
-    version = data[len(MAGIC):len(MAGIC) + 1]
-    if version != bytes((VERSION,)):
-        found = version[0] if version else "none"
-        return Preface(problem=f"data plane framing version {found}; this shard speaks version {VERSION}")
-    return Preface(token=data[len(MAGIC) + 1:])
+    problem = _head_problem(data, "connection", "shard")
+    return Preface(problem=problem) if problem else Preface(rest=data[len(_HEAD):])
+
+
+def parse_challenge(body: bytes | memoryview) -> Challenge:
+    data = bytes(body)
+    problem = _head_problem(data, "shard", "worker")
+    if not problem and len(data) != len(_HEAD) + NONCE_BYTES:
+        problem = f"a challenge of {len(data)} bytes; a cgx-ps shard's has {len(_HEAD) + NONCE_BYTES}"
+    return Challenge(problem=problem) if problem else Challenge(nonce=data[len(_HEAD):])
 
 
 def status_body(code_name: str, details: str) -> bytes:

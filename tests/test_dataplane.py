@@ -6,10 +6,14 @@ or missing token before anything else is read, garbage, a bad magic or version, 
 gRPC's limit before it is allocated, a Hello over MAX_HELLO, a bad session id), what is cut off
 (a silent connection, a trickled frame, streams past the cap, a member that stops reading), that
 silent connections cannot lock the members out, and that none of it harms the members' rounds,
-whose sums are exact. The worker's side against a broken shard (junk, huge or cut frames and
-statuses), and its cancel of a write the shard does not read. Real processes: two workers on CGX_PS_DATAPLANE=raw survive a shard killed and
-restarted under them with exactly the reference's parameters (those the gRPC stream gives:
-tests/test_worker.py). And the choice of plane, as a table.
+whose sums are exact. The handshake (framing version 2): a plain socket server at the advertised
+port, whatever it answers, gets the worker's opening and never the token; a proof, recorded or
+obtained with a challenge of one's own, is refused when replayed; framing versions are named both
+ways. The worker's side against a broken shard (junk, huge or cut frames and statuses), and its
+cancel of a write the shard does not read. Under auto, a rejoin whose new data port cannot be
+reached takes gRPC; a stream broken mid-run stays recovery's. Real processes: two workers on
+CGX_PS_DATAPLANE=raw survive a shard killed and restarted under them with exactly the reference's
+parameters (those the gRPC stream gives: tests/test_worker.py). And the choice of plane, as a table.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ import pytest
 import torch
 
 from cgx_ps.layout import layout_hash
-from cgx_ps.rawframes import MAX_FRAME, MAX_HELLO, frame_header, parse_status, preface, split_header
+from cgx_ps.rawframes import (MAX_FRAME, MAX_HELLO, challenge, frame_header, new_nonce, opening, parse_challenge,
+                              parse_status, preface, proof, split_header)
 from cgx_ps.security import ChannelSecurity, read_token
 from cgx_ps.server import LocalCluster, ShardServer
-from cgx_ps.server.dataplane import DataPlane, peer_name
+from cgx_ps.server.dataplane import DataPlane, peer_name, presented_token
 from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.client import ShardClient, read_result
-from cgx_ps.worker.dataplane import DataplaneChoice, RawCall, decide_dataplane
+from cgx_ps.worker.dataplane import DataplaneChoice, RawCall, decide_dataplane, falls_back_to_grpc
 from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
 from rounds import check_aggregate, close, encode_block, make_layout, run_round
 from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
@@ -58,6 +63,26 @@ def _frame(body: bytes) -> bytes:
 def _hello(node: str, session_id: str) -> bytes:
     return _frame(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(LAYOUT),
                                                             session_id=session_id)).SerializeToString())
+
+
+async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: bytes = TOKEN) -> bytes:
+    """A worker's handshake, by hand: the opening, the shard's challenge, the preface with the
+    proof of ``token``; the preface's body (the proof a listener would record)."""
+    writer.write(_frame(opening()))
+    size, status = split_header(await reader.readexactly(4))
+    body = await reader.readexactly(size)
+    assert not status, parse_status(body)
+    sent = preface(proof(token, parse_challenge(body).nonce))
+    writer.write(_frame(sent))
+    return sent
+
+
+async def _proven(port: int, token: bytes = TOKEN,
+                  host: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the data plane past its handshake, with the proof of ``token``."""
+    reader, writer = await asyncio.open_connection(host, port)
+    await _handshake(reader, writer, token)
+    return reader, writer
 
 
 async def _ending(reader: asyncio.StreamReader, timeout_s: float = 5.0) -> tuple[str, str] | None:
@@ -94,37 +119,43 @@ async def test_hostile_connections_are_refused_and_the_members_rounds_stay_exact
     members = await _members(shard, 2)
     await _until(lambda: len(shard.dataplane.connections) == 2)  # their streams went over the plane, not gRPC
     session = members[0].session_id
-    # (what the connection sends, the status it must end with, words of its details)
+    # (the token the connection proves, None: no handshake; what it sends then; the status it must
+    # end with, words of its details)
     hostile = {
         # a registered member's Hello behind the token: refused on the token, the Hello never read
-        "wrong token": (_frame(preface(b"not-the-job-token")) + _hello("node-0", session), "UNAUTHENTICATED", "token"),
-        "no token": (_frame(preface(b"")) + _hello("node-0", session), "UNAUTHENTICATED", "token"),
-        "garbage": (b"GET / HTTP/1.1\r\nHost: shard\r\n\r\n", "INVALID_ARGUMENT", "at most"),
-        "bad magic": (_frame(b"XXXX\x01" + TOKEN), "INVALID_ARGUMENT", "not a cgx-ps data plane"),
-        "bad version": (_frame(b"CGXD\x09" + TOKEN), "INVALID_ARGUMENT", "version 9"),
+        "wrong token": (b"not-the-job-token", _hello("node-0", session), "UNAUTHENTICATED",
+                        "wrong job token (the data plane handshake's proof of it)"),
+        "no token": (b"", _hello("node-0", session), "UNAUTHENTICATED", "token"),
+        "garbage": (None, b"GET / HTTP/1.1\r\nHost: shard\r\n\r\n", "INVALID_ARGUMENT", "at most"),
+        "bad magic": (None, _frame(b"XXXX\x02"), "INVALID_ARGUMENT", "not a cgx-ps data plane"),
+        "bad version": (None, _frame(b"CGXD\x09"), "INVALID_ARGUMENT", "version 9"),
+        # a worker that sends its token in its first frame (version 1 did) is told so, not challenged
+        "version 1 preface": (None, _frame(b"CGXD\x01" + TOKEN) + _hello("node-0", session), "INVALID_ARGUMENT",
+                              "data plane framing version 1; this shard speaks version 2"),
+        "opening with more": (None, _frame(opening() + TOKEN), "INVALID_ARGUMENT", "an opening of"),
+        "preface, not opening": (None, _frame(preface(bytes(32))), "INVALID_ARGUMENT", "an opening of"),
         # announced only: answered at once, so nothing waited for (or was allocated for) its body
-        "frame over the limit": (_frame(preface(TOKEN)) + frame_header(0x7FFFFFFF), "INVALID_ARGUMENT",
-                                 f"at most {MAX_HELLO}"),
+        "frame over the limit": (TOKEN, frame_header(0x7FFFFFFF), "INVALID_ARGUMENT", f"at most {MAX_HELLO}"),
         # within gRPC's limit, but a Hello, before the session is proven: with the token alone no
         # one parks 8 MiB on each of --max-concurrent-rpcs connections (beside the gRPC port's own)
-        "an 8 MiB Hello": (_frame(preface(TOKEN)) + frame_header(MAX_FRAME), "INVALID_ARGUMENT",
-                           f"at most {MAX_HELLO}"),
-        "bad session id": (_frame(preface(TOKEN)) + _hello("node-0", "f" * 32), "FAILED_PRECONDITION",
-                           "has not registered"),
+        "an 8 MiB Hello": (TOKEN, frame_header(MAX_FRAME), "INVALID_ARGUMENT", f"at most {MAX_HELLO}"),
+        "bad session id": (TOKEN, _hello("node-0", "f" * 32), "FAILED_PRECONDITION", "has not registered"),
     }
 
-    async def attack(sent: bytes) -> tuple[str, str] | None:
+    async def attack(token: bytes | None, sent: bytes) -> tuple[str, str] | None:
         reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
-        writer.write(sent)
         try:
+            if token is not None:
+                await _handshake(reader, writer, token)
+            writer.write(sent)
             return await _ending(reader)
         finally:
             writer.close()
 
     try:
         rounds = asyncio.gather(*(run_round(members, LAYOUT, r, seed=7) for r in range(3)))
-        endings = await asyncio.gather(*(attack(sent) for sent, _, _ in hostile.values()))
-        for (case, (_, code, words)), ending in zip(hostile.items(), endings):
+        endings = await asyncio.gather(*(attack(token, sent) for token, sent, _, _ in hostile.values()))
+        for (case, (_, _, code, words)), ending in zip(hostile.items(), endings):
             assert ending is not None and ending[0] == code and words in ending[1], (case, ending)
         for round_, (pushed, results) in enumerate(await asyncio.wait_for(rounds, 60)):
             for block in LAYOUT.blocks:
@@ -142,13 +173,176 @@ async def test_hostile_connections_are_refused_and_the_members_rounds_stay_exact
         await close(members)
 
 
+class _Listener:
+    """Whatever listens at the port a shard advertises, seen from the worker (a port-forward of the
+    gRPC port alone, a tunnel, another program on that port of the worker's own host): a plain
+    socket server that records every byte it receives and answers each connection with ``answer``
+    (a callable of the connection's nonce, so it may send a challenge of its own; None: it closes
+    the connection once the first bytes came)."""
+
+    def __init__(self, answer: Callable[[bytes], bytes | None]) -> None:
+        self.answer = answer
+        self.received = bytearray()
+        self.nonces: list[bytes] = []
+        self._writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> "_Listener":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for writer in self._writers:
+            writer.close()
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        self.nonces.append(new_nonce())
+        answer = self.answer(self.nonces[-1])
+        if answer is None:  # after the worker's first bytes: an EOF, not a reset for bytes unread
+            self.received += await reader.read(1 << 16)
+            writer.close()
+            return
+        writer.write(answer)
+        while data := await reader.read(1 << 16):
+            self.received += data
+
+
+# what a listener that is not the shard sends when a worker connects, how the worker must end the attempt
+_NOT_THE_SHARD = {
+    "silent": (lambda nonce: b"", "no challenge within 0.5s"),
+    "another protocol": (lambda nonce: b"SSH-2.0-OpenSSH_9.6\r\n", "not a cgx-ps shard's challenge"),
+    "a huge frame": (lambda nonce: frame_header(1 << 30) + b"x" * 64, "at most"),
+    "bad magic": (lambda nonce: _frame(b"HTTP" + bytes(33)), "not a cgx-ps data plane shard"),
+    "another version": (lambda nonce: _frame(b"CGXD\x03" + nonce), "version 3; this worker speaks version 2"),
+    "a short challenge": (lambda nonce: _frame(b"CGXD\x02" + nonce[:8]), "a challenge of 13 bytes"),
+    "closes at once": (lambda nonce: None, "closed before the shard's challenge"),
+}
+
+
+@pytest.mark.parametrize("case", _NOT_THE_SHARD)
+async def test_a_listener_that_is_not_the_shard_gets_nothing_of_the_token(case: str) -> None:
+    """The worker's opening is all such a listener gets: the attempt ends, with a reason, before
+    anything of the token is sent (before: the first frame it sent was the token itself)."""
+    answer, words = _NOT_THE_SHARD[case]
+    async with _Listener(answer) as listener:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await RawCall.open("127.0.0.1", listener.port, TOKEN, read_result, connect_timeout_s=0.5)
+        await asyncio.sleep(0.1)  # what the worker sent, if anything more, is in by now
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and words in raised.value.details(), raised.value
+    assert f"127.0.0.1:{listener.port}" in raised.value.details()
+    assert bytes(listener.received) == _frame(opening()), listener.received
+
+
+async def test_a_listener_that_challenges_gets_a_proof_bound_to_its_nonce_never_the_token(shard) -> None:
+    """Even a listener that speaks the handshake (sends a challenge) learns no token: it gets an
+    HMAC of its own nonce, which the shard, whose nonce is fresh, refuses."""
+    async with _Listener(lambda nonce: _frame(challenge(nonce))) as listener:
+        call = await RawCall.open("127.0.0.1", listener.port, TOKEN, read_result, connect_timeout_s=5)
+        try:
+            await call.write(_hello("node-0", "0" * 32)[4:])
+            await _until(lambda: len(listener.received) >= 2 * 4 + len(opening()) + len(preface(bytes(32))))
+        finally:
+            call.cancel()
+    recorded = bytes(listener.received)
+    expected_preface = preface(proof(TOKEN, listener.nonces[0]))
+    assert recorded.startswith(_frame(opening()) + _frame(expected_preface)), recorded
+    assert TOKEN not in recorded
+    reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+    try:
+        writer.write(_frame(opening()))
+        await reader.readexactly(4 + len(challenge(bytes(32))))
+        writer.write(_frame(expected_preface) + _hello("node-0", "0" * 32))  # the recorded proof, replayed
+        code, details = await _ending(reader)
+        assert code == "UNAUTHENTICATED" and "proof" in details, details
+    finally:
+        writer.close()
+
+
+async def test_a_recorded_proof_replayed_on_a_new_connection_is_refused(shard: ShardServer) -> None:
+    """A proof answers one connection's nonce: whoever records a good handshake on the plane
+    cannot replay it (before: the token itself went by, and replaying it worked)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+    recorded = await _handshake(reader, writer)
+    writer.write(_hello("node-9", "0" * 32))
+    assert (await _ending(reader))[0] == "FAILED_PRECONDITION"  # the proof was good: past the gate
+    writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+    try:
+        writer.write(_frame(opening()))
+        size, _ = split_header(await reader.readexactly(4))
+        nonce = parse_challenge(await reader.readexactly(size)).nonce
+        assert len(nonce) == 32 and preface(proof(TOKEN, nonce)) != recorded  # a fresh nonce
+        writer.write(_frame(recorded) + _hello("node-9", "0" * 32))
+        code, details = await _ending(reader)
+        assert code == "UNAUTHENTICATED" and "missing or wrong job token" in details, details
+        assert "authorization: Bearer" not in details  # the plane's refusal names the plane's way
+    finally:
+        writer.close()
+
+
+async def test_a_shard_without_a_token_takes_streams_with_or_without_one(start_shard) -> None:
+    shard = await start_shard(token_file=None)
+    members = [ShardClient(f"127.0.0.1:{shard.port}", f"node-{i}", 2, LAYOUT, connect_timeout_s=5, security=security,
+                           dataplane="raw") for i, security in enumerate((SECURITY, ChannelSecurity()))]
+    try:
+        for member in members:
+            await member.connect()
+        await _until(lambda: len(shard.dataplane.connections) == 2 and not shard.dataplane.pending)
+        pushed, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
+        for block in LAYOUT.blocks:
+            check_aggregate(block, pushed[block.block_id], bytes(results[1][block.block_id]))
+    finally:
+        await close(members)
+
+
+async def test_framing_versions_are_named_both_ways(shard: ShardServer) -> None:
+    """A version 1 worker (its first frame: magic, 1, the token) is answered at once, its first
+    frame back a status naming both versions; a version 2 worker at a version 1 shard (here by
+    hand: what version 1's parse_preface answered to a first frame of another version) raises
+    that status, having sent its opening only."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
+    try:
+        writer.write(_frame(b"CGXD\x01" + TOKEN) + _hello("node-0", "0" * 32))
+        size, status = split_header(await reader.readexactly(4))
+        assert status and parse_status(await reader.readexactly(size)) == (
+            "INVALID_ARGUMENT", "data plane framing version 1; this shard speaks version 2")
+    finally:
+        writer.close()
+    body = b"INVALID_ARGUMENT\ndata plane framing version 2; this shard speaks version 1"
+    v1_answer = frame_header(len(body), status=True) + body
+    async with _Listener(lambda nonce: v1_answer) as version_1_shard:
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await RawCall.open("127.0.0.1", version_1_shard.port, TOKEN, read_result, connect_timeout_s=5)
+        await asyncio.sleep(0.1)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == "data plane framing version 2; this shard speaks version 1"
+    assert bytes(version_1_shard.received) == _frame(opening())
+
+
+def test_presented_token_is_the_job_token_only_for_a_right_proof() -> None:
+    nonce, other = new_nonce(), new_nonce()
+    assert presented_token(proof(TOKEN, nonce), nonce, TOKEN) == TOKEN
+    assert presented_token(proof(TOKEN, other), nonce, TOKEN) == b""  # another connection's nonce
+    assert presented_token(proof(b"not-the-job-token", nonce), nonce, TOKEN) == b""
+    assert presented_token(b"", nonce, TOKEN) == b""
+    assert presented_token(TOKEN, nonce, TOKEN) == b""  # the token itself is no proof
+    assert presented_token(b"", nonce, None) == b""  # a shard without a token checks nothing
+
+
 async def test_silent_and_trickling_connections_are_cut_at_their_timeouts(shard: ShardServer) -> None:
     shard.dataplane.first_frame_timeout_s = 0.5
     shard.dataplane.frame_timeout_s = 0.5
 
-    async def ending_of(whole: bytes, trickle: bytes, every_s: float) -> tuple[tuple[str, str] | None, float]:
+    async def ending_of(whole: bytes, trickle: bytes, every_s: float,
+                        handshake: bool = False) -> tuple[tuple[str, str] | None, float]:
         reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
         started = time.monotonic()
+        if handshake:
+            await _handshake(reader, writer)
         writer.write(whole)
 
         async def send() -> None:
@@ -164,13 +358,14 @@ async def test_silent_and_trickling_connections_are_cut_at_their_timeouts(shard:
             sender.cancel()
             writer.close()
 
-    silent, trickled_preface, trickled_hello = await asyncio.gather(
+    silent, trickled_opening, unproven, trickled_hello = await asyncio.gather(
         ending_of(b"", b"", 0),  # connects and says nothing
-        ending_of(b"", _frame(preface(TOKEN)), 0.2),  # a byte every 0.2 s: never idle 0.5 s, never whole
-        # the preface at once, then the Hello's frame a byte every 0.2 s: the Hello itself may take
+        ending_of(b"", _frame(opening()), 0.2),  # a byte every 0.2 s: never idle 0.5 s, never whole
+        ending_of(_frame(opening()), b"", 0),  # takes its challenge and never answers it
+        # the handshake at once, then the Hello's frame a byte every 0.2 s: the Hello itself may take
         # 30 s (FIRST_MESSAGE_TIMEOUT_S), but a frame under way must be whole 0.5 s after its first byte
-        ending_of(_frame(preface(TOKEN)), _hello("node-0", ""), 0.2))
-    for (ending, took), words in ((silent, "no preface"), (trickled_preface, "no preface"),
+        ending_of(b"", _hello("node-0", ""), 0.2, handshake=True))
+    for (ending, took), words in ((silent, "no preface"), (trickled_opening, "no preface"), (unproven, "no preface"),
                                   (trickled_hello, "not complete")):
         assert ending is not None and ending[0] == "DEADLINE_EXCEEDED" and words in ending[1], ending
         assert took < 3.0, took
@@ -178,25 +373,22 @@ async def test_silent_and_trickling_connections_are_cut_at_their_timeouts(shard:
 
 async def test_streams_past_the_cap_are_refused(start_shard) -> None:
     shard = await start_shard(max_concurrent_rpcs=8)
-    held = [await asyncio.open_connection("127.0.0.1", shard.data_port) for _ in range(8)]
+    held = [await _proven(shard.data_port) for _ in range(8)]  # past the preface: streams waiting for their Hello
     try:
-        for _, writer in held:  # past the preface: streams waiting for their Hello
-            writer.write(_frame(preface(TOKEN)))
         await _until(lambda: len(shard.dataplane.connections) == 8 and not shard.dataplane.pending)
-        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
-        writer.write(_frame(preface(TOKEN)) + _hello("node-9", "0" * 32))
+        reader, writer = await _proven(shard.data_port)
+        writer.write(_hello("node-9", "0" * 32))
         code, details = await _ending(reader, 2.0)
         assert code == "RESOURCE_EXHAUSTED" and "the cap" in details  # as gRPC refuses a call past it
         writer.close()
         # without the token: the token is checked first, so a stranger learns nothing of the cap
-        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
-        writer.write(_frame(preface(b"not-the-job-token")))
+        reader, writer = await _proven(shard.data_port, b"not-the-job-token")
         assert (await _ending(reader, 2.0))[0] == "UNAUTHENTICATED"
         writer.close()
         held.pop()[1].close()  # one leaves: there is room again
         await _until(lambda: len(shard.dataplane.connections) == 7)
-        reader, writer = await asyncio.open_connection("127.0.0.1", shard.data_port)
-        writer.write(_frame(preface(TOKEN)) + _hello("node-9", "0" * 32))
+        reader, writer = await _proven(shard.data_port)
+        writer.write(_hello("node-9", "0" * 32))
         assert (await _ending(reader))[0] == "FAILED_PRECONDITION"  # read and answered
         writer.close()
     finally:
@@ -223,6 +415,83 @@ async def test_auto_falls_back_to_grpc_once_and_raw_insists(start_shard, caplog)
     plain = await start_shard(data_port=-1)
     with pytest.raises(ConfigError, match=f"shard 127.0.0.1:{plain.port} advertises no data port"):
         await _members(plain, 1, plane="raw")
+
+
+class _UnreachableDataPlane(DataPlane):
+    """A shard's data plane that listens, but advertises a port nobody listens on: as seen from a
+    worker behind a port-forward of the gRPC port alone, or a NetworkPolicy without the new port."""
+
+    async def start(self, host: str, port: int) -> int:
+        await super().start(host, port)
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            return unused.getsockname()[1]
+
+
+async def test_auto_falls_back_to_grpc_on_a_rejoin_whose_new_data_port_cannot_be_reached(start_shard, caplog,
+                                                                                        monkeypatch) -> None:
+    """A restarted shard may listen on another data port (ephemeral: a free one): a worker that
+    rejoins it and cannot reach that port goes on over gRPC, with the one warning, as on a first
+    connect (before: once the plane had worked, the rejoin failed until the recovery timeout
+    ended the job). A stream that breaks mid-run, with no new Register, stays the shard's failure."""
+    import cgx_ps.server.main as shard_main
+
+    shard = await start_shard()
+    port = shard.port
+    member = ShardClient(f"127.0.0.1:{port}", "node-0", 1, LAYOUT, connect_timeout_s=10, security=SECURITY,
+                         dataplane="auto", recovery_timeout_s=20)
+    caplog.set_level("WARNING", logger="cgx_ps.worker")
+    try:
+        await member.connect()
+        await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+        assert len(shard.dataplane.connections) == 1  # over the plane
+        first_instance = member.registration.instance_id
+        # the member learns of the restart once it is done: a recovery racing the in-process stop
+        # (its Status call cancelled by the stopping server) is not what this test is about
+        member._reader.cancel()
+        await shard.stop(drain=False)
+        monkeypatch.setattr(shard_main, "DataPlane", _UnreachableDataPlane)
+        restarted = await start_shard(port=port)
+        member._stream_broke(member._generation, "the shard restarted")
+        pushed, results = await asyncio.wait_for(run_round([member], LAYOUT, 1), 30)  # through the rejoin
+        for block in LAYOUT.blocks:
+            check_aggregate(block, pushed[block.block_id], bytes(results[0][block.block_id]), 1)
+        assert member.registration.instance_id != first_instance and member.recoveries == 1
+        assert member.error is None and not restarted.dataplane.connections  # over gRPC
+        warnings = [r.getMessage() for r in caplog.records if "cannot be reached" in r.getMessage()]
+        assert len(warnings) == 1 and f"data port {restarted.service.data_port}" in warnings[0], warnings
+    finally:
+        await close([member])
+
+
+async def test_under_auto_a_stream_broken_mid_run_stays_the_shards_failure(shard: ShardServer, caplog) -> None:
+    """The other half of the rule: with no new Register (the same shard instance), a data port that
+    stops answering is not a reason to change planes: recovery retries it, and its timeout ends
+    the job, as for a shard gone."""
+    member = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=10, security=SECURITY,
+                         dataplane="auto", recovery_timeout_s=1.0)
+    caplog.set_level("WARNING", logger="cgx_ps.worker")
+    try:
+        await member.connect()
+        await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+        connection, = shard.dataplane.connections
+        shard.dataplane.stop_accepting()  # the port stops answering; gRPC and the session stay
+        connection.transport.abort()
+        await _until(lambda: member.error is not None, timeout_s=20)
+        assert isinstance(member.error, ShardUnavailableError) and "recovery timeout" in str(member.error)
+        assert not [r for r in caplog.records if "cannot be reached" in r.getMessage()]  # no fallback
+    finally:
+        await close([member])
+
+
+@pytest.mark.parametrize("requested, just_registered, falls_back", [
+    ("auto", True, True),  # a first connect, or a rejoin: the port is closed to us, not the shard gone
+    ("auto", False, False),  # a stream repaired with no new Register: the plane worked, the shard failed
+    ("raw", True, False),  # asked for: a port that cannot be reached is an error, always
+    ("raw", False, False),
+])
+def test_falls_back_to_grpc(requested: str, just_registered: bool, falls_back: bool) -> None:
+    assert falls_back_to_grpc(requested, just_registered) is falls_back
 
 
 @contextlib.contextmanager
@@ -260,6 +529,8 @@ async def test_frame_layer_fuzz_ends_every_connection_cleanly_and_the_members_tr
         assert {kind for kind, _ in endings} == set(FRAME_MUTATIONS), endings
         refusals = {code.name for code in STATUS_CODES.values()} - {"INTERNAL"}
         assert {ending for _, ending in endings} <= refusals | {"closed"}, endings  # no hang, no INTERNAL
+        # cases past the gate (the handshake right, what follows mutated) reach the service's checks
+        assert {"FAILED_PRECONDITION", "UNAUTHENTICATED"} <= {ending for _, ending in endings}, endings
         assert not [r for r in caplog.records if r.exc_info], "a traceback in the log"
         assert len([r for r in caplog.records if r.levelname != "INFO"]) <= FRAME_CASES  # one line per bad call at most
         await _until(lambda: len(shard.dataplane.connections) == 2)  # every hostile connection let go
@@ -396,6 +667,15 @@ async def test_a_member_that_stops_reading_is_let_go_not_held_forever(start_shar
         await close([member])
 
 
+async def _challenged(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """A shard's side of the handshake, by hand: the opening read, a challenge, the preface read
+    (returned)."""
+    await reader.readexactly(4 + len(opening()))
+    writer.write(_frame(challenge(new_nonce())))
+    size, _ = split_header(await reader.readexactly(4))
+    return await reader.readexactly(size)
+
+
 @pytest.mark.parametrize("answer, code, words", [
     # a status longer than any the shard writes (clipped at rpc.MAX_DETAILS_CHARS): clipped here too,
     # not an 8 MiB exception message and log line
@@ -408,7 +688,7 @@ async def test_a_member_that_stops_reading_is_let_go_not_held_forever(start_shar
 ])
 async def test_a_broken_shard_gives_the_worker_a_clear_error(answer: bytes, code: str, words: str) -> None:
     async def shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readexactly(4 + len(preface(TOKEN)))
+        await _challenged(reader, writer)
         writer.write(answer)
         await writer.drain()
         writer.close()
@@ -469,7 +749,9 @@ async def test_cancel_ends_a_write_the_shard_does_not_read() -> None:
     accepted: list[asyncio.StreamWriter] = []
 
     async def hung_shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.append(writer)  # reads nothing
+        accepted.append(writer)
+        await reader.readexactly(4 + len(opening()))
+        writer.write(_frame(challenge(new_nonce())))  # and then reads nothing
 
     server = await asyncio.start_server(hung_shard, "127.0.0.1", 0)
     try:
@@ -530,8 +812,7 @@ async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(s
         assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
         caplog.set_level("WARNING", logger="cgx_ps.server.rpc")
         for address, named in (("::1", "ipv6:[::1]:"), ("127.0.0.1", "ipv4:127.0.0.1:")):  # and IPv6, as before
-            reader, writer = await asyncio.open_connection(address, shard.data_port)
-            writer.write(_frame(preface(b"not-the-job-token")))
+            reader, writer = await _proven(shard.data_port, b"not-the-job-token", address)
             assert (await _ending(reader))[0] == "UNAUTHENTICATED"
             writer.close()
             # the log names an IPv4 client as the gRPC port's lines do, not as ipv6:::ffff:127.0.0.1
@@ -572,8 +853,7 @@ async def test_a_name_of_several_addresses_gets_one_data_port_on_all_of_them(sha
         assert {sock.getsockname()[1] for sock in plane._server.sockets} == {port}
         assert len(plane._server.sockets) == 2
         for address in ("127.0.0.1", "::1"):
-            reader, writer = await asyncio.open_connection(address, port)
-            writer.write(_frame(preface(b"not-the-job-token")))
+            reader, writer = await _proven(port, b"not-the-job-token", address)
             assert (await _ending(reader))[0] == "UNAUTHENTICATED", address
             writer.close()
     finally:
@@ -646,7 +926,8 @@ async def test_a_member_connection_that_ends_is_one_warning_line_never_a_traceba
     shard = await start_shard()
     member, = await _members(shard, 1)
     try:
-        await _until(lambda: len(shard.dataplane.connections) == 1)
+        # its stream open on the shard (past the handshake and the Hello): the shard reads its pushes
+        await _until(lambda: len(shard.dataplane.connections) == 1 and shard.service.session.streams)
         connection, = shard.dataplane.connections
         member._reader.cancel()  # the member's own reaction (a recovery) is not under test
         client = member._call._frames.sock

@@ -1,6 +1,6 @@
 """The raw data plane's listener: Exchange streams over plain TCP beside the gRPC port (a deployed
 shard's default: on a free port unless ``--data-port`` says otherwise, config.deployed_data_port;
-plaintext, token-authenticated, never with TLS).
+plaintext, authenticated by a proof of the job token, never with TLS).
 
 Why: Python gRPC costs the shard about a quarter of its CPU per round and the workers about 40%
 of theirs for pushes and results; a plain TCP stream read by an asyncio BufferedProtocol gets it
@@ -10,11 +10,15 @@ is as fast, so TLS deployments keep gRPC.
 Each connection is one Exchange stream (framing: cgx_ps/rawframes.py). Its frames go into
 ``ParameterServerService.Exchange`` unchanged, through a small context (read, write, abort), and
 through the same ``Gate.run`` as a gRPC call: the token check (``bearer_matches``), the error
-table, the clipped details and the rate-limited refusal log are the gRPC port's own. What this
+table, the clipped details and the rate-limited refusal log are the gRPC port's own. The token
+never travels on the plane (rawframes.py: a worker proves it holds it, by an HMAC of a fresh
+nonce); ``presented_token`` turns the proof into what the gate checks, the job token when the
+proof is right and nothing otherwise, so the gate alone decides, as for a gRPC call. What this
 module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hostile network:
 
-- the preface (magic, version, token) must arrive within ``first_frame_timeout_s``, and nothing
-  else is read before the gate has passed the token;
+- the handshake (the worker's opening, the shard's challenge, the worker's preface with its
+  proof) must be done within ``first_frame_timeout_s`` of connecting, and nothing else is read
+  before the gate has passed the proof;
 - a frame, once its first byte is in, must be whole within ``frame_timeout_s`` (a header
   trickled byte by byte is cut off, not held forever);
 - a frame is refused on its header when it is over gRPC's message limit (the Hello, read before
@@ -38,6 +42,7 @@ module adds is what HTTP/2 and gRPC's server gave the gRPC port, against a hosti
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import socket
 from typing import Any
@@ -46,14 +51,14 @@ import grpc
 import numpy as np
 
 from ..addresses import host_port
-from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, frame_header, parse_preface, set_stream_options,
-                         split_header, status_body)
+from ..rawframes import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, Preface, challenge, frame_header, new_nonce,
+                         opening, parse_preface, proof, set_stream_options, split_header, status_body)
 from ..security import AUTH_HEADER
 from .errors import BadRequest, LimitExceeded, ProtocolError, TimedOut
 from .rpc import Gate, clip, grpc_status
 from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 
-__all__ = ["DataPlane", "FRAME_TIMEOUT_S", "peer_name"]
+__all__ = ["DataPlane", "FRAME_TIMEOUT_S", "peer_name", "presented_token"]
 
 FRAME_TIMEOUT_S = 30.0  # from a frame's first byte to its last: 8 MiB at under 300 kB/s is cut off
 _SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
@@ -208,7 +213,10 @@ class _Aborted(grpc.aio.AbortError):
 
 class _PlaneContext:
     """What ``ParameterServerService.Exchange`` and ``Gate.run`` use of a grpc.aio
-    ServicerContext, over one connection."""
+    ServicerContext, over one connection; ``token``: what its proof stands for (presented_token)."""
+
+    # how this plane presents the job token, as the gate's refusal names it
+    token_presented_as = "the data plane handshake's proof of it"
 
     def __init__(self, connection: _Connection, token: bytes) -> None:
         self.connection = connection
@@ -326,20 +334,14 @@ class DataPlane:
         self.pending.pop(connection, None)
 
     async def serve(self, connection: _Connection) -> None:
-        """One connection: its preface, then one Exchange stream through the gate."""
+        """One connection: its handshake, then one Exchange stream through the gate."""
         context: _PlaneContext | None = None
         try:
             try:
-                frame = await asyncio.wait_for(connection.read(MAX_PREFACE), self.first_frame_timeout_s)
+                token = await asyncio.wait_for(self._handshake(connection), self.first_frame_timeout_s)
             except asyncio.TimeoutError:
                 raise TimedOut(f"no preface within {self.first_frame_timeout_s:g}s of connecting") from None
-            if frame is None or frame[0]:
-                raise BadRequest("the connection ended before its preface" if frame is None else
-                                 "a client sends no status frames")
-            preface = parse_preface(frame[1])
-            if preface.problem:
-                raise BadRequest(preface.problem)
-            context = _PlaneContext(connection, preface.token)
+            context = _PlaneContext(connection, token)
             await self.gate.run("Exchange", context, lambda: self._stream(connection, context))
             await context.end(grpc.StatusCode.OK)
         except ProtocolError as exc:  # the preface's refusals (the gate maps everything after it, the cap too)
@@ -350,6 +352,17 @@ class DataPlane:
             pass  # the stream's status went out, or the peer is gone
         finally:
             connection.close(linger_s=self.frame_timeout_s)
+
+    async def _handshake(self, connection: _Connection) -> bytes:
+        """The worker's opening, a challenge of a fresh nonce, the worker's preface: what its
+        proof stands for at the gate (presented_token). Raises BadRequest for a frame that is not
+        this framing's (a status naming both versions for another version's)."""
+        first = await _handshake_frame(connection)
+        if first.rest:  # a version 2 worker's opening is its magic and version alone
+            raise BadRequest(f"an opening of {len(opening()) + len(first.rest)} bytes; a worker's has {len(opening())}")
+        nonce = new_nonce()  # fresh per connection: a proof recorded on one is worth nothing on the next
+        await connection.write(challenge(nonce))
+        return presented_token((await _handshake_frame(connection)).rest, nonce, self.gate.token)
 
     async def _stream(self, connection: _Connection, context: _PlaneContext) -> None:
         """The Exchange stream, once the gate has passed the token: a client without it is told
@@ -375,6 +388,27 @@ class DataPlane:
                 connection.transport.abort()
         self.connections.clear()
         self.pending.clear()
+
+
+async def _handshake_frame(connection: _Connection) -> Preface:
+    """A client's handshake frame, parsed (rawframes.Preface); BadRequest for one that is not."""
+    frame = await connection.read(MAX_PREFACE)
+    if frame is None or frame[0]:
+        raise BadRequest("the connection ended before its preface" if frame is None else
+                         "a client sends no status frames")
+    parsed = parse_preface(frame[1])
+    if parsed.problem:
+        raise BadRequest(parsed.problem)
+    return parsed
+
+
+def presented_token(proof_: bytes, nonce: bytes, token: bytes | None) -> bytes:
+    """What a connection's ``proof_`` presents to the gate, as a gRPC call's bearer token: the
+    shard's ``token`` when the proof is right for ``nonce`` (constant time), else nothing, which
+    the gate refuses as it refuses a missing token. A shard without a token checks none."""
+    if token is None:
+        return b""
+    return token if hmac.compare_digest(proof_, proof(token, nonce)) else b""
 
 
 def peer_name(peername: Any) -> str:

@@ -155,7 +155,9 @@ class Gate:
     def refusal(self, method: str, context: grpc.aio.ServicerContext) -> ProtocolError | None:
         """Why a call may not proceed (before its body is read), or None."""
         if self.token is not None and not bearer_matches(context.invocation_metadata(), self.token):
-            return Unauthenticated("missing or wrong job token (authorization: Bearer ...)")
+            # named as the caller presents it: a raw data plane stream proves it (dataplane.py)
+            how = getattr(context, "token_presented_as", "authorization: Bearer ...")
+            return Unauthenticated(f"missing or wrong job token ({how})")
         if self.service.draining and method not in ("Exchange", "Status"):
             return ShuttingDown("shard is shutting down")
         return None

@@ -41,7 +41,7 @@ from ..chunkframes import PULL_FIELD, PUSH_FIELD, ChunkFrame, PushFrames, chunk_
 from ..transport import CHUNK_BYTES
 from ..v1 import ps_pb2, ps_pb2_grpc
 from .config import dataplane_problem
-from .dataplane import RawCall, decide_dataplane
+from .dataplane import RawCall, decide_dataplane, falls_back_to_grpc
 from .errors import CgxPsError, ConfigError, RoundFailedError, ShardRejectedError, ShardUnavailableError
 from .recovery import Fail, Recover, after_stream_end, broke_under_write, closed_while_connecting, connect_failure
 from .tlsprobe import closed_connection_cause
@@ -119,9 +119,8 @@ class ShardClient(ConnectionSupervisor):
         if problem is not None:
             raise ConfigError(problem)
         self._dataplane_warned = False
-        self._data_port = 0  # the shard's raw data plane, when the stream takes it
-        self._raw_worked = False  # a stream went over it: a later failure is the shard's, not a firewall's
-        self._raw_refused = False  # under auto, its first connect failed: gRPC for this client from then on
+        self._data_port = 0  # the shard's raw data plane, while the stream takes it (until the next Register)
+        self._just_registered = False  # no stream opened since the shard answered Register (falls_back_to_grpc)
         self.registration: ps_pb2.RegisterResponse | None = None
         self._channel: grpc.aio.Channel | None = None
         self._connect_deadline = 0.0  # time.monotonic() by which connecting must have worked
@@ -227,6 +226,7 @@ class ShardClient(ConnectionSupervisor):
             self._dataplane_warned = True
             log.warning("%s", choice.warning)
         self._data_port = self.registration.data_port if choice.plane == "raw" else 0
+        self._just_registered = True
 
     def _stub(self) -> ps_pb2_grpc.ParameterServerStub:
         return ps_pb2_grpc.ParameterServerStub(self._channel)
@@ -251,23 +251,23 @@ class ShardClient(ConnectionSupervisor):
 
     async def _open_call(self):
         """The Exchange call: over the shard's raw data plane when chosen and reachable, else gRPC.
-        Under auto, a first connect that fails (a NetworkPolicy without the port) falls back to
-        gRPC with one warning; once a stream went over the plane, a failure is the shard's (raised:
-        UNAVAILABLE, which recovery retries)."""
-        if self._data_port and not self._raw_refused:
+        Under auto, a data port that cannot be reached right after Register (a NetworkPolicy
+        without the port, a port-forward of the gRPC port alone; on a first connect or a rejoin of a
+        restarted shard, with its new port) sends the stream to gRPC with one warning, until the
+        shard next answers Register; otherwise a failure is the shard's (raised: UNAVAILABLE,
+        which recovery retries). falls_back_to_grpc decides."""
+        just_registered, self._just_registered = self._just_registered, False
+        if self._data_port:
             host = bare_host(self.address.rsplit(":", 1)[0])
             try:
-                call = await RawCall.open(host, self._data_port, self._token, read_result)
+                return await RawCall.open(host, self._data_port, self._token, read_result)
             except grpc.aio.AioRpcError as exc:
-                if self.dataplane == "raw" or self._raw_worked:
+                if not falls_back_to_grpc(self.dataplane, just_registered):
                     raise
-                self._raw_refused = True
                 log.warning("shard %s: its data port %d cannot be reached (%s): the Exchange stream goes over gRPC "
                             "(set CGX_PS_DATAPLANE=grpc to skip the attempt, or open the port)", self.address,
                             self._data_port, exc.details())
-            else:
-                self._raw_worked = True
-                return call
+                self._data_port = 0
         return self._exchange_call()
 
     def _drop_stream(self) -> None:

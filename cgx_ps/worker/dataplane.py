@@ -4,6 +4,9 @@ cgx_ps/rawframes.py): which transport a shard's Exchange stream takes, and the s
 * ``decide_dataplane``: the raw plane when the shard advertises a data port (RegisterResponse)
   and the worker does not use TLS (the plane is plaintext, and under TLS it saves nothing), else
   gRPC. A pure function of its inputs, as ``gpu_setup.decide_transport``.
+* ``falls_back_to_grpc``: under auto, whether a data port that cannot be reached sends the
+  stream to gRPC (the shard has just answered Register: the network's doing) or is the shard's
+  failure (a stream that broke mid-run: recovery's), also a pure function.
 * ``RawCall``: one Exchange stream over a data plane connection, shaped as the grpc.aio call
   ``ShardClient`` uses (``write``, ``cancel``, async iteration over the results). Its end is an
   ``AioRpcError`` with the shard's status, and a connection that breaks (reset, EOF without a
@@ -21,11 +24,12 @@ import grpc
 import numpy as np
 
 from ..addresses import host_port
-from ..rawframes import HEADER, MAX_FRAME, frame_header, parse_status, preface, set_stream_options, split_header
+from ..rawframes import (HEADER, MAX_CHALLENGE, MAX_FRAME, frame_header, opening, parse_challenge, parse_status,
+                         preface, proof, set_stream_options, split_header)
 from .config import DATAPLANES, dataplane_problem
 from .errors import ConfigError
 
-__all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane"]
+__all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane", "falls_back_to_grpc"]
 
 _SMALL = 1 << 16  # frames below this are handed on as bytes, larger ones as the buffer read
 CONNECT_TIMEOUT_S = 5.0  # a data port that does not answer by then is unreachable (auto: gRPC instead)
@@ -57,6 +61,16 @@ def decide_dataplane(requested: str, advertised_port: int, tls: bool, shard: str
         return DataplaneChoice("grpc", f"shard {shard} advertises a plaintext data port, but this worker uses "
                                        f"TLS: its Exchange stream stays on gRPC")
     return DataplaneChoice("raw")
+
+
+def falls_back_to_grpc(requested: str, just_registered: bool) -> bool:
+    """Under CGX_PS_DATAPLANE=``requested``, does a raw data plane connection that failed send the
+    stream to gRPC? Only under auto, and only right after the shard answered Register (a first
+    connect, or a rejoin of a restarted shard, which may listen on a new port): a port that cannot
+    be reached then is a firewall, a NetworkPolicy or a port-forward of the gRPC port alone. On a
+    stream repaired without a new Register (the plane worked for this registration), it is the
+    shard's failure, which recovery retries; under raw, it always is."""
+    return requested == "auto" and just_registered
 
 
 def _unavailable(details: str) -> grpc.aio.AioRpcError:
@@ -107,16 +121,17 @@ class _FrameSocket:
             got += n
         return got
 
-    async def read(self) -> tuple[bool, bytes | memoryview] | None:
+    async def read(self, limit: int = MAX_FRAME) -> tuple[bool, bytes | memoryview] | None:
         """(is a status frame, body) of the next frame; None at EOF between frames."""
         got = await self._fill(memoryview(self._header))
         if got == 0:
             return None
         if got < HEADER.size:
-            raise ConnectionResetError("connection closed inside a frame header")
+            raise ConnectionResetError(f"connection closed inside a frame header ({bytes(self._header[:got])!r})")
         size, status = split_header(self._header)
-        if size > MAX_FRAME:  # a shard sends none: refused before it is allocated
-            raise ConnectionResetError(f"frame of {size} bytes from the shard; at most {MAX_FRAME}")
+        if size > limit:  # a shard sends none: refused before it is allocated
+            raise ConnectionResetError(f"frame of {size} bytes from the shard (header {bytes(self._header)!r}); "
+                                       f"at most {limit}")
         body = memoryview(np.empty(size, np.uint8))  # not zeroed: the socket overwrites every byte
         if await self._fill(body) < size:
             raise ConnectionResetError(f"connection closed inside a frame of {size} bytes")
@@ -158,6 +173,15 @@ def _connect_problem(error: OSError, timeout_s: float) -> str:
     return str(error) or type(error).__name__
 
 
+def _shard_status(body: bytes | memoryview) -> grpc.aio.AioRpcError:
+    """A status frame as the error of a gRPC call that ended with it."""
+    name, details = parse_status(body)
+    code = grpc.StatusCode.__members__.get(name)
+    if code is None:  # no status a shard writes: say what came, not an empty UNKNOWN
+        code, details = grpc.StatusCode.UNKNOWN, f"malformed status from the shard: {name[:40]!r} {details}"
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class RawCall:
     """One Exchange stream over a data plane connection, as ShardClient uses a grpc.aio call."""
 
@@ -168,21 +192,53 @@ class RawCall:
     @classmethod
     async def open(cls, host: str, port: int, token: bytes, read_message: Any,
                    connect_timeout_s: float = CONNECT_TIMEOUT_S) -> "RawCall":
-        """Connect and send the preface; ``read_message`` reads a result frame (client.read_result).
-        Raises an UNAVAILABLE AioRpcError when the port cannot be reached within
-        ``connect_timeout_s`` (a firewall that drops packets would hold a connect for minutes)."""
-        sock = None
+        """Connect and do the handshake (rawframes.py): the opening, the shard's challenge, the
+        preface with the proof of ``token``; ``read_message`` reads a result frame
+        (client.read_result). Raises an UNAVAILABLE AioRpcError when the port cannot be reached,
+        or what answers is no cgx-ps shard, within ``connect_timeout_s`` (a firewall that drops
+        packets would hold a connect for minutes), before anything of the token is sent; the
+        shard's own status when it refuses the opening (another framing version)."""
+        where = f"data plane {host_port(host, port)}"
+        sock, call = None, None
         try:
             async with asyncio.timeout(connect_timeout_s):
                 sock = await _connect(host, port)
-            set_stream_options(sock)
-            call = cls(_FrameSocket(sock), read_message)
-            await call._frames.write(preface(token))
-        except OSError as exc:  # TimeoutError among them
-            if sock is not None:
+                set_stream_options(sock)
+                call = cls(_FrameSocket(sock), read_message)
+                await call._frames.write(opening())
+                nonce = await call._challenge(where)
+            await call._frames.write(preface(proof(token, nonce)))
+        except (OSError, grpc.aio.AioRpcError) as exc:  # TimeoutError among the OSErrors
+            if call is not None:
+                call.cancel()
+            elif sock is not None:
                 sock.close()
-            raise _unavailable(f"data plane {host_port(host, port)}: {_connect_problem(exc, connect_timeout_s)}") from None
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise
+            if call is not None and isinstance(exc, TimeoutError):  # connected: then nothing a shard would say
+                raise _unavailable(f"{where}: no challenge within {connect_timeout_s:g}s of connecting: not a cgx-ps "
+                                   f"shard of data plane version 2 (a port-forward or proxy to another program?)"
+                                   ) from None
+            raise _unavailable(f"{where}: {_connect_problem(exc, connect_timeout_s)}") from None
         return call
+
+    async def _challenge(self, where: str) -> bytes:
+        """The shard's nonce. A status in its place (a shard of another framing version names
+        both) is raised as the shard's; anything else that is not a challenge, as UNAVAILABLE:
+        what answers on this port is not a cgx-ps shard."""
+        try:
+            frame = await self._frames.read(MAX_CHALLENGE)
+        except ConnectionResetError as exc:
+            raise _unavailable(f"{where}: not a cgx-ps shard's challenge: {exc}") from None
+        if frame is None:
+            raise _unavailable(f"{where}: the connection closed before the shard's challenge")
+        status, body = frame
+        if status:
+            raise _shard_status(body)
+        challenge = parse_challenge(body)
+        if challenge.problem:
+            raise _unavailable(f"{where}: {challenge.problem}")
+        return challenge.nonce
 
     async def write(self, frame: Any) -> None:
         try:
@@ -211,13 +267,9 @@ class RawCall:
                 if not status:
                     yield self._parsed(body)
                     continue
-                name, details = parse_status(body)
-                if name == "OK":
+                if parse_status(body)[0] == "OK":
                     return  # the stream's clean end, as a gRPC call's OK status
-                code = grpc.StatusCode.__members__.get(name)
-                if code is None:  # no status a shard writes: say what came, not an empty UNKNOWN
-                    code, details = grpc.StatusCode.UNKNOWN, f"malformed status from the shard: {name[:40]!r} {details}"
-                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+                raise _shard_status(body)
         except OSError as exc:
             raise _unavailable(f"data plane stream broke: {exc}") from None
         raise _unavailable("data plane connection closed without a status")  # the shard died or was cut off
