@@ -99,7 +99,8 @@ def test_cluster_benchmark_smoke(clean_slate, tmp_path):
     assert cgx["colocated_cpu_s_per_step"] is not None  # the colocated shard was accounted for
     assert cgx["host_cpu_s_per_step"] == pytest.approx(cgx["worker_cpu_s_per_step"] + cgx["colocated_cpu_s_per_step"])
     assert cgx["exposed_comm_s"] is not None and cgx["pushed_bytes"] < cgx["fp32_bytes"]  # 4-bit is smaller
-    assert len(cgx["shard_cpu_s"]) == 2 and all(c is not None and c > 0 for c in cgx["shard_cpu_s"])
+    # measured for both shards (10 ms ticks again: a shard's share of 3 tiny steps may read 0; CI saw 0.01 and 0.0)
+    assert len(cgx["shard_cpu_s"]) == 2 and all(c is not None and c >= 0 for c in cgx["shard_cpu_s"])
     # both replicas trained the same model: every worker decodes the same aggregates
     assert cgx["eval_loss_per_rank"][0] == cgx["eval_loss_per_rank"][1]
     md = out_md.read_text()
