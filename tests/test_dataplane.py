@@ -428,6 +428,18 @@ class _UnreachableDataPlane(DataPlane):
             return unused.getsockname()[1]
 
 
+def _auto_member(shard: ShardServer, recovery_timeout_s: float) -> ShardClient:
+    """One node of a one-node session on ``shard``, under CGX_PS_DATAPLANE=auto."""
+    return ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=10, security=SECURITY,
+                       dataplane="auto", recovery_timeout_s=recovery_timeout_s)
+
+
+async def _first_round_on_the_plane(member: ShardClient, shard: ShardServer) -> None:
+    await member.connect()
+    await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+    assert len(shard.dataplane.connections) == 1  # over the plane
+
+
 async def test_auto_falls_back_to_grpc_on_a_rejoin_whose_new_data_port_cannot_be_reached(start_shard, caplog,
                                                                                         monkeypatch) -> None:
     """A restarted shard may listen on another data port (ephemeral: a free one): a worker that
@@ -438,13 +450,10 @@ async def test_auto_falls_back_to_grpc_on_a_rejoin_whose_new_data_port_cannot_be
 
     shard = await start_shard()
     port = shard.port
-    member = ShardClient(f"127.0.0.1:{port}", "node-0", 1, LAYOUT, connect_timeout_s=10, security=SECURITY,
-                         dataplane="auto", recovery_timeout_s=20)
+    member = _auto_member(shard, recovery_timeout_s=20)
     caplog.set_level("WARNING", logger="cgx_ps.worker")
     try:
-        await member.connect()
-        await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
-        assert len(shard.dataplane.connections) == 1  # over the plane
+        await _first_round_on_the_plane(member, shard)
         first_instance = member.registration.instance_id
         # the member learns of the restart once it is done: a recovery racing the in-process stop
         # (its Status call cancelled by the stopping server) is not what this test is about
@@ -468,12 +477,10 @@ async def test_under_auto_a_stream_broken_mid_run_stays_the_shards_failure(shard
     """The other half of the rule: with no new Register (the same shard instance), a data port that
     stops answering is not a reason to change planes: recovery retries it, and its timeout ends
     the job, as for a shard gone."""
-    member = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 1, LAYOUT, connect_timeout_s=10, security=SECURITY,
-                         dataplane="auto", recovery_timeout_s=1.0)
+    member = _auto_member(shard, recovery_timeout_s=1.0)
     caplog.set_level("WARNING", logger="cgx_ps.worker")
     try:
-        await member.connect()
-        await asyncio.wait_for(run_round([member], LAYOUT, 0), 30)
+        await _first_round_on_the_plane(member, shard)
         connection, = shard.dataplane.connections
         shard.dataplane.stop_accepting()  # the port stops answering; gRPC and the session stay
         connection.transport.abort()
