@@ -164,10 +164,14 @@ async def _connect(host: str, port: int) -> socket.socket:
     raise error
 
 
-def _connect_problem(error: OSError, timeout_s: float) -> str:
+def _connect_problem(error: OSError, timeout_s: float, connected: bool) -> str:
     """Why a data plane connection failed, as the one warning line says it: the timeout's own
-    error has no message (the line read "data plane host:port: "), and a port that never
-    answers is what a firewall dropping its packets looks like."""
+    error has no message (the line read "data plane host:port: "). A port that never answers is
+    what a firewall dropping its packets looks like; one that answers but sends no challenge in
+    time (``connected``) is not a shard of this framing."""
+    if isinstance(error, TimeoutError) and connected:
+        return (f"no challenge within {timeout_s:g}s of connecting: not a cgx-ps shard of data plane version 2 "
+                f"(a port-forward or proxy to another program?)")
     if isinstance(error, TimeoutError) and not str(error):
         return f"no answer within {timeout_s:g}s (packets to the port dropped: a firewall or NetworkPolicy?)"
     return str(error) or type(error).__name__
@@ -215,11 +219,7 @@ class RawCall:
                 sock.close()
             if isinstance(exc, grpc.aio.AioRpcError):
                 raise
-            if call is not None and isinstance(exc, TimeoutError):  # connected: then nothing a shard would say
-                raise _unavailable(f"{where}: no challenge within {connect_timeout_s:g}s of connecting: not a cgx-ps "
-                                   f"shard of data plane version 2 (a port-forward or proxy to another program?)"
-                                   ) from None
-            raise _unavailable(f"{where}: {_connect_problem(exc, connect_timeout_s)}") from None
+            raise _unavailable(f"{where}: {_connect_problem(exc, connect_timeout_s, call is not None)}") from None
         return call
 
     async def _challenge(self, where: str) -> bytes:
