@@ -40,10 +40,13 @@ import secrets
 import socket
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 from .transport import GRPC_OPTIONS
 
-__all__ = ["HEADER", "MAGIC", "MAX_CHALLENGE", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_STATUS_DETAILS",
+__all__ = ["Frame", "FrameReader", "FrameTooLarge", "HEADER", "MAGIC", "MAX_CHALLENGE", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_STATUS_DETAILS",
            "MAX_TOKEN", "NONCE_BYTES", "PROOF_LABEL", "STATUS_BIT", "VERSION", "Challenge", "Preface", "challenge",
            "frame_header", "new_nonce", "opening", "parse_challenge", "parse_preface", "parse_status", "preface",
            "proof", "set_stream_options", "split_header", "status_body"]
@@ -73,6 +76,7 @@ MAX_CHALLENGE = 32 + 4 * MAX_STATUS_DETAILS
 # a peer that vanished (a powered-off node, a dropped NAT entry) within about a minute
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 30), (socket.TCP_KEEPINTVL, 10), (socket.TCP_KEEPCNT, 3))
 _HEAD = MAGIC + bytes((VERSION,))
+SMALL_FRAME = 1 << 16  # a body below this is handed on as bytes (a Hello, a status), a larger one as received
 
 
 def set_stream_options(sock: socket.socket) -> None:
@@ -174,3 +178,71 @@ def parse_status(body: bytes | memoryview) -> tuple[str, str]:
     if len(head) < len(body) or len(details) > MAX_STATUS_DETAILS:
         details = f"{details[:MAX_STATUS_DETAILS - 40]}... ({len(body)} bytes, clipped)"
     return name, details
+
+
+class Frame(NamedTuple):
+    """One whole frame: a status frame (the stream's last) or a message, and its body."""
+
+    status: bool
+    body: bytes | memoryview
+
+
+class FrameTooLarge(ValueError):
+    """A frame header announced more than the reader's limit: refused before its body is allocated."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes; at most {limit}")
+        self.size, self.limit = size, limit
+
+
+class FrameReader:
+    """The frames of one connection, with no I/O of its own (both ends drive it: the shard's
+    asyncio BufferedProtocol, a worker's loop of ``sock_recv_into``).
+
+    The caller receives into ``buffer()`` and reports how many bytes came with ``advance(n)``,
+    which returns the frame they completed, if any. The body is received in place, into a buffer
+    of its announced size, so a multi-megabyte push or result is never copied in Python; a body
+    over ``limit`` (settable between frames: the handshake's are far smaller than a push) is
+    refused on its header, before a byte of it is allocated.
+    """
+
+    def __init__(self, limit: int = MAX_FRAME) -> None:
+        self.limit = limit
+        self._header = bytearray(HEADER.size)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a partial frame (after a timeout or a refusal: what follows is not read as frames)."""
+        self._view = memoryview(self._header)
+        self._body: memoryview | None = None  # the frame being received, once its header is in
+        self._status = False
+        self._got = 0
+
+    @property
+    def started(self) -> bool:
+        """Whether part of a frame has arrived: EOF now is inside a frame, not between two."""
+        return self._got > 0 or self._body is not None
+
+    def buffer(self) -> memoryview:
+        """Where the next bytes go: the rest of the header, or the rest of the body."""
+        return self._view[self._got:]
+
+    def advance(self, nbytes: int) -> Frame | None:
+        """``nbytes`` were written at the start of ``buffer()``: the frame they complete, or None.
+        Raises FrameTooLarge when a header announces more than ``limit``."""
+        self._got += nbytes
+        if self._got < len(self._view):
+            return None
+        self._got = 0
+        if self._body is None:
+            size, self._status = split_header(self._header)
+            if size > self.limit:
+                raise FrameTooLarge(size, self.limit)
+            if size:
+                # not zeroed (a bytearray would be: a memset of every byte the socket then overwrites)
+                self._body = self._view = memoryview(np.empty(size, np.uint8))
+                return None
+            self._body = memoryview(b"")
+        body, status = self._body, self._status
+        self.reset()
+        return Frame(status, body.tobytes() if len(body) < SMALL_FRAME else body)
