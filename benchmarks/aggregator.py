@@ -42,8 +42,8 @@ async def child(nodes: int, mb: float, threads: int, profile_rounds: int = 0) ->
 
     import cgx_ps
     from cgx_ps.kernels import quantize
-    from cgx_ps.server.aggregator import Aggregator
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.server.rounds.aggregator import Aggregator
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     layout = build_layout([TensorInfo("grad", (int(mb * 1e6 / 4),))], 1, Compression(bits=4, compress_1d=True),
                           block_bytes=4 << 20)
@@ -62,7 +62,7 @@ async def child(nodes: int, mb: float, threads: int, profile_rounds: int = 0) ->
 
     extra = {}
     if "kernel_split" in inspect.signature(Aggregator).parameters:  # as session.py passes it
-        from cgx_ps.server.threads import per_call_threads
+        from cgx_ps.server.rounds.kernel_threads import per_call_threads
         extra["kernel_split"] = per_call_threads(0, threads)
     loop = asyncio.get_running_loop()
     print(cgx_ps.__file__, flush=True)

@@ -1,6 +1,6 @@
 """argparse types for the benchmarks' numbers: a value that cannot make a run (0 rounds, 0 nodes,
 a gradient of no elements, 9 bits) is a usage error naming the flag, not a traceback after the
-shards have started (as in cgx_ps/cli.py, whose types are the command's own)."""
+shards have started (as in cgx_ps/cli/commands.py, whose types are the command's own)."""
 
 from __future__ import annotations
 

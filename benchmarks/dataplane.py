@@ -56,10 +56,10 @@ from benchmarks.argtypes import at_least, bits, fp32_megabytes  # noqa: E402
 from benchmarks.procstat import CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, thread_cpu_seconds  # noqa: E402
 from benchmarks.rawplane import IO_ENV, RawShardClient  # noqa: E402
 from benchmarks.server import make_credentials, shard_cpu_seconds, shard_workload  # noqa: E402
-from cgx_ps.security import ChannelSecurity  # noqa: E402
+from cgx_ps.net.security import ChannelSecurity  # noqa: E402
 from cgx_ps.server import LocalCluster  # noqa: E402
 from cgx_ps.server.cluster import launch_shard  # noqa: E402
-from cgx_ps.worker.client import ShardClient  # noqa: E402
+from cgx_ps.worker.shards.client import ShardClient  # noqa: E402
 
 NAMES = {"A": "gRPC (cgx-ps server)", "B": "raw TCP data plane", "C": "gRPC over TLS", "D": "raw data plane, TLS",
          "E": "raw plane, BufferedProtocol"}

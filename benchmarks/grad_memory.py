@@ -37,9 +37,9 @@ from benchmarks.workload import MODELS, build_model  # noqa: E402
 
 from cgx_ps.kernels import HEADER_SIZE, PayloadScratch  # noqa: E402
 from cgx_ps.worker import WorkerConfig  # noqa: E402
-from cgx_ps.worker.engine import CommEngine  # noqa: E402
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
-from cgx_ps.worker.pipeline import BlockPipeline  # noqa: E402
+from cgx_ps.worker.shards.engine import CommEngine  # noqa: E402
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.worker.pipeline.block_pipeline import BlockPipeline  # noqa: E402
 
 
 class EchoEngine(CommEngine):

@@ -32,10 +32,10 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/idle_stream
 
 from benchmarks.memshard import ROOT, MiB, run, settle  # noqa: E402
 from cgx_ps.kernels import Codec, encode  # noqa: E402
-from cgx_ps.security import ChannelSecurity, new_token_file  # noqa: E402
+from cgx_ps.net.security import ChannelSecurity, new_token_file  # noqa: E402
 from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file  # noqa: E402
-from cgx_ps.worker.client import ShardClient  # noqa: E402
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.worker.shards.client import ShardClient  # noqa: E402
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout  # noqa: E402
 
 
 async def push_and_idle(address: str, security: ChannelSecurity, nodes: int, block_mb: float) -> list[ShardClient]:

@@ -43,8 +43,8 @@ def _sync(device: torch.device) -> None:
 
 
 def reducer_worker(local_rank: int, numel: int, iters: int, job: str, device: torch.device) -> list[float]:
-    from cgx_ps.worker.intranode import NodeReducer
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.intranode.reduction import NodeReducer
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     layout = build_layout([TensorInfo("g", (numel,))], 1, Compression(bits=None))
     reducer = NodeReducer(layout, local_rank, 2, 0, job, timeout_s=60, device=device, run_tag=job)  # job: random per run

@@ -1,7 +1,7 @@
 """The raw data plane's measured prototype, kept for its variants (benchmarks/dataplane.py drives
 it): what Python gRPC costs the shard, and what TLS costs a plane written in Python. The shipped
-plane is cgx_ps/server/dataplane.py (the listener) and cgx_ps/worker/dataplane.py (a worker's
-stream), over the one framing in cgx_ps/rawframes.py, which this module speaks too; its
+plane is cgx_ps/server/rpc/raw_listener.py (the listener) and cgx_ps/worker/shards/raw_call.py (a worker's
+stream), over the one framing in cgx_ps/net/raw_frames.py, which this module speaks too; its
 "protocol" receive path *is* the shipped listener.
 
     python -m benchmarks.rawplane server FLAGS...   # `cgx-ps server FLAGS...` plus a raw listener
@@ -16,7 +16,7 @@ aggregator (header/crc/meta checks, the fused kernel, the result's encode) as ov
 result through the same ``NodeStream`` writer (its cap and write timeout); only the bytes' way in
 and out differs.
 
-The wire (cgx_ps/rawframes.py): frames of a 4-byte little-endian length and that many bytes. A
+The wire (cgx_ps/net/raw_frames.py): frames of a 4-byte little-endian length and that many bytes. A
 connection starts with the handshake (the worker's opening, the shard's challenge of a fresh
 nonce, the worker's preface with an HMAC of it keyed by the job token: checked once,
 ``hmac.compare_digest``; the token itself never travels), then the Exchange stream's
@@ -29,7 +29,7 @@ before it allocates. A stream's end carries a status frame (the length's top bit
 
 The shard has two receive paths (``serve_raw``'s ``io``; the shard process reads IO_ENV):
 ``FrameSocket`` awaits ``sock_recv_into`` per receive; "protocol" is the shipped listener
-(``cgx_ps.server.dataplane.DataPlane``, a BufferedProtocol that uvloop fills from its own
+(``cgx_ps.server.rpc.raw_listener.DataPlane``, a BufferedProtocol that uvloop fills from its own
 callback: no coroutine per receive). The nodes always use FrameSocket.
 
 With ``--tls-cert`` (and ``--tls-client-ca``) the listener speaks TLS with the same files, through
@@ -63,15 +63,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cgx_ps.rawframes import (HEADER, MAX_CHALLENGE, MAX_FRAME, MAX_PREFACE, challenge, frame_header, new_nonce,
+from cgx_ps.net.raw_frames import (HEADER, MAX_CHALLENGE, MAX_FRAME, MAX_PREFACE, challenge, frame_header, new_nonce,
                               opening, parse_challenge, parse_preface, parse_status, preface, proof, split_header,
                               status_body)
-from cgx_ps.server.dataplane import DataPlane, presented_token
+from cgx_ps.server.rpc.raw_listener import DataPlane, presented_token
 from cgx_ps.server.errors import BadRequest, ProtocolError, TimedOut, Unauthenticated
-from cgx_ps.server.rpc import Gate, grpc_status
-from cgx_ps.server.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
+from cgx_ps.server.rpc.gate import Gate, grpc_status
+from cgx_ps.server.rpc.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.client import ShardClient, read_result
+from cgx_ps.worker.shards.client import ShardClient, read_result
 
 __all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
 
@@ -234,7 +234,7 @@ class _RawContext:
 
 
 async def _handshake(frames: FrameSocket, token: bytes | None) -> bool:
-    """The shard's side of the handshake (cgx_ps/rawframes.py): does the worker prove ``token``?"""
+    """The shard's side of the handshake (cgx_ps/net/raw_frames.py): does the worker prove ``token``?"""
     first = await frames.read(MAX_PREFACE)
     if first is None or first[0] or parse_preface(first[1]).problem:
         return False
@@ -274,7 +274,7 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
                     tls: ssl.SSLContext | None = None, io: str = "sock") -> tuple[int, asyncio.Task]:
     """Listen on ``host``, a free port; (the port, the task serving it: cancel it to stop).
     ``io``: "sock" (FrameSocket, or TlsFrameSocket with ``tls``) or "protocol" (the shipped
-    listener, server/dataplane.py; plaintext only)."""
+    listener, server/rpc/raw_listener.py; plaintext only)."""
     if io == "protocol":
         if tls is not None:
             raise ValueError("the protocol variant is plaintext only")
@@ -379,7 +379,7 @@ class RawCall:
             sock.close()
             raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
         call = cls(frames)
-        try:  # the handshake (cgx_ps/rawframes.py): the opening, the shard's challenge, the proof
+        try:  # the handshake (cgx_ps/net/raw_frames.py): the opening, the shard's challenge, the proof
             await frames.write(opening())
             answer = await frames.read(MAX_CHALLENGE)
             nonce = parse_challenge(answer[1]).nonce if answer is not None and not answer[0] else b""

@@ -35,8 +35,8 @@ import torch
 from cgx_ps.kernels import Codec, encode
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.shards.client import ShardClient
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ class _Switchable(ShardClient):
 
 
 async def _ab(address: str, token_env: dict, pairs: int) -> dict:
-    from cgx_ps.security import ChannelSecurity
+    from cgx_ps.net.security import ChannelSecurity
     tensors = [TensorInfo(f"layer{i}.weight", (1024, 1024)) for i in range(4)]
     layout = build_layout(tensors, 1, Compression(bits=4, bucket_size=1024), block_bytes=1 << 20)
     client = _Switchable(address, "node-0", 1, layout, connect_timeout_s=30, job_id=f"ab-{uuid.uuid4().hex[:6]}",

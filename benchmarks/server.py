@@ -62,10 +62,10 @@ from benchmarks.argtypes import at_least, bits, fp32_megabytes  # noqa: E402
 from benchmarks.procstat import (CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, proc_cpu_seconds, proc_minor_faults,  # noqa: E402
                                  resident_mb, thread_cpu_seconds)
 from cgx_ps.kernels import quantize  # noqa: E402
-from cgx_ps.security import ChannelSecurity, new_token_file  # noqa: E402
+from cgx_ps.net.security import ChannelSecurity, new_token_file  # noqa: E402
 from cgx_ps.server import LocalCluster  # noqa: E402
-from cgx_ps.worker.client import ShardClient  # noqa: E402
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.worker.shards.client import ShardClient  # noqa: E402
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout  # noqa: E402
 from cgx_ps.v1 import ps_pb2  # noqa: E402
 
 CONFIG_ORDER = ("plain", "token", "tls", "mtls", "raw")

@@ -1,4 +1,4 @@
-"""What the shard's malloc thresholds (cgx_ps/server/allocator.py) cost and save: page faults and
+"""What the shard's malloc thresholds (cgx_ps/server/process/allocator.py) cost and save: page faults and
 CPU per round of honest traffic, and the peak memory of a member attacking the shard at its caps.
 
     .venv/bin/python benchmarks/shard_allocator.py [--inflight-mb 256] [--rounds 20] [--nodes 4]
@@ -37,10 +37,10 @@ from benchmarks.memshard import MiB, run, settle, start_shard  # noqa: E402
 from benchmarks.procstat import proc_cpu_seconds, proc_minor_faults  # noqa: E402
 from benchmarks.shard_attack import attack  # noqa: E402
 from cgx_ps.kernels import quantize  # noqa: E402
-from cgx_ps.security import ChannelSecurity, new_token_file  # noqa: E402
-from cgx_ps.server.allocator import MMAP_THRESHOLD  # noqa: E402
-from cgx_ps.worker.client import ShardClient  # noqa: E402
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.net.security import ChannelSecurity, new_token_file  # noqa: E402
+from cgx_ps.server.process.allocator import MMAP_THRESHOLD  # noqa: E402
+from cgx_ps.worker.shards.client import ShardClient  # noqa: E402
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout  # noqa: E402
 
 
 def settings(trims_mib: list[int]) -> dict[str, dict[str, str]]:

@@ -11,11 +11,11 @@ import grpc
 
 from benchmarks.memshard import MiB, run, settle, shown, start_shard
 from cgx_ps.kernels import HEADER_SIZE
-from cgx_ps.layout import layout_hash
-from cgx_ps.security import ChannelSecurity
-from cgx_ps.transport import CHUNK_BYTES
+from cgx_ps.model_layout import layout_hash
+from cgx_ps.net.security import ChannelSecurity
+from cgx_ps.net.channel_options import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 __all__ = ["PARKED_CHUNK", "PARKED_STREAMS", "Attacker", "attack"]
 
@@ -103,7 +103,7 @@ class Attacker:
 
 
 PARKED_STREAMS = 32
-PARKED_CHUNK = 7 * MiB  # under the 8 MiB gRPC message limit (cgx_ps.transport.GRPC_OPTIONS)
+PARKED_CHUNK = 7 * MiB  # under the 8 MiB gRPC message limit (cgx_ps.net.channel_options.GRPC_OPTIONS)
 
 
 def attack(tmp: str, token: str, inflight_mb: int, worst: bool, parked: int = PARKED_STREAMS) -> dict:

@@ -52,9 +52,9 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/shard_memor
 from benchmarks.memshard import ROOT, MiB, run, settle, shown, start_shard  # noqa: E402
 from benchmarks.shard_attack import PARKED_CHUNK, PARKED_STREAMS, attack  # noqa: E402
 from cgx_ps.kernels import quantize  # noqa: E402
-from cgx_ps.security import ChannelSecurity, new_token_file  # noqa: E402
-from cgx_ps.worker.client import ShardClient  # noqa: E402
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.net.security import ChannelSecurity, new_token_file  # noqa: E402
+from cgx_ps.worker.shards.client import ShardClient  # noqa: E402
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout  # noqa: E402
 
 
 # ---- (b) a realistic session -------------------------------------------------------------------------

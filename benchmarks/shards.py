@@ -27,7 +27,7 @@ from benchmarks.emulator import Cluster
 from benchmarks.jobs import PORTS, REPO_ROOT, JobResult, ddp_argv, repo_env, run_job, thread_env
 from benchmarks.netns import HOST_IFACE, PREFIX, ClusterError, kill_pids
 from benchmarks.procstat import HOST_PIDS_ENV, proc_cpu_seconds
-from cgx_ps.security import new_token_file
+from cgx_ps.net.security import new_token_file
 from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file
 
 __all__ = ["FRONT_ENDS", "ShardSet", "run_cgx", "start_shards"]

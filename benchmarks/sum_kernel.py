@@ -8,7 +8,7 @@ compared in the same run.
 A round is what a shard's kernel threads do for 4 nodes x 100 MB: 24 blocks of 1M elements, each
 summed from ``--nodes`` kept 4-bit pushes and re-encoded (stochastic rounding
 unless ``--nearest``), one kernel call per block on one thread (a shard's executor runs a thread
-per core and splits no call, server/threads.py). No validation, no copies, no executor: only
+per core and splits no call, server/rounds/kernel_threads.py). No validation, no copies, no executor: only
 the kernel, so its CPU per round (``time.thread_time``) is the figure a change to
 kernels/cpu.py moves. Each tree (a directory holding a ``cgx_ps`` package, say ``git archive
 <commit> cgx_ps | tar -x -C DIR``; this checkout is always the last) runs in a process of its own,

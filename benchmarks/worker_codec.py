@@ -45,11 +45,12 @@ def child(model: str, contend: bool) -> None:
     import torch
 
     import cgx_ps
-    from cgx_ps.chunkframes import PULL_FIELD, PUSH_FIELD, chunk_frames, read_chunk
-    from cgx_ps.worker import WorkerConfig, client
-    from cgx_ps.worker.blockexchange import BlockExchange, BlockState, block_seed
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-    from cgx_ps.worker.stepstats import CommSpan
+    from cgx_ps.net.chunk_frames import PULL_FIELD, PUSH_FIELD, chunk_frames, read_chunk
+    from cgx_ps.worker import WorkerConfig
+    from cgx_ps.worker.shards import client
+    from cgx_ps.worker.pipeline.block_exchange import BlockExchange, BlockState, block_seed
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.frontends.stepstats import CommSpan
 
     sys.path.insert(1, str(HERE))
     from benchmarks.workload import build_model

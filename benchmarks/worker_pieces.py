@@ -46,13 +46,13 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/worker_piec
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.workload import build_model  # noqa: E402
-from cgx_ps.chunkframes import PUSH_FIELD, chunk_frames  # noqa: E402
+from cgx_ps.net.chunk_frames import PUSH_FIELD, chunk_frames  # noqa: E402
 from cgx_ps.kernels import Codec, PayloadScratch, cpu, dequantize, encode_block, rng, wire  # noqa: E402
-from cgx_ps.server.frames import result_frames  # noqa: E402
+from cgx_ps.server.rpc.push_frames import result_frames  # noqa: E402
 from cgx_ps.v1 import ps_pb2  # noqa: E402
-from cgx_ps.worker.buffers import BlockBuffers  # noqa: E402
-from cgx_ps.worker.client import read_result  # noqa: E402
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout  # noqa: E402
+from cgx_ps.worker.pipeline.buffers import BlockBuffers  # noqa: E402
+from cgx_ps.worker.shards.client import read_result  # noqa: E402
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout  # noqa: E402
 
 
 def thread_ms(fn: Callable[[], object]) -> tuple[float, int]:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from cgx_ps.kernels import dequantize, encode
-from cgx_ps.layout import codec_of
+from cgx_ps.model_layout import codec_of
 from cgx_ps.server import ShardServer
-from cgx_ps.server.aggregator import result_seed
+from cgx_ps.server.rounds.aggregator import result_seed
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.shards.client import ShardClient
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from support import METADATA
 
 
@@ -73,7 +73,7 @@ async def raw_stream(server: ShardServer, node: str, layout: ps_pb2.Layout, sess
     """An Exchange stream we drive by hand, as the member ``node`` of the session ``session_id``."""
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     call = ps_pb2_grpc.ParameterServerStub(channel).Exchange(metadata=METADATA)
-    from cgx_ps.layout import layout_hash
+    from cgx_ps.model_layout import layout_hash
     await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout),
                                                                session_id=session_id)))
     return channel, call

@@ -14,8 +14,8 @@ import tempfile
 import time
 from typing import Callable
 
-from cgx_ps.security import ChannelSecurity, new_token_file
-from cgx_ps.worker.client import ShardClient
+from cgx_ps.net.security import ChannelSecurity, new_token_file
+from cgx_ps.worker.shards.client import ShardClient
 
 _dir = tempfile.mkdtemp(prefix="cgx-ps-test-token-")
 atexit.register(shutil.rmtree, _dir, True)

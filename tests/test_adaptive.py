@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cgx_ps.kernels import dequantize, quantize
-from cgx_ps.worker import adaptive, knapsack
-from cgx_ps.worker.adaptive import RunningAverage, TensorEstimate, choose_bits, estimate_tensor
-from cgx_ps.worker.knapsack import evaluate, solve_min_bytes
+from cgx_ps.worker.tuning import adaptive_bits as adaptive, knapsack
+from cgx_ps.worker.tuning.adaptive_bits import RunningAverage, TensorEstimate, choose_bits, estimate_tensor
+from cgx_ps.worker.tuning.knapsack import evaluate, solve_min_bytes
 
 SEEDS = range(300)  # looped inside each test; `pytest -l` shows the failing seed
 

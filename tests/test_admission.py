@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from cgx_ps.layout import layout_hash
-from cgx_ps.server.admission import Join, Refuse, Restart, admit, check_registration, session_incarnation
-from cgx_ps.server.aggregator import RoundFailure
-from cgx_ps.server.blobs import BlobStore
+from cgx_ps.model_layout import layout_hash
+from cgx_ps.server.session.admission import Join, Refuse, Restart, admit, check_registration, session_incarnation
+from cgx_ps.server.rounds.aggregator import RoundFailure
+from cgx_ps.server.session.blobs import BlobStore
 from cgx_ps.server.config import ServerConfig
 from cgx_ps.server.errors import BadRequest, Busy, Conflict, WITHHELD
-from cgx_ps.server.session import Session
+from cgx_ps.server.session.job_session import Session
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 CONFIG = ServerConfig(round_timeout_s=5.0)
 LAYOUT = build_layout([TensorInfo("secret.w", (64, 64))], 1, Compression(bits=None))

@@ -17,11 +17,11 @@ import torch
 
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.autotune import Decision
-from cgx_ps.worker.automode import REEXPLORE, AutoFigures, ModeChooser, keep_or_switch
-from cgx_ps.worker.blobformat import decode_object, encode_object
-from cgx_ps.worker.frontend import probe_problem
-from cgx_ps.worker.layout import Compression
+from cgx_ps.worker.tuning.tuner import Decision
+from cgx_ps.worker.tuning.auto_mode import REEXPLORE, AutoFigures, ModeChooser, keep_or_switch
+from cgx_ps.worker.broadcast.blob_format import decode_object, encode_object
+from cgx_ps.worker.frontends.step_driver import probe_problem
+from cgx_ps.worker.pipeline.blocks import Compression
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cgx_ps.worker.blobformat import BlobFormatError, decode_object, encode_object
-from cgx_ps.worker import blobformat
+from cgx_ps.worker.broadcast.blob_format import BlobFormatError, decode_object, encode_object
+from cgx_ps.worker.broadcast import blob_format as blobformat
 from cgx_ps.worker.errors import CgxPsError
 
 

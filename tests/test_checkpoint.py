@@ -18,7 +18,7 @@ import torch
 
 import cgx_ps.worker as cgx
 from cgx_ps.server import LocalCluster
-from cgx_ps.server.aggregator import Aggregator
+from cgx_ps.server.rounds.aggregator import Aggregator
 from cgx_ps.server.errors import Conflict, WrongRound
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import CheckpointError, Checkpoints

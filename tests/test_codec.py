@@ -135,7 +135,7 @@ def test_multithreaded_split_matches_reference() -> None:
 
 
 def test_thread_count_changes_while_other_threads_encode() -> None:
-    """Workers set the kernels' split at run time (worker/threads.py), while a shard in the same
+    """Workers set the kernels' split at run time (worker/pipeline/codec_threads.py), while a shard in the same
     process, or another pipeline, may be mid-call: no call may fail or change its bytes."""
     old = cpu.num_threads()
     x = _data(200_003)
@@ -257,7 +257,7 @@ def test_dequantize_accumulate_and_out_dtypes() -> None:
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_a_scaled_decode_is_bit_for_bit_the_decode_then_mul(bits: int) -> None:
-    # the worker's average (blockexchange.py): the division by the world size inside the kernel's
+    # the worker's average (pipeline/block_exchange.py): the division by the world size inside the kernel's
     # pass must give exactly what out.mul_(1 / world) gave after it, in every thread split
     old = cpu.num_threads()
     try:

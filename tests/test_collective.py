@@ -1,4 +1,4 @@
-"""The pure decisions behind auto mode's uncompressed steps on a process group (collective.py,
+"""The pure decisions behind auto mode's uncompressed steps on a process group (frontends/uncompressed.py,
 frontend.uncompressed_path) and the optimizer's options for them. The real all_reduce steps,
 with two processes, gloo and real shards: tests/test_ddp_hook.py."""
 
@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 import cgx_ps.worker as cgx
 from cgx_ps.worker import runtime
-from cgx_ps.worker.automode import AutoFigures
-from cgx_ps.worker.collective import collective_group, group_problem, launch_order
-from cgx_ps.worker.frontend import uncompressed_path
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.tuning.auto_mode import AutoFigures
+from cgx_ps.worker.frontends.uncompressed import collective_group, group_problem, launch_order
+from cgx_ps.worker.frontends.step_driver import uncompressed_path
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 
 def test_only_auto_modes_uncompressed_steps_with_a_group_leave_the_shards():

@@ -1,4 +1,4 @@
-"""The raw data plane (server/dataplane.py, worker/dataplane.py, rawframes.py): a second listener
+"""The raw data plane (server/rpc/raw_listener.py, worker/shards/raw_call.py, net/raw_frames.py): a second listener
 on a shared network, attacked the way the gRPC port is.
 
 In-process shards with ``data_port=0`` and connections driven by hand: what is refused (a wrong
@@ -33,16 +33,16 @@ import grpc
 import pytest
 import torch
 
-from cgx_ps.layout import layout_hash
-from cgx_ps.rawframes import (MAX_FRAME, MAX_HELLO, challenge, frame_header, new_nonce, opening, parse_challenge,
+from cgx_ps.model_layout import layout_hash
+from cgx_ps.net.raw_frames import (MAX_FRAME, MAX_HELLO, challenge, frame_header, new_nonce, opening, parse_challenge,
                               parse_status, preface, proof, split_header)
-from cgx_ps.security import ChannelSecurity, read_token
+from cgx_ps.net.security import ChannelSecurity, read_token
 from cgx_ps.server import LocalCluster, ShardServer
-from cgx_ps.server.dataplane import DataPlane, peer_name, presented_token
-from cgx_ps.server.rpc import MAX_DETAILS_CHARS, STATUS_CODES
+from cgx_ps.server.rpc.raw_listener import DataPlane, peer_name, presented_token
+from cgx_ps.server.rpc.gate import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.client import ShardClient, read_result
-from cgx_ps.worker.dataplane import DataplaneChoice, RawCall, decide_dataplane, falls_back_to_grpc
+from cgx_ps.worker.shards.client import ShardClient, read_result
+from cgx_ps.worker.shards.raw_call import DataplaneChoice, RawCall, decide_dataplane, falls_back_to_grpc
 from cgx_ps.worker.errors import ConfigError, ShardUnavailableError
 from rounds import check_aggregate, close, encode_block, make_layout, run_round
 from shard_fuzzer.frames import FRAME_MUTATIONS, fuzz_frames
@@ -401,7 +401,7 @@ async def test_auto_falls_back_to_grpc_once_and_raw_insists(start_shard, caplog)
     with socket.socket() as unused:  # a port nobody listens on: as a NetworkPolicy without the data port
         unused.bind(("127.0.0.1", 0))
         shard.service.data_port = unused.getsockname()[1]
-    caplog.set_level("WARNING", logger="cgx_ps.worker.client")
+    caplog.set_level("WARNING", logger="cgx_ps.worker.shards.client")
     members = await _members(shard, 1, plane="auto")
     try:
         _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
@@ -817,7 +817,7 @@ async def test_a_shard_on_every_ipv6_address_serves_ipv4_workers_on_both_ports(s
         await members[0].connect()
         _, results = await asyncio.wait_for(run_round(members, LAYOUT, 0), 30)
         assert len(results[0]) == len(LAYOUT.blocks) and len(shard.dataplane.connections) == 1
-        caplog.set_level("WARNING", logger="cgx_ps.server.rpc")
+        caplog.set_level("WARNING", logger="cgx_ps.server.rpc.gate")
         for address, named in (("::1", "ipv6:[::1]:"), ("127.0.0.1", "ipv4:127.0.0.1:")):  # and IPv6, as before
             reader, writer = await _proven(shard.data_port, b"not-the-job-token", address)
             assert (await _ending(reader))[0] == "UNAUTHENTICATED"

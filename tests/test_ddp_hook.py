@@ -4,7 +4,7 @@ One launch runs every scenario in sequence (tests/workers/ddp_worker.py), a seco
 same hook with the two ranks as local ranks of one node. Each scenario is checked for
 bit-identical replicas, and against the DistributedOptimizer (exactly: the same blocks, seeds
 and shards), plain DDP, or exact expectations. Another launch runs the DistributedOptimizer's
-auto-mode uncompressed steps, which all_reduce on the same gloo group (collective.py), and one
+auto-mode uncompressed steps, which all_reduce on the same gloo group (frontends/uncompressed.py), and one
 more the hook's real auto mode, whose model probes DDP's allreduce on every rank."""
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ def test_hook_auto_mode_takes_gradients_from_autograd_on_both_paths(cluster, tmp
 
 
 def test_early_handover_only_where_ddp_calls_the_hook_for_every_gradient_in_its_bucket_views():
-    from cgx_ps.worker.handover import early_action, early_handover
+    from cgx_ps.worker.frontends.handover import early_action, early_handover
 
     assert early_handover(True, True, False, False, True)
     assert early_handover(True, True, False, False, False, True)  # auto mode: its steps through DDP's allreduce

@@ -1,4 +1,4 @@
-"""The shard's open-file limit (server/fdlimit.py): raised at start to what the caps need, or a
+"""The shard's open-file limit (server/process/fdlimit.py): raised at start to what the caps need, or a
 warning when even the hard limit is below it (the shard then runs at the hard limit). The decision as a table; real `cgx-ps server`
 processes started under low limits (set by a wrapper that execs the CLI: no preexec_fn), one
 refused and one that then holds more connections than its inherited soft limit allowed."""
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from cgx_ps.rawframes import HEADER, frame_header, parse_status, split_header
+from cgx_ps.net.raw_frames import HEADER, frame_header, parse_status, split_header
 from cgx_ps.server.cluster import launch_shard, wait_for_port_file
 from cgx_ps.server.config import ServerConfig
-from cgx_ps.server.fdlimit import RESERVED_FDS, FdAction, decide_fd_limit, fds_needed
+from cgx_ps.server.process.fdlimit import RESERVED_FDS, FdAction, decide_fd_limit, fds_needed
 from support import TOKEN_FILE
 
 INF = resource.RLIM_INFINITY

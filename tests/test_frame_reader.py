@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgx_ps.rawframes import SMALL_FRAME, Frame, FrameReader, FrameTooLarge, frame_header
+from cgx_ps.net.raw_frames import SMALL_FRAME, Frame, FrameReader, FrameTooLarge, frame_header
 
 frames = st.lists(st.tuples(st.booleans(), st.binary(max_size=600)), max_size=12)
 

@@ -1,5 +1,5 @@
-"""The raw-bytes reading of chunks (cgx_ps/chunkframes.py: the shard's of pushes, server/frames.py;
-the worker's of results, worker/client.py) and both ends' framing of them (the shard's results,
+"""The raw-bytes reading of chunks (cgx_ps/net/chunk_frames.py: the shard's of pushes, server/rpc/push_frames.py;
+the worker's of results, worker/shards/client.py) and both ends' framing of them (the shard's results,
 the worker's pushes) must agree with protobuf on every input: what the fast path accepts,
 protobuf reads the same way, and what they frame, protobuf would have written byte for byte."""
 
@@ -12,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cgx_ps import chunkframes
-from cgx_ps.server import frames
+from cgx_ps.net import chunk_frames as chunkframes
+from cgx_ps.server.rpc import push_frames as frames
 from cgx_ps.server.errors import BadRequest
-from cgx_ps.transport import CHUNK_BYTES
+from cgx_ps.net.channel_options import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import CgxPsError
-from cgx_ps.worker.client import ShardClient, read_result
+from cgx_ps.worker.shards.client import ShardClient, read_result
 
 u64 = st.integers(0, (1 << 64) - 1)
 u32 = st.integers(0, (1 << 32) - 1)
@@ -96,7 +96,7 @@ def test_result_frames_are_the_bytes_protobuf_would_write(round_, block_id, size
 @given(u64, u32, st.booleans(),
        st.sampled_from([0, 1, 1000, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 5]))
 def test_push_frames_are_the_bytes_protobuf_would_write(round_, block_id, restore, size) -> None:
-    # the worker's pushes (chunkframes.py, client.py): what the shard's fast path and protobuf read
+    # the worker's pushes (net/chunk_frames.py, client.py): what the shard's fast path and protobuf read
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     got = chunkframes.chunk_frames(chunkframes.PUSH_FIELD, block_id, round_, data, restore)
     want = [ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=round_, block_id=block_id, total_bytes=size,

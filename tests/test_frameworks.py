@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cgx_ps.server import LocalCluster
-from cgx_ps.status import probe_all
+from cgx_ps.cli.status_table import probe_all
 from support import SECURITY
 
 from test_worker import run_workers  # real worker processes with the job's environment

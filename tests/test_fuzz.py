@@ -15,10 +15,10 @@ import grpc
 import pytest
 from grpc._cython import cygrpc
 
-from cgx_ps.layout import layout_hash
-from cgx_ps.security import read_token
+from cgx_ps.model_layout import layout_hash
+from cgx_ps.net.security import read_token
 from cgx_ps.server import ServerConfig, ShardServer
-from cgx_ps.server.rpc import Gate
+from cgx_ps.server.rpc.gate import Gate
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from shard_fuzzer import (DETAILS_LIMIT, KINDS, METHODS, SCENARIOS, STYLES, FuzzReport, fuzz_layout,
                           run_fuzz)

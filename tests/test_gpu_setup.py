@@ -1,4 +1,4 @@
-"""The GPU path's decisions and orderings, on CPU (cgx_ps/worker/gpu_setup.py, codec_streams.py,
+"""The GPU path's decisions and orderings, on CPU (cgx_ps/worker/gpu_setup.py, pipeline/cuda_streams.py,
 engine shutdown): CUDA IPC only where the GPUs can map each other, the CuPy kernels compiled when
 the pipeline is set up (a fake CuPy stands in for NVRTC), each codec thread's stream waiting for
 the gradient before its call, and codec threads drained before the local ranks' buffers are
@@ -20,15 +20,15 @@ import torch
 from cgx_ps.kernels import Codec
 from cgx_ps.kernels import cuda as cuda_codec
 from cgx_ps.worker import ConfigError, WorkerConfig
-from cgx_ps.worker import intranode
-from cgx_ps.worker.blockexchange import BlockExchange
-from cgx_ps.worker.codec_streams import CodecStreams
-from cgx_ps.worker.engine import CommEngine
+from cgx_ps.worker.intranode import reduction as intranode
+from cgx_ps.worker.pipeline.block_exchange import BlockExchange
+from cgx_ps.worker.pipeline.cuda_streams import CodecStreams
+from cgx_ps.worker.shards.engine import CommEngine
 from cgx_ps.worker.gpu_setup import (TransportChoice, compile_cuda_codecs, decide_transport, kernel_devices,
                                      peer_access_table)
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from cgx_ps.worker.pipeline import BlockPipeline
-from cgx_ps.worker.stepstats import CommSpan
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.block_pipeline import BlockPipeline
+from cgx_ps.worker.frontends.stepstats import CommSpan
 
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
 CONFIG = {"CGX_PS_SERVERS": "127.0.0.1:1"}
@@ -65,7 +65,7 @@ def test_cuda_ipc_only_where_every_pair_of_gpus_has_peer_access():
 def test_a_fallback_from_cuda_ipc_is_one_log_line(monkeypatch, caplog):
     monkeypatch.setattr(intranode, "peer_access_table", lambda count: {(0, 1): False, (1, 0): False})
     monkeypatch.setattr(intranode, "_cupy_importable", lambda: True)
-    with caplog.at_level(logging.WARNING, logger="cgx_ps.worker.intranode"):
+    with caplog.at_level(logging.WARNING, logger="cgx_ps.worker.intranode.reduction"):
         assert intranode.choose_transport("auto", GPU0) == "shm"
     assert [r.getMessage().count("cuda:0 -> cuda:1, cuda:1 -> cuda:0") for r in caplog.records] == [1]
 
@@ -215,7 +215,7 @@ def test_a_cuda_blocks_codec_calls_run_on_their_threads_stream_after_the_gradien
 def test_a_peer_buffer_that_is_a_copy_and_not_a_view_of_the_mapping_is_refused():
     """GPU-REVIEW item 2: ``torch.as_tensor`` on a peer's IPC mapping may copy instead of view
     (stale sums, silently). The check compares address and device (CPU tensors stand in)."""
-    from cgx_ps.worker.cuda_ipc import _check_mapped
+    from cgx_ps.worker.intranode.cuda_ipc import _check_mapped
     from cgx_ps.worker.errors import IntraNodeError
 
     mapping = torch.zeros(16)

@@ -13,11 +13,11 @@ import torch
 
 from cgx_ps.kernels import Codec, CodecError, PayloadScratch, encode
 from cgx_ps.worker import WorkerConfig
-from cgx_ps.worker.buffers import adjacent_span, work_in_place
-from cgx_ps.worker.engine import CommEngine
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from cgx_ps.worker.pipeline import BlockPipeline
-from cgx_ps.worker.threads import local_shards, plan_threads
+from cgx_ps.worker.pipeline.buffers import adjacent_span, work_in_place
+from cgx_ps.worker.shards.engine import CommEngine
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.block_pipeline import BlockPipeline
+from cgx_ps.worker.pipeline.codec_threads import local_shards, plan_threads
 
 # "big" spans several blocks (each a slice of it: in place); the small ones share a block (copied)
 SHAPES = {"big.weight": (96, 100), "small.bias": (30,), "small.weight": (10, 30)}

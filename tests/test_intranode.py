@@ -1,4 +1,4 @@
-"""Intra-node reduction (cgx_ps/worker/intranode.py, segment.py, rendezvous.py, cuda_ipc.py) on
+"""Intra-node reduction (cgx_ps/worker/intranode/reduction.py, segment.py, rendezvous.py, cuda_ipc.py) on
 its own: real processes, real sockets and memfds, exact sums; on a GPU, two processes on one device reduce through CUDA
 IPC and must match the shared-memory result bit for bit. The rendezvous is attacked with real
 processes too: squatters, another user's peer (forked and setuid to nobody, as root), foreign
@@ -28,9 +28,9 @@ import torch
 
 from cgx_ps.worker import ConfigError, IntraNodeError, WorkerConfig
 from cgx_ps.worker.gpu_setup import peer_access_table
-from cgx_ps.worker.intranode import NodeReducer, choose_transport
-from cgx_ps.worker.rendezvous import _HELLO, _RDV_MAGIC, rendezvous_name
-from cgx_ps.worker.segment import _MAGIC, Segment
+from cgx_ps.worker.intranode.reduction import NodeReducer, choose_transport
+from cgx_ps.worker.intranode.rendezvous import _HELLO, _RDV_MAGIC, rendezvous_name
+from cgx_ps.worker.intranode.segment import _MAGIC, Segment
 from workers import reduce_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,9 +129,9 @@ def test_shared_memory_reduce_scatter_all_gather_is_exact(tmp_path, size):
 
 
 def test_blocks_are_balanced_largest_first_over_shards_and_over_local_ranks():
-    from cgx_ps.layout import block_payload_size
-    from cgx_ps.worker.intranode import assign_owners
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout, largest_first
+    from cgx_ps.model_layout import block_payload_size
+    from cgx_ps.worker.intranode.reduction import assign_owners
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout, largest_first
 
     assert largest_first([5, 9, 5, 2, 7], 2) == [1, 0, 0, 1, 1]  # 9, 7, then each to the lighter bin
     assert largest_first([], 3) == [] and largest_first([4, 4, 4], 3) == [0, 1, 2]
@@ -442,7 +442,7 @@ def test_a_member_killed_during_start_up_fails_rank_0():
 def test_received_descriptors_are_close_on_exec():
     """A fork+exec on another thread (a data loader, a compiler) must not inherit a segment
     while it is being mapped."""
-    from cgx_ps.worker.rendezvous import _receive
+    from cgx_ps.worker.intranode.rendezvous import _receive
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with a, b:
@@ -559,7 +559,7 @@ def test_cuda_model_staged_through_host_memory_when_asked(tmp_path):
 def test_flags_store_and_load_through_the_fence():
     import numpy as np
 
-    from cgx_ps.worker.shm_flags import load_acquire, store_release
+    from cgx_ps.worker.intranode.shm_flags import load_acquire, store_release
 
     flags = np.zeros(4, dtype=np.int64)
     store_release(flags, 2, 7)
@@ -574,7 +574,7 @@ def test_flags_store_and_load_through_the_fence():
     (b'{"events": ["00", "00"], "offset_bytes": 8, "numel": 4, "allocation_bytes": 16}', "does not fit its allocation"),
 ])
 def test_a_bad_cuda_ipc_record_is_named_before_any_cuda_call(record, message):
-    from cgx_ps.worker.cuda_ipc import CudaIpcBuffer
+    from cgx_ps.worker.intranode.cuda_ipc import CudaIpcBuffer
 
     with pytest.raises(IntraNodeError, match=message):
         CudaIpcBuffer.open(record, 2, torch.device("cuda", 0))
@@ -582,7 +582,7 @@ def test_a_bad_cuda_ipc_record_is_named_before_any_cuda_call(record, message):
 
 def test_a_peers_posted_error_is_raised_as_its_kind_where_it_can_be():
     from cgx_ps.worker.errors import RoundFailedError, ShardUnavailableError
-    from cgx_ps.worker.intranode import relayed_error
+    from cgx_ps.worker.intranode.reduction import relayed_error
 
     error = relayed_error(1, "ShardUnavailableError", "shard a:1 sent no result")
     assert type(error) is ShardUnavailableError and str(error) == "shard a:1 sent no result (reported by local rank 1)"

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from cgx_ps.kernels import Codec, dequantize, encode
-from cgx_ps.layout import codec_of
+from cgx_ps.model_layout import codec_of
 from cgx_ps.worker import CgxPsError, WorkerConfig
-from cgx_ps.worker.autotune import Tunable
-from cgx_ps.worker.engine import CommEngine
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
-from cgx_ps.worker.pipeline import BlockPipeline
+from cgx_ps.worker.tuning.tuner import Tunable
+from cgx_ps.worker.shards.engine import CommEngine
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.block_pipeline import BlockPipeline
 
 SHAPES = {"a.weight": (64, 100), "a.bias": (64,), "b.weight": (10, 64), "c.weight": (50, 50)}
 

@@ -50,7 +50,7 @@ def documented_status_codes() -> list[str]:
 
 
 def test_the_proto_documents_every_status_code_the_shard_sends() -> None:
-    from cgx_ps.server.rpc import STATUS_CODES
+    from cgx_ps.server.rpc.gate import STATUS_CODES
 
     documented = documented_status_codes()
     assert len(documented) == len(set(documented)), documented
@@ -58,9 +58,9 @@ def test_the_proto_documents_every_status_code_the_shard_sends() -> None:
 
 
 def test_every_domain_error_has_exactly_one_status() -> None:
-    import cgx_ps.server.blobs  # noqa: F401 - its errors are subclasses too
+    import cgx_ps.server.session.blobs  # noqa: F401 - its errors are subclasses too
     from cgx_ps.server.errors import ProtocolError
-    from cgx_ps.server.rpc import STATUS_CODES, grpc_status
+    from cgx_ps.server.rpc.gate import STATUS_CODES, grpc_status
 
     assert ProtocolError not in STATUS_CODES  # abstract: every refusal says which kind it is
     for cls in _all_subclasses(ProtocolError):
@@ -74,8 +74,8 @@ def test_every_domain_error_has_exactly_one_status() -> None:
 
 
 def test_blob_errors_keep_their_statuses() -> None:
-    from cgx_ps.server.blobs import BadBlob, BlobError, BlobKeyTaken, BlobNotPut, BlobStoreFull
-    from cgx_ps.server.rpc import grpc_status
+    from cgx_ps.server.session.blobs import BadBlob, BlobError, BlobKeyTaken, BlobNotPut, BlobStoreFull
+    from cgx_ps.server.rpc.gate import grpc_status
 
     expected = {BadBlob: grpc.StatusCode.INVALID_ARGUMENT, BlobStoreFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
                 BlobKeyTaken: grpc.StatusCode.ALREADY_EXISTS, BlobNotPut: grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -84,6 +84,10 @@ def test_blob_errors_keep_their_statuses() -> None:
 
 
 def test_domain_errors_carry_no_grpc_types() -> None:
-    for module in ("errors.py", "blobs.py", "aggregator.py"):
-        source = (ROOT / "cgx_ps/server" / module).read_text()
+    # the session and the rounds are the shard's domain: only rpc/ knows it speaks gRPC
+    server = ROOT / "cgx_ps/server"
+    modules = [server / "errors.py", *sorted((server / "session").glob("*.py")), *sorted((server / "rounds").glob("*.py"))]
+    assert len(modules) > 8
+    for module in modules:
+        source = module.read_text()
         assert "import grpc" not in source and "StatusCode" not in source, module

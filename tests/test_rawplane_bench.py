@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from benchmarks.rawplane import MAX_FRAME, RawCall, RawShardClient, serve_raw
-from cgx_ps.layout import layout_hash
+from cgx_ps.model_layout import layout_hash
 from cgx_ps.server import ShardServer
 from cgx_ps.v1 import ps_pb2
-from cgx_ps.worker.layout import Compression, TensorInfo
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo
 from rounds import check_aggregate, close, encode_block, expect_status, make_layout
 from support import SECURITY
 

@@ -264,15 +264,15 @@ async def test_a_connection_broken_under_a_push_is_recovered_not_taken_for_a_ref
     every reset lands while a large push is being written, so most ends carry that status: each
     must be recovered (the stream reopened, the push sent again) and the round's result arrive."""
     from cgx_ps.kernels import Codec, dequantize, encode
-    from cgx_ps.worker.client import ShardClient
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.shards.client import ShardClient
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     shard = await start_shard()
     proxy = CuttableProxy(shard.port)
     layout = build_layout([TensorInfo("w", (2048, 1024))], 1, Compression(bits=None), block_bytes=8 << 20)
     client = ShardClient(f"127.0.0.1:{proxy.port}", "node-0", 1, layout, connect_timeout_s=10, security=SECURITY,
                          job_id=f"cut-{uuid.uuid4().hex[:6]}", recovery_timeout_s=20)
-    caplog.set_level("WARNING", logger="cgx_ps.worker.client")
+    caplog.set_level("WARNING", logger="cgx_ps.worker.shards.client")
     cuts = 8
     try:
         await client.connect()
@@ -311,9 +311,9 @@ async def test_a_replaced_node_counting_from_zero_joins_its_restarted_job(start_
     node-0 says 3 and the new node-1 says 0. Both must join one new session, in either order,
     and get the same incarnation from the shard; a process of the earlier start may not rejoin."""
     from cgx_ps.kernels import Codec, dequantize, encode
-    from cgx_ps.worker.client import ShardClient
+    from cgx_ps.worker.shards.client import ShardClient
     from cgx_ps.worker.errors import CgxPsError
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     shard = await start_shard()
     layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=None))
@@ -366,11 +366,11 @@ async def test_a_shard_gone_for_good_ends_the_exchanges_waiting_on_the_other_sha
     Here node-1 never pushes the block of shard 0: that exchange must end with shard 1's
     ShardUnavailableError right after the recovery timeout, not at shard 0's round timeout."""
     from cgx_ps.kernels import Codec, encode
-    from cgx_ps.worker.client import ShardClient
+    from cgx_ps.worker.shards.client import ShardClient
     from cgx_ps.worker.config import WorkerConfig
-    from cgx_ps.worker.engine import CommEngine
+    from cgx_ps.worker.shards.engine import CommEngine
     from cgx_ps.worker.errors import ShardUnavailableError
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     shards = [await start_shard(shard_index=i, num_shards=2, round_timeout_s=120.0) for i in range(2)]
     servers = tuple(f"127.0.0.1:{s.port}" for s in shards)
@@ -406,8 +406,8 @@ async def test_a_shard_gone_for_good_ends_the_exchanges_waiting_on_the_other_sha
 async def test_the_link_probe_and_codec_settings_are_made_again_after_a_shard_restart(start_shard) -> None:
     """Auto mode's link probe and SetCodecs go through recovery too: made while the shard is
     down, they wait for the rejoin and are made once more, on the new instance."""
-    from cgx_ps.worker.client import ShardClient
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.shards.client import ShardClient
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     shard = await start_shard()
     port = shard.port
@@ -439,8 +439,8 @@ async def test_a_control_call_failing_after_the_connection_was_replaced_does_not
     """The race behind a flaky CI run: a probe made as the shard went away failed UNAVAILABLE
     only after the supervisor had already reconnected, and marked the *new* stream broken, so
     the client recovered twice. Such a failure must retry on the new connection, not break it."""
-    from cgx_ps.worker.client import ShardClient
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.shards.client import ShardClient
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     shard = await start_shard()
     layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
@@ -482,8 +482,8 @@ class _Sink:
 
 def _aggregator(resumed: bool):
     from cgx_ps.kernels import Codec, encode
-    from cgx_ps.server.aggregator import Aggregator
-    from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+    from cgx_ps.server.rounds.aggregator import Aggregator
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
     layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
     sink = _Sink()
@@ -523,7 +523,7 @@ async def test_a_resumed_block_gives_a_restored_result_to_the_nodes_still_waitin
 def test_a_stream_that_ended_under_our_write_is_recovered_and_a_shard_error_is_final() -> None:
     """The decision behind the test above, pure: grpc's local marker of a failed write means the
     connection broke (recover, and retry a reconnect); a shard's own INTERNAL is final."""
-    from cgx_ps.worker.recovery import WRITE_FAILED_DETAILS, Fail, Recover, after_stream_end, connect_failure
+    from cgx_ps.worker.shards.recovery import WRITE_FAILED_DETAILS, Fail, Recover, after_stream_end, connect_failure
 
     assert isinstance(after_stream_end(grpc.StatusCode.INTERNAL, WRITE_FAILED_DETAILS, False), Recover)
     assert connect_failure("s:1", grpc.StatusCode.INTERNAL, WRITE_FAILED_DETAILS) is None

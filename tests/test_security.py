@@ -25,17 +25,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cgx_ps.kernels import Codec, encode
 from cgx_ps.kernels.wire import max_encoded_size
-from cgx_ps.layout import layout_hash
-from cgx_ps.security import ChannelSecurity, CredentialError
+from cgx_ps.model_layout import layout_hash
+from cgx_ps.net.security import ChannelSecurity, CredentialError
 from cgx_ps.server import LocalCluster, ServerConfig, ShardServer
-from cgx_ps.server.blobs import BlobError, BlobStore
-from cgx_ps.server.allocator import TRIM_THRESHOLD
+from cgx_ps.server.session.blobs import BlobError, BlobStore
+from cgx_ps.server.process.allocator import TRIM_THRESHOLD
 from cgx_ps.server.main import exposure_warning
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker import ConfigError, WorkerConfig
-from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.shards.client import ShardClient
 from cgx_ps.worker.errors import ShardRejectedError, ShardUnavailableError
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from support import METADATA, SECURITY, TOKEN_FILE
 
 SHARD_SETTINGS = dict(round_timeout_s=3.0, drain_timeout_s=2.0)  # conftest.start_shard
@@ -135,7 +135,7 @@ def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer):
             if writer == "root":  # a compromised or impersonated root puts a pickle
                 node, data = "node-0", pickle.dumps({"0.weight": _Plant(str(marker))})
             else:  # a valid blob, written by a member that is not the root rank
-                from cgx_ps.worker.blobformat import encode_object
+                from cgx_ps.worker.broadcast.blob_format import encode_object
                 node, data = "node-2", encode_object({"0.weight": torch.zeros(32, 16)})
             asyncio.run(_put_as(cluster.addresses[0], layout, node, nodes, job, data))
             out, err = proc.communicate(timeout=60)
@@ -499,7 +499,7 @@ def test_huge_keys_and_blocks_leave_the_shard_within_its_caps():
     assert codes[:30] == [grpc.StatusCode.INVALID_ARGUMENT] * 30, codes
     assert codes[30] == grpc.StatusCode.INVALID_ARGUMENT, codes
     # receive buffers, not 30 x 4 MiB kept; and the freed ones the shard's allocator keeps for the next
-    # round, by design up to its trim threshold (server/allocator.py: 41-49 MiB measured with it, 120+ if kept)
+    # round, by design up to its trim threshold (server/process/allocator.py: 41-49 MiB measured with it, 120+ if kept)
     allowance_mib = 40 + (TRIM_THRESHOLD >> 20)
     assert growth_mib < allowance_mib, f"shard RSS grew by {growth_mib:.0f} MiB"
 
@@ -548,7 +548,7 @@ async def test_the_codec_schedule_is_bounded(start_shard):
 
 
 async def test_streams_that_say_nothing_are_cut_off(start_shard, monkeypatch):
-    from cgx_ps.server import service
+    from cgx_ps.server.rpc import service
     monkeypatch.setattr(service, "FIRST_MESSAGE_TIMEOUT_S", 0.5)
     server = await start_shard()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -659,7 +659,7 @@ class _ScriptedResults:
 
 
 def _chunk(round_: int, total: int, offset: int, data: bytes, block: int = 0):
-    from cgx_ps.chunkframes import ChunkFrame
+    from cgx_ps.net.chunk_frames import ChunkFrame
     return ChunkFrame(round_, block, total, offset, data)
 
 

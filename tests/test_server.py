@@ -18,9 +18,9 @@ import torch
 from cgx_ps.kernels import Codec, dequantize, encode
 from cgx_ps.server import ServerConfig, ShardServer
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.shards.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError
-from cgx_ps.worker.layout import Compression, TensorInfo
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo
 from rounds import _good, check_aggregate, close, encode_block, expect_status, make_layout, raw_stream, run_round
 from support import METADATA, SECURITY, connect
 
@@ -122,7 +122,7 @@ async def test_a_round_costs_one_kernel_thread_hop_its_last_push() -> None:
     round decodes every push, so each takes its hop: two more."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cgx_ps.server.aggregator import Aggregator
+    from cgx_ps.server.rounds.aggregator import Aggregator
 
     class CountingExecutor(ThreadPoolExecutor):
         hops = 0
@@ -285,7 +285,7 @@ async def test_retried_register_does_not_reset_a_running_session(shard: ShardSer
     a = ShardClient(f"127.0.0.1:{shard.port}", "node-0", 2, layout, security=SECURITY)
     await a.connect()  # node-0 registered and streaming: the session is running
     session = shard.service.session
-    from cgx_ps.layout import layout_hash
+    from cgx_ps.model_layout import layout_hash
     request = ps_pb2.RegisterRequest(node_id="node-1", num_nodes=2, layout=layout, layout_hash=layout_hash(layout))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)

@@ -14,18 +14,18 @@ import torch
 
 from cgx_ps.kernels import Codec, CodecError, dequantize, encode
 from cgx_ps.kernels.wire import HEADER_SIZE, parse_header
-from cgx_ps.layout import LayoutError, layout_hash, validate_layout
-from cgx_ps.security import read_token
+from cgx_ps.model_layout import LayoutError, layout_hash, validate_layout
+from cgx_ps.net.security import read_token
 from cgx_ps.server import ShardServer
-from cgx_ps.server import service as service_module
-from cgx_ps.server.blobs import BlobUpload
-from cgx_ps.server.budget import ByteBudget
-from cgx_ps.transport import CHUNK_BYTES
+from cgx_ps.server.rpc import service as service_module
+from cgx_ps.server.session.blobs import BlobUpload
+from cgx_ps.server.rounds.budget import ByteBudget
+from cgx_ps.net.channel_options import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.client import ShardClient, read_result
-from cgx_ps.worker.dataplane import RawCall
+from cgx_ps.worker.shards.client import ShardClient, read_result
+from cgx_ps.worker.shards.raw_call import RawCall
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from support import METADATA, SECURITY, TOKEN_FILE, connect, until
 
 ROUND_TIMEOUT = 1.5

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from cgx_ps.kernels import Codec, dequantize, encode
-from cgx_ps.layout import layout_hash
-from cgx_ps.server import ShardServer, frames, service
-from cgx_ps.transport import CHUNK_BYTES
+from cgx_ps.model_layout import layout_hash
+from cgx_ps.server import ShardServer
+from cgx_ps.server.rpc import push_frames as frames, service
+from cgx_ps.net.channel_options import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.shards.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError
-from cgx_ps.worker.layout import Compression, TensorInfo
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo
 from rounds import TENSORS, _good, check_aggregate, close, encode_block, expect_status, make_layout, raw_stream
 from support import METADATA, SECURITY, connect
 

@@ -92,9 +92,9 @@ def test_a_cluster_passes_its_settings_to_every_shard() -> None:
 
 
 def test_a_shard_splits_a_kernel_call_only_over_the_cores_its_executor_leaves_over() -> None:
-    """server/threads.py: with a kernel thread per core (the default), blocks run side by side and
+    """server/rounds/kernel_threads.py: with a kernel thread per core (the default), blocks run side by side and
     one call is not split; with fewer executor threads than cores, a call takes the rest."""
-    from cgx_ps.server.threads import executor_threads, per_call_threads
+    from cgx_ps.server.rounds.kernel_threads import executor_threads, per_call_threads
 
     assert executor_threads(0, 2) == 2 and executor_threads(1, 2) == 1 and executor_threads(3, 2) == 3
     assert per_call_threads(0, 2) == 1  # the default on this 2-core machine: no split

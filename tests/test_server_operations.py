@@ -20,9 +20,9 @@ from cgx_ps.kernels import Codec, dequantize, encode
 from cgx_ps.server import ServerConfig, ShardServer
 from cgx_ps.server.cluster import launch_shard, wait_for_port_file
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.client import ShardClient
+from cgx_ps.worker.shards.client import ShardClient
 from cgx_ps.worker.errors import RoundFailedError
-from cgx_ps.worker.layout import Compression, TensorInfo
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo
 from rounds import check_aggregate, close, make_layout, run_round
 from support import METADATA, SECURITY, TOKEN_FILE, connect
 
@@ -160,7 +160,7 @@ async def test_blob_put_get() -> None:
 
 
 async def test_budget_cancelled_waiter_lets_smaller_ones_through() -> None:
-    from cgx_ps.server.budget import ByteBudget
+    from cgx_ps.server.rounds.budget import ByteBudget
 
     budget = ByteBudget(10)
     await budget.acquire(8)

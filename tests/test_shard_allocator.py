@@ -1,4 +1,4 @@
-"""The shard process keeps the buffers it frees for the next round (server/allocator.py): a round's
+"""The shard process keeps the buffers it frees for the next round (server/process/allocator.py): a round's
 worth of messages allocated and freed again must not be faulted in afresh every time."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cgx_ps.server.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, allocator_settings
+from cgx_ps.server.process.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, allocator_settings
 
 # A round in miniature: 4 MiB buffers held together (a shard's messages in flight), 3/4 of the
 # trim threshold in all, written (as a message is), then all freed; the minor page faults of
@@ -17,7 +17,7 @@ from cgx_ps.server.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, allocator_se
 _BUFFERS = TRIM_THRESHOLD * 3 // 4 // (4 << 20)
 _ROUNDS = f"""
 import resource, sys
-from cgx_ps.server.allocator import keep_freed_memory
+from cgx_ps.server.process.allocator import keep_freed_memory
 if sys.argv[1] == "tuned":
     assert keep_freed_memory()
 def round_():

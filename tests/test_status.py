@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cgx_ps.kernels import Codec, encode
 from cgx_ps.server import ShardServer
-from cgx_ps.status import ShardReport, _add_rates, probe_all, render_table
+from cgx_ps.cli.status_table import ShardReport, _add_rates, probe_all, render_table
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.shards.client import ShardClient
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from cgx_ps.server.cluster import wait_for_port_file
 from support import METADATA, SECURITY, TOKEN_FILE, interruptible
 

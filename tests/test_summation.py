@@ -39,7 +39,7 @@ def test_fused_sum_writes_the_accumulator_paths_bytes(numel: int, bits: int, buc
     without server-side error feedback over three rounds, and with fewer slots than pushes forcing
     folds into the accumulator (keep: slots; 0 = none, the accumulator path itself).
     Above 128 buckets a call is split across threads (cpu._run_split): as many as the kernels'
-    default, one (a shard whose executor runs a thread per core, server/threads.py), or three."""
+    default, one (a shard whose executor runs a thread per core, server/rounds/kernel_threads.py), or three."""
     gen = torch.Generator().manual_seed(seed % 2**31)
     total = EncodedSum(numel, parts=max(1, nodes if keep is None else keep), keep_bytes=0 if keep == 0 else None,
                        threads=threads)
@@ -117,7 +117,7 @@ def test_bad_push_changes_nothing_and_non_finite_or_overflowing_sums() -> None:
 
 
 def test_a_sum_holds_its_kept_pushes_or_its_accumulator_not_both() -> None:
-    """A shard is sized for one fp32 accumulator per block (server/sizing.py): the kept pushes that
+    """A shard is sized for one fp32 accumulator per block (server/process/sizing.py): the kept pushes that
     replace it must not come on top of it. Immutable payloads are kept where they are (their
     levels are not copied), a mutable one is copied, and clearing the sum lets them go."""
     numel, gen = 4096, torch.Generator().manual_seed(5)

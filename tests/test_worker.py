@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from cgx_ps.kernels import dequantize, encode
-from cgx_ps.layout import codec_of
+from cgx_ps.model_layout import codec_of
 from cgx_ps.server import LocalCluster
-from cgx_ps.server.aggregator import result_seed
+from cgx_ps.server.rounds.aggregator import result_seed
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import ConfigError, WorkerConfig
-from cgx_ps.worker.threads import plan_threads
+from cgx_ps.worker.pipeline.codec_threads import plan_threads
 from support import env_for
 from workers.step_worker import rank_gradient
 
@@ -194,7 +194,7 @@ def test_a_node_started_alone_says_whom_it_waits_for_and_names_them_when_it_give
 
 
 def test_absent_nodes_are_named_when_the_shard_count_allows_it():
-    from cgx_ps.worker.joining import absent_nodes
+    from cgx_ps.worker.broadcast.joining import absent_nodes
 
     assert absent_nodes(2, 2, 1) == ""
     assert absent_nodes(3, 1, 1) == "node-0, node-2"  # only we registered: every other node is absent
@@ -340,7 +340,7 @@ def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
     other rank fails, naming what it waited for: within the round timeout when it waited for the
     stalled rank's gradient, OWNER_GIVES_UP_S later when for its result (a live owner would have
     named a silent shard by then, intranode.py)."""
-    from cgx_ps.worker.intranode import OWNER_GIVES_UP_S
+    from cgx_ps.worker.intranode.reduction import OWNER_GIVES_UP_S
     import signal
     import time
 

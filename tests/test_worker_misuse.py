@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import cgx_ps.worker as cgx
-from cgx_ps.security import ChannelSecurity
+from cgx_ps.net.security import ChannelSecurity
 from cgx_ps.server import LocalCluster
-from cgx_ps.status import probe_all
+from cgx_ps.cli.status_table import probe_all
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import runtime
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from support import env_for
 
 ROOT = Path(__file__).resolve().parents[1]

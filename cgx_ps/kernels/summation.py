@@ -23,7 +23,7 @@ shard) is kept by reference, since nothing can change it after its crc32 was che
 one (a ``bytearray``) has its levels copied.
 
 Memory: a sum holds either its kept pushes or its accumulator, not both (``held_bytes``), so a
-shard needs what the accumulator path needed (server/sizing.py). Pushes are kept only when one
+shard needs what the accumulator path needed (server/process/sizing.py). Pushes are kept only when one
 body from each of ``parts`` nodes fits in ``keep_bytes`` (default: the accumulator's size, 4 x
 numel: up to 7 nodes at 4 bits, 15 at 2 bits); more nodes sum through the accumulator. Switching
 between the two (a warm-up's FP32 rounds, then 4-bit ones) frees the one no longer used. More

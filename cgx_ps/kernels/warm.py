@@ -29,7 +29,7 @@ def warm_kernels() -> None:
         for stochastic in (False, True):
             payload = encode_block(values, codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1,
                                    feedback=ErrorFeedback()).to_bytes()
-            total = EncodedSum(1024, parts=2)  # the round's sum (server/aggregator.py)
+            total = EncodedSum(1024, parts=2)  # the round's sum (server/rounds/aggregator.py)
             total.add(payload)
             total.add(payload)
             total.encode(codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1, feedback=ErrorFeedback())

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..addresses import host_port
-from ..security import new_token_file
+from ..net.addresses import host_port
+from ..net.security import new_token_file
 from .config import shard_flags
 
 __all__ = ["LocalCluster", "launch_shard", "run_cluster", "shard_port", "wait_for_port_file"]

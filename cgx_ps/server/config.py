@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from ..addresses import MAX_SHARDS, SHARD_COUNT
+from ..net.addresses import MAX_SHARDS, SHARD_COUNT
 from ..envparse import PORT, Bounds, env_flag, env_number, env_str, plain_number
 from ..timeline import ENV_PATH as TIMELINE_ENV, ENV_STEPS as TIMELINE_STEPS_ENV, parse_steps
-from ..transport import CHUNK_BYTES, GRPC_OPTIONS
+from ..net.channel_options import CHUNK_BYTES, GRPC_OPTIONS
 
 __all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "HEALTH_PORT_CALLS",
            "MAX_SHARDS", "MIN_CONCURRENT_RPCS", "SETTINGS", "ServerConfig", "Setting", "deployed_data_port",
@@ -65,7 +65,7 @@ class ServerConfig:
     tls_client_ca: str | None = None
     # a plaintext port serving only the gRPC health service (for kubelet probes when TLS is on)
     health_port: int = -1
-    # the raw data plane (server/dataplane.py): Exchange streams over plain TCP, token-checked;
+    # the raw data plane (server/rpc/raw_listener.py): Exchange streams over plain TCP, token-checked;
     # -1 off, 0 a free port. Off for a shard built in code (tests, embedding); a deployed shard
     # (the CLI, from_env) opens it on a free port unless it serves TLS: deployed_data_port
     data_port: int = -1
@@ -244,7 +244,7 @@ def deployed_data_port(tls: bool) -> int:
     (-1) under TLS, where the plaintext plane would undo the TLS and saves nothing (config check
     below). The plane is the faster transport (BENCHMARKS.md: ≈ 1.2× the shard's MB per CPU-second,
     less worker CPU per step), token-checked like the gRPC port, and a worker that cannot reach it
-    falls back to gRPC with one warning (worker/client.py), so it is on unless asked otherwise."""
+    falls back to gRPC with one warning (worker/shards/client.py), so it is on unless asked otherwise."""
     return -1 if tls else 0
 
 

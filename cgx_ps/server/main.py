@@ -18,19 +18,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from .. import timeline
-from ..addresses import bare_host, host_port
+from ..net.addresses import bare_host, host_port
 from ..kernels.warm import warm_kernels
-from ..security import CredentialError, read_token
-from .allocator import keep_freed_memory
+from ..net.security import CredentialError, read_token
+from .process.allocator import keep_freed_memory
 from .config import GRPC_OPTIONS, HEALTH_PORT_CALLS, ServerConfig
-from .dataplane import DataPlane
-from .fdlimit import FdAction, raise_fd_limit
+from .rpc.raw_listener import DataPlane
+from .process.fdlimit import FdAction, raise_fd_limit
 from .metrics import ShardMetrics
-from .rpc import SERVICE_NAME, add_parameter_server, add_wrong_port_answer
-from .service import ParameterServerService
-from .status import ShardStatus
-from .threads import executor_threads, usable_cpus
-from .tls import ReloadingServerCredentials
+from .rpc.gate import SERVICE_NAME, add_parameter_server, add_wrong_port_answer
+from .rpc.service import ParameterServerService
+from .rpc.shard_status import ShardStatus
+from .rounds.kernel_threads import executor_threads, usable_cpus
+from .rpc.tls import ReloadingServerCredentials
 
 __all__ = ["ShardServer", "run_server", "setup_logging"]
 
@@ -141,7 +141,7 @@ class ShardServer:
                               f"choose another --metrics-port (or -1 to disable)") from None
             self.metrics_port = self._metrics_httpd.server_port
         if self.config.data_port >= 0:
-            # same gate, same service, same cap on streams as the gRPC port (server/dataplane.py)
+            # same gate, same service, same cap on streams as the gRPC port (server/rpc/raw_listener.py)
             self.dataplane = DataPlane(self.service, gate, self.config.max_concurrent_rpcs)
             self.data_port = self.service.data_port = await self.dataplane.start(bare_host(self.config.host),
                                                                                  self.config.data_port)

@@ -10,7 +10,7 @@
     CGX_PS_JOB_ID                                      the same for every worker of one job
     CGX_PS_INCARNATION, else TORCHELASTIC_RESTART_COUNT which start of the job this is, as this
                                                        node's launcher counts it: a hint, the shards
-                                                       count the job's starts (server/admission.py)
+                                                       count the job's starts (server/session/admission.py)
     CGX_PS_INTRANODE                                   how local ranks reduce: auto (CUDA IPC for
                                                        models on a GPU, else shared memory), shm
                                                        (host shared memory even for GPU models),
@@ -35,15 +35,15 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..addresses import check_address, servers_from_env
+from ..net.addresses import check_address, servers_from_env
 from ..envparse import Bounds, env_number, plain_number
-from ..security import ChannelSecurity
+from ..net.security import ChannelSecurity
 from .errors import ConfigError
 
 __all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "SETTINGS", "dataplane_problem", "node_name"]
 
 INTRANODE_TRANSPORTS = ("auto", "shm", "cuda")
-DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/dataplane.py decides with it)
+DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/shards/raw_call.py decides with it)
 
 
 # Every number read from the environment, checked where it is read (envparse.Bounds), so the
@@ -106,7 +106,7 @@ class WorkerConfig:
     codec_threads: int = 0
     # how to reach the shards: job token, TLS (docs/security.md)
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
-    # the Exchange stream's transport: "auto", "grpc" or "raw" (worker/dataplane.py)
+    # the Exchange stream's transport: "auto", "grpc" or "raw" (worker/shards/raw_call.py)
     dataplane: str = "auto"
 
     def __post_init__(self) -> None:

@@ -11,10 +11,10 @@ from typing import Sequence
 from .. import timeline
 from ..v1 import ps_pb2
 from .config import WorkerConfig
-from .engine import CommEngine, EngineShare
+from .shards.engine import CommEngine, EngineShare
 from .errors import ConfigError
-from .layout import merge_layouts
-from .threads import apply_thread_plan, host_thread_plan
+from .pipeline.blocks import merge_layouts
+from .pipeline.codec_threads import apply_thread_plan, host_thread_plan
 
 __all__ = ["init", "shutdown", "current_config", "engine_for_layout", "engines_for_layouts", "connected_engine", "rank",
            "size"]
@@ -101,7 +101,7 @@ def shutdown() -> None:
         engine, _engine = _engine, None
     if engine is not None:
         engine.close()
-    from .intranode import close_all
+    from .intranode.reduction import close_all
 
     close_all()
     timeline.stop()  # writes CGX_PS_TIMELINE's file

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cgx_ps.addresses import servers_from_env
+from cgx_ps.net.addresses import servers_from_env
 from cgx_ps.examples import train as example_train  # the Job's training script (/app/examples/train.py)
 
 from .dockerfiles import dockerfile_entrypoint, dockerfile_instructions

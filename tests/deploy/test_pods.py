@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cgx_ps.server.sizing import shard_memory_mib
+from cgx_ps.server.process.sizing import shard_memory_mib
 
 from .dockerfiles import split_image
 from .kubelet import parse_quantity

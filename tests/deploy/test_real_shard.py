@@ -18,11 +18,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from cgx_ps import wait_for_shards as wfs  # the init container's command, `cgx-ps wait-for-shards`
-from cgx_ps.security import ChannelSecurity
+from cgx_ps.cli import wait_for_shards as wfs
+from cgx_ps.net.security import ChannelSecurity
 from cgx_ps.server.cluster import STARTUP_TIMEOUT_S, launch_shard, wait_for_port_file
-from cgx_ps.status import probe
-from cgx_ps.worker.client import ShardClient
+from cgx_ps.cli.status_table import probe
+from cgx_ps.worker.shards.client import ShardClient
 from cgx_ps.worker.config import WorkerConfig
 from rounds import check_aggregate, close, encode_block, make_layout
 

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from cgx_ps.addresses import servers_from_env
-from cgx_ps.security import ChannelSecurity
+from cgx_ps.net.addresses import servers_from_env
+from cgx_ps.net.security import ChannelSecurity
 
 from .certificates import certificates, grpc_name_matches
 from .kubelet import container_env, readable_only_by_the_pod_user, secret_file

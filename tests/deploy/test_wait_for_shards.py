@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from cgx_ps import wait_for_shards as wfs  # the init container's command, `cgx-ps wait-for-shards`
-from cgx_ps.addresses import servers_from_env
-from cgx_ps.security import ChannelSecurity
+from cgx_ps.cli import wait_for_shards as wfs
+from cgx_ps.net.addresses import servers_from_env
+from cgx_ps.net.security import ChannelSecurity
 
 from .certificates import grpc_name_matches
 from .kubelet import container_env, init_args, materialize

@@ -1,4 +1,4 @@
-"""Frame-layer fuzzing of the raw data plane (server/dataplane.py): hostile byte streams built from
+"""Frame-layer fuzzing of the raw data plane (server/rpc/raw_listener.py): hostile byte streams built from
 a valid connection (the handshake, Hello, a push) by mutating the frames themselves (their length
 words, the status bit, their bodies, how the bytes are split and where the stream stops), and
 plain garbage. The service behind the frames is the one the gRPC fuzz covers: here the target
@@ -21,8 +21,8 @@ import asyncio
 import random
 from collections import Counter
 
-from cgx_ps.chunkframes import PUSH_FIELD, chunk_frames
-from cgx_ps.rawframes import (MAX_FRAME, STATUS_BIT, frame_header, opening, parse_challenge, parse_status, preface,
+from cgx_ps.net.chunk_frames import PUSH_FIELD, chunk_frames
+from cgx_ps.net.raw_frames import (MAX_FRAME, STATUS_BIT, frame_header, opening, parse_challenge, parse_status, preface,
                               proof, split_header)
 from cgx_ps.v1 import ps_pb2
 

@@ -19,9 +19,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cgx_ps.kernels import Codec, dequantize, encode
-from cgx_ps.security import ChannelSecurity, new_token_file, read_token
-from cgx_ps.worker.client import ShardClient
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.net.security import ChannelSecurity, new_token_file, read_token
+from cgx_ps.worker.shards.client import ShardClient
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 from .calls import call
 from .cases import Case, case_rng, make_cases, metadata_for, plan_for

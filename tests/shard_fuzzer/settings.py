@@ -27,7 +27,7 @@ SERVER_STREAMS = {"Exchange", "GetBlob"}  # the shard answers with a stream
 ROUND_TIMEOUT_S = 2.0
 MAX_INFLIGHT_MB = 16
 MAX_MODEL_MB = 64  # the fuzz session's model state is tiny; this caps what a Register may ask for
-MAX_MESSAGE = 8 << 20  # the shard's grpc.max_receive_message_length (cgx_ps.transport)
+MAX_MESSAGE = 8 << 20  # the shard's grpc.max_receive_message_length (cgx_ps.net.channel_options)
 RSS_SLACK_MIB = 64  # allocator slack
 CAPACITY = MAX_INFLIGHT_MB << 20
 

@@ -32,7 +32,7 @@ def attribute(logger: str, msg: str) -> str:
     gate = GATE_LINE.match(msg)
     if gate:
         return gate["method"]
-    if logger in ("cgx_ps.server.service", "cgx_ps.server.aggregator"):
+    if logger in ("cgx_ps.server.rpc.service", "cgx_ps.server.rounds.aggregator"):
         return "Exchange"
     return "other"
 

@@ -15,9 +15,9 @@ import grpc
 import torch
 
 from cgx_ps.kernels import Codec, encode
-from cgx_ps.layout import codec_of, layout_hash
+from cgx_ps.model_layout import codec_of, layout_hash
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 from .settings import CALL_DEADLINE_S
 from .values import pick_int, pick_text

@@ -626,7 +626,7 @@ SCENARIOS = {  # run in this order by default, then the local ranks' ones
     "user_hooks_allreduce": lambda r: user_hooks_run(r, "allreduce"),
 }
 # after these the gloo group is out of step for good: the worker saves and exits at once, since its
-# final barrier would pair with an all_reduce still queued (collective.py, "A stalled rank")
+# final barrier would pair with an all_reduce still queued (frontends/uncompressed.py, "A stalled rank")
 LEAVES_GROUP_OUT_OF_STEP = {"optimizer_allreduce_abandon"}
 # run only when named (tests/test_ddp_hook.py's other launches): auto mode's uncompressed steps
 # on the process group

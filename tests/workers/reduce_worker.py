@@ -14,8 +14,8 @@ import json
 
 import torch
 
-from cgx_ps.worker.intranode import NodeReducer
-from cgx_ps.worker.layout import Compression, TensorInfo, build_layout
+from cgx_ps.worker.intranode.reduction import NodeReducer
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 SHAPES = [("a", (300, 64)), ("b", (1000,)), ("c", (77, 130))]
 

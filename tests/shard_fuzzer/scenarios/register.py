@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from cgx_ps.layout import layout_hash
+from cgx_ps.model_layout import layout_hash
 from cgx_ps.v1 import ps_pb2
 
 from ..values import U32

@@ -1,0 +1,2 @@
+"""Where a shard sums gradients: pushed chunks reassembled into blocks, per-block rounds summed and
+re-quantized once, within a byte budget."""

@@ -1,0 +1,405 @@
+"""Where gradients are summed: per-block rounds whose pushes are kept, summed and re-quantized once.
+
+Each owned block has its own round counter (rounds/block_state.py). A node's push for (block, round) is
+validated and kept in the block's EncodedSum (on the event loop when that is only a check,
+else on a kernel thread, so the event loop keeps receiving). When every node has pushed, one
+fused kernel sums the round's pushes (in arrival order, bit-identical to decoding each into a
+float32 accumulator) and encodes the sum once with the round's codec (kernels/summation.py),
+and the same bytes go to every node: the sink (the session) hears the result with the member
+of each node that pushed it. Blocks are independent,
+so early blocks are returned while later ones are still arriving.
+
+A push costs at most one hop to a kernel thread: the push that completes its round is kept,
+summed and encoded in that same hop, rather than in a second one per block. Each hop wakes an
+executor thread and, back on the event loop, resumes the push; the profiles (BENCHMARKS.md, "One
+executor hop per push", "The shard's data path on AVX2") counted these hand-offs among the
+shard's larger costs. So a push whose keeping is only a check (a compressed block of up to
+1 MiB that does not complete its round: EncodedSum keeps it where it arrived) is kept on the
+event loop, with no hop at all (threads.keeps_on_loop): a round of N nodes costs one hop per block.
+
+Mixed precision: a node whose gradient overflowed pushes a non-finite block (the header alone,
+``FLAG_NONFINITE``). It is validated like any push (header, exact size, crc), makes the sum
+NaN (``EncodedSum``: nothing more is added), and so the round's result a non-finite block too:
+every node sees the overflow and its loss scaler skips the same step. Only a flagged push does that: a sum that
+overflows from finite pushes still fails the round.
+
+A block records who pushed it (node -> member) for the round under way and the one before, and
+decides under its lock (blockstate.check_round): a node's first push counts, its retry is a
+duplicate (or, for the round just finished, gets the result again), and another member of the
+same node is refused: one local rank pushes each block.
+
+A *resumed* session (the shard restarted under a running job: ps.proto, RegisterRequest.resume)
+knows neither the blocks' rounds nor the codec settings announced to the lost instance. Each
+block takes its round from the first push or restored result it accepts (a refused one changes
+nothing, and none beyond ``MAX_RESUME_ROUND`` is taken), and the encoding of each round from that
+round's first push. A node that saw a round finish before the restart sends its
+result back (``restore``): the block adopts those bytes instead of summing the round again, and
+the nodes still waiting for that round get exactly them, so every replica applies the same
+update and none applies a step twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Callable, Collection, Mapping, Protocol
+
+from ... import timeline
+from ...kernels import HEADER_SIZE, Codec, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
+from ...kernels.wire import validate_settings
+from ...model_layout import block_payload_size, codec_of
+from ...v1 import ps_pb2
+from .block_state import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState, PushOutcome, adoption_conflict,
+                          check_header, check_result, check_round, prune_schedule, result_seed, resume_conflict)
+from ..errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
+from ..rpc.push_frames import ResultFrames
+from ..metrics import ShardMetrics
+from .kernel_threads import keeps_on_loop
+
+__all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundSum:
+    """A round's sum as the kernel thread left it: the encoded result, framed for every node, or
+    why it cannot be encoded."""
+
+    result: ResultFrames | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    block_id: int
+    round: int
+    message: str
+    missing_nodes: tuple[str, ...]
+
+
+class RoundSink(Protocol):
+    """Who hears of finished and failed rounds (the session)."""
+
+    def deliver(self, block_id: int, round_: int, result: ResultFrames, pushers: Mapping[str, int]) -> None:
+        """``result`` of a round (framed once: the same frames go to every node), for each node's
+        member in ``pushers`` (node id -> member)."""
+
+    def round_failed(self, failure: RoundFailure) -> None: ...
+
+
+class Aggregator:
+    def __init__(
+        self,
+        blocks: list[ps_pb2.BlockSpec],
+        num_nodes: int,
+        executor: Executor | None,
+        sink: RoundSink,
+        registered: Collection[str],
+        round_timeout_s: float,
+        error_feedback: bool = False,
+        metrics: ShardMetrics | None = None,
+        resumed: bool = False,
+        kernel_split: int | None = None,
+    ) -> None:
+        # kernel_split: threads one summing kernel call splits a block over (server/rounds/kernel_threads.py;
+        # None: the kernels' default)
+        self.blocks = {b.block_id: BlockState(b, block_payload_size(b),
+                                              EncodedSum(b.numel, parts=num_nodes, threads=kernel_split),
+                                              adopting=resumed, learning=resumed)
+                       for b in blocks}
+        self.resumed = resumed
+        self.num_nodes = num_nodes
+        self.executor = executor
+        self.sink = sink
+        self.registered = registered  # node ids registered so far (a live view): named on timeouts
+        self.round_timeout_s = round_timeout_s
+        self.error_feedback = error_feedback
+        self.metrics = metrics
+        self.failed: RoundFailure | None = None
+
+    # ---- queries used by the service ----------------------------------------------------------
+
+    def allowed_sizes(self, block_id: int, round_: int) -> tuple[int, ...] | range:
+        """Wire sizes a push of this block may have in a round: its codec then, uncompressed, or
+        a non-finite block (the header alone); a resumed session's block, which learns its
+        encoding from the pushes, takes any size up to uncompressed."""
+        block = self._block(block_id)
+        if block.learning:
+            return range(HEADER_SIZE, HEADER_SIZE + 4 * block.spec.numel + 1)
+        s = block.settings_for(round_)
+        size = HEADER_SIZE + body_size(codec_of(s), block.spec.numel, s.bits, s.bucket_size)
+        return size, HEADER_SIZE + 4 * block.spec.numel, HEADER_SIZE  # the last: a non-finite block
+
+    def set_codecs(self, from_round: int, changes: list[tuple[int, ps_pb2.CodecSettings]]) -> None:
+        """Schedule new settings for blocks from a round on (all or none are applied)."""
+        for block_id, settings in changes:
+            block = self._block(block_id)
+            started = block.round + (1 if block.pushed else 0)
+            if from_round < started:
+                raise WrongRound(f"block {block_id}: cannot change settings from round {from_round}, "
+                                 f"round {started - 1} is already under way")
+            if sum(1 for r, _ in block.schedule if block.round < r < from_round) >= MAX_PENDING_CODEC_CHANGES:
+                raise LimitExceeded(f"block {block_id}: {MAX_PENDING_CODEC_CHANGES} codec changes are already "
+                                    f"scheduled for future rounds")
+            try:
+                validate_settings(codec_of(settings), settings.bits, settings.bucket_size)
+            except (CodecError, ValueError) as exc:
+                raise BadRequest(f"block {block_id}: {exc}") from None
+        for block_id, settings in changes:
+            block = self.blocks[block_id]
+            block.schedule = prune_schedule(block.schedule, block.round, from_round) + [(from_round, settings)]
+            if self.metrics:
+                self.metrics.block_bits.labels(shard=self.metrics.shard, block=str(block_id)).set(
+                    settings.bits if settings.codec == ps_pb2.CODEC_MAXMIN else 32)
+
+    def resume(self, from_round: int, changes: list[tuple[int, ps_pb2.CodecSettings]]) -> None:
+        """The job resumes from a checkpoint: these blocks start at ``from_round`` with these
+        settings (all or none). Only blocks not yet pushed in this session; a repeat is a no-op."""
+        for block_id, settings in changes:
+            try:
+                validate_settings(codec_of(settings), settings.bits, settings.bucket_size)
+            except (CodecError, ValueError) as exc:
+                raise BadRequest(f"block {block_id}: {exc}") from None
+            error = resume_conflict(self._block(block_id), from_round, settings)
+            if error is not None:
+                raise error
+        for block_id, settings in changes:
+            block = self.blocks[block_id]
+            if block.resumed_at is None:
+                block.round, block.resumed_at, block.schedule = from_round, from_round, [(from_round, settings)]
+
+    def next_round(self, block_id: int) -> int:
+        return self._block(block_id).round
+
+    def opens_round(self, block_id: int, round_: int) -> bool:
+        """Would a push of this block and round be the round's first?"""
+        block = self._block(block_id)
+        return block.round == round_ and not block.pushed
+
+    def pushed_nodes(self) -> set[str]:
+        """Nodes that have pushed anything in this session."""
+        nodes = set()
+        for b in self.blocks.values():
+            nodes.update(b.pushed, b.last_pushed)
+        return nodes
+
+    def rounds_in_flight(self) -> int:
+        if self.failed is not None:
+            return 0  # a failed round will never finish: nothing to wait for
+        return sum(1 for b in self.blocks.values() if b.pushed)
+
+    def _block(self, block_id: int) -> BlockState:
+        try:
+            return self.blocks[block_id]
+        except KeyError:
+            raise BadRequest(f"block {block_id} is not owned by this shard") from None
+
+    # ---- the hot path ---------------------------------------------------------------------------
+
+    async def push(self, node_id: str, member: int, block_id: int, round_: int, payload: bytes | memoryview
+                   ) -> PushOutcome:
+        block = self._block(block_id)
+        async with block.lock:
+            if self.failed is not None:
+                raise SessionEnded(f"session failed earlier: {self.failed.message}")
+            if not block.adopting:
+                return await self._push(block, node_id, member, round_, payload)
+            # A resumed session's block takes its round from the first push, but only from one it
+            # accepts: a refused push (malformed, or a hostile round id) must change nothing, or it
+            # would set the round every other node's pushes are then refused against.
+            error = adoption_conflict(block, round_)
+            if error is not None:
+                raise error
+            before = block.round
+            block.round, block.adopting = round_, False
+            try:
+                return await self._push(block, node_id, member, round_, payload)
+            except BaseException:
+                block.round, block.adopting = before, True
+                raise
+
+    async def _push(self, block: BlockState, node_id: str, member: int, round_: int, payload: bytes | memoryview
+                    ) -> PushOutcome:
+        """A push into ``block`` (its lock held, its round known): check it, keep it, and sum
+        the round if it completes it."""
+        block_id = block.spec.block_id
+        outcome = check_round(block, node_id, member, round_)
+        if outcome is not None:
+            return outcome
+        try:
+            header = decode_header(payload)
+        except CodecError as exc:
+            raise BadRequest(f"block {block_id}: {exc}") from None
+        encoding = check_header(block, header)
+        # what the round will be once this push is kept (applied below, only if it is)
+        stochastic = header.stochastic if block.learning and block.round_encoding is None else block.round_stochastic
+        non_finite = block.round_non_finite or header.non_finite  # the result is then a non-finite block
+        completes = len(block.pushed) + 1 == self.num_nodes  # check_round: a node's first push
+        encode = self._round_encoder(block, round_, encoding, stochastic, non_finite) if completes else None
+        loop = asyncio.get_running_loop()
+        first = not block.pushed
+        arrived = time.monotonic()
+        # A push that is only checked (then kept where it arrived) is kept right here; any other takes one hop
+        # to a kernel thread, where the push completing the round is summed and encoded too
+        # (module doc, threads.keeps_on_loop)
+        try:
+            if keeps_on_loop(len(payload), block.sum.keeps(header), completes):
+                kept = self._keep(block, round_, node_id, payload, None)
+            else:
+                kept = await loop.run_in_executor(self.executor, self._keep, block, round_, node_id, payload,
+                                                  encode)
+        except CodecError as exc:
+            raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
+        block.round_stochastic = stochastic
+        if first:
+            block.first_push_at = arrived
+            block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
+        block.pushed[node_id] = member
+        block.round_encoding = encoding
+        block.round_non_finite = non_finite
+        if self.metrics:
+            self.metrics.bytes_in.inc(len(payload))
+            if not header.non_finite:
+                self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
+        if kept is not None:
+            self._finish(block, round_, kept, arrived)
+        return PushOutcome(accepted=True)
+
+    async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes | memoryview
+                      ) -> PushOutcome:
+        """A node's copy of a round's result from the lost shard instance (resumed sessions only):
+        adopt it unless the block is already past that round (module doc)."""
+        block = self._block(block_id)
+        if not self.resumed:
+            raise BadRequest(f"block {block_id}: a result may be restored only into a session resumed after "
+                             f"a shard restart (RegisterRequest.resume)")
+        async with block.lock:
+            if self.failed is not None:
+                raise SessionEnded(f"session failed earlier: {self.failed.message}")
+            error = adoption_conflict(block, round_) if block.adopting else None
+            if error is not None:
+                raise error
+            if not block.adopting and round_ < block.round:
+                return PushOutcome(accepted=False)  # another node restored it first, or it is older
+            if not block.adopting and (round_ > block.round or block.summed_here):
+                raise WrongRound(f"block {block_id}: cannot restore round {round_}, the block is at round "
+                                 f"{block.round}{' and has summed rounds since the restart' if block.summed_here else ''}")
+            check_result(block, result)
+            framed = ResultFrames.of(block_id, round_, result)
+            waiting = block.pushed  # nodes that pushed this round here: they get the restored bytes
+            if block.timer is not None:
+                block.timer.cancel()
+            block.last_result, block.last_pushed, block.pushed = framed, waiting, {}
+            block.sum.clear()  # the pushes of the round it replaces are not summed
+            block.round, block.adopting, block.restored, block.round_encoding = round_ + 1, False, True, None
+            log.info("block %d: round %d restored from node %s (%d node(s) were waiting for it)", block_id, round_,
+                     node_id, len(waiting))
+            if waiting:
+                self.sink.deliver(block_id, round_, framed, waiting)
+            return PushOutcome(accepted=True)
+
+    def _round_encoder(self, block: BlockState, round_: int, encoding: tuple[int, int, int], stochastic: bool,
+                       non_finite: bool) -> Callable[[], EncodedBlock]:
+        """How the round's sum is encoded: the way its pushes were (a resumed session's block, which
+        learns its settings from the pushes, with their rounding too), seeded by block and round."""
+        codec, bits, bucket = encoding
+        # A compressed result is encoded into the block's reused buffer (at most ~1/4 of the block's
+        # fp32 bytes, at 8 bits); an uncompressed one (warm-up rounds) into a fresh one, let go once
+        # framed: a scratch of the block's full size kept besides its accumulator would break the
+        # shard's memory rule (server/process/sizing.py)
+        scratch = block.result_scratch if codec == Codec.MAXMIN else None
+        return functools.partial(block.sum.encode, codec, bits=bits, bucket_size=bucket,
+                                 stochastic=stochastic if block.learning else block.settings_for(round_).stochastic,
+                                 seed=result_seed(block.spec.block_id, round_),
+                                 feedback=block.feedback if self.error_feedback else None,
+                                 allow_non_finite=non_finite, scratch=scratch)
+
+    @staticmethod
+    def _keep(block: BlockState, round_: int, node_id: str, payload: bytes | memoryview,
+              encode: Callable[[], EncodedBlock] | None) -> RoundSum | None:
+        """On a kernel thread: check and keep a push (CodecError: refused, nothing kept); with
+        ``encode`` (the push completes its round), the round's sum too.
+
+        Any other failure (memory exhausted, a bug) may leave the sum half changed: keeping the
+        push that completes a round counts it before the encode fails, and the same push sent
+        again would then be summed twice, a wrong result for every node without a word. So it
+        fails the round, for every node, naming the error (a RoundSum without a result)."""
+        try:
+            with timeline.span("sum", round_, block=block.spec.block_id, node=node_id):
+                block.sum.add(payload)
+        except CodecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - see above: the round fails, named, for everyone
+            return RoundSum(None, f"keeping node {node_id}'s push failed: {type(exc).__name__}: {exc}")
+        if encode is None:
+            return None
+        with timeline.span("re-encode", round_, block=block.spec.block_id):
+            try:
+                # framed straight from the encode buffer: the result's one copy (frames.ResultFrames)
+                return RoundSum(ResultFrames.of(block.spec.block_id, round_, encode().stamped()))
+            except CodecError as exc:  # one node sent huge finite values: the sum is not encodable
+                return RoundSum(None, str(exc))
+            except Exception as exc:  # noqa: BLE001 - see above
+                return RoundSum(None, f"{type(exc).__name__}: {exc}")
+
+    def _finish(self, block: BlockState, round_: int, summed: RoundSum, last_arrived: float) -> None:
+        if block.timer is not None:
+            block.timer.cancel()
+        if summed.result is None:  # fail loudly, for every node
+            self._fail(RoundFailure(block.spec.block_id, round_,
+                                    f"aggregate of block {block.spec.block_id} round {round_} "
+                                    f"cannot be encoded: {summed.error}", ()))
+            return
+        block.sum.clear()
+        block.last_result = summed.result
+        block.last_pushed = block.pushed
+        block.pushed = {}
+        block.round_encoding = None
+        block.round_non_finite = False
+        block.round += 1
+        block.restored, block.summed_here = False, True
+        if self.metrics:
+            self.metrics.rounds.inc()
+            self.metrics.round_latency.observe(time.monotonic() - block.first_push_at)
+            self.metrics.last_node_wait.observe(last_arrived - block.first_push_at)
+        self.sink.deliver(block.spec.block_id, round_, summed.result, block.last_pushed)
+
+    # ---- failure --------------------------------------------------------------------------------
+
+    def _timeout(self, block: BlockState, round_: int) -> None:
+        if block.round != round_ or self.failed is not None:
+            return
+        registered = set(self.registered)
+        missing = sorted(registered - block.pushed.keys())
+        never = self.num_nodes - len(registered)
+        who = ", ".join(missing) if missing else "none of the registered nodes"
+        extra = (f" and {never} of {self.num_nodes} node(s) that never registered with this shard (registered: "
+                 f"{', '.join(sorted(registered)) or 'none'})") if never > 0 else ""
+        self._fail(RoundFailure(
+            block.spec.block_id, round_,
+            f"round {round_} of block {block.spec.block_id} timed out after {self.round_timeout_s:g}s "
+            f"waiting for node(s): {who}{extra}",
+            tuple(missing),
+        ))
+
+    def _fail(self, failure: RoundFailure) -> None:
+        if self.failed is not None:
+            return
+        self.failed = failure
+        for b in self.blocks.values():
+            if b.timer is not None:
+                b.timer.cancel()
+        if self.metrics:
+            self.metrics.rounds_failed.inc()
+        log.error("round failed: %s", failure.message)
+        self.sink.round_failed(failure)
+
+    def close(self) -> None:
+        for b in self.blocks.values():
+            if b.timer is not None:
+                b.timer.cancel()
