@@ -127,7 +127,7 @@ def test_transformer_shapes_from_their_configs(model, params, tensors):
 def test_uncompressed_follows_the_workers_layout():
     from cgx_ps.kernels.wire import Codec, body_size
     from cgx_ps.v1 import ps_pb2
-    from cgx_ps.worker.layout import Compression
+    from cgx_ps.worker import Compression
 
     rule = Compression()
     for t in resnet50_tensors() + [Tensor("tiny", (4, 255)), Tensor("edge", (8, 128))]:

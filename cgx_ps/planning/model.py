@@ -42,8 +42,8 @@ __all__ = [
 OPTIONS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-8bit", "cgx-4bit", "cgx-2bit")
 DDP_BUCKET_BYTES = 25 << 20  # torch DDP's bucket_cap_mb default
 DDP_FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: small, so the first allreduce starts early
-CGX_BLOCK_BYTES = 4 << 20  # fp32 bytes per block: cgx_ps/worker/layout.py DEFAULT_BLOCK_BYTES
-MIN_COMPRESSED_NUMEL = 1024  # cgx_ps/worker/layout.py Compression.min_numel: smaller tensors go as fp32
+CGX_BLOCK_BYTES = 4 << 20  # fp32 bytes per block: the worker layout's DEFAULT_BLOCK_BYTES
+MIN_COMPRESSED_NUMEL = 1024  # cgx_ps.worker.Compression.min_numel: smaller tensors go as fp32
 BUCKET_SIZE = 1024  # elements per max-min bucket (Compression.bucket_size)
 HEADER_BYTES = 32  # cgx_ps/kernels/wire.py HEADER_SIZE, one per block
 POWERSGD_RANK = 4
@@ -146,7 +146,7 @@ class Prediction:
 
 def uncompressed(shape: Sequence[int]) -> bool:
     """Whether cgx-ps sends this gradient as fp32: 1-D tensors and those under ``MIN_COMPRESSED_NUMEL``
-    elements (biases, norms), as ``cgx_ps.worker.layout.Compression.settings_for`` decides by default."""
+    elements (biases, norms), as ``cgx_ps.worker.Compression.settings_for`` decides by default."""
     return len(shape) <= 1 or math.prod(shape) < MIN_COMPRESSED_NUMEL
 
 
