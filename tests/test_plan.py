@@ -17,7 +17,7 @@ import pytest
 from cgx_ps.planning import Cluster, Speeds, Tensor, Workload, predict, predict_all, shards_needed, workload
 from cgx_ps.planning.command import parse_rate
 from cgx_ps.planning.model import OPTIONS, compressed_bytes, pipeline_finish, ring_seconds, uncompressed
-from cgx_ps.planning.shapes import resnet50_tensors, sized_workload
+from cgx_ps.planning.shapes import backward_split, resnet50_tensors, sized_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,6 +113,10 @@ def test_resnet50_is_torchvisions():
     assert sum(t.compute for t in tensors) / 2 == pytest.approx(4.09e9, rel=0.01)
     job = workload("resnet50")
     assert job.tensors[0].name == "fc.bias" and job.tensors[-1].name == "conv1.weight"  # backward order
+    split = dict(backward_split(job))
+    assert sum(split.values()) == pytest.approx(job.compute_s * job.overlap)
+    # by FLOPs: the stem's 118 M multiply-adds outweigh the 2 M of the classifier with 17x its parameters
+    assert split["conv1.weight"] > 10 * split["fc.weight"] and split["bn1.weight"] == 0.0
 
 
 @pytest.mark.parametrize("model, params, tensors", [("bert-base", 109_482_240, 199), ("gpt2", 124_439_808, 148),

@@ -161,10 +161,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     placement = "shards colocated, one per node" if args.shards is None else f"{args.shards} dedicated shard hosts"
     print(f"{job.name}: {job.params:,} parameters in {len(job.tensors)} tensors, compute {job.compute_s * 1e3:.0f} "
-          f"ms/step; {args.nodes} nodes x {args.gpus_per_node} GPU, {args.link / 1e9:g} Gbit/s links, {placement}; "
+          f"ms/step; {args.nodes} nodes x {args.gpus_per_node} GPU{'s' if args.gpus_per_node > 1 else ''}, {args.link / 1e9:g} Gbit/s links, {placement}; "
           f"speeds {'measured here' if args.calibrate else 'from BENCHMARKS.md'}")
     print("\n".join(_table(rows, ddp)))
-    print(f"shards: {needed} dedicated shard host{'s' if needed > 1 else ''} keep the shards' links from limiting "
+    print(f"shards: {needed} dedicated shard host{'s keep' if needed > 1 else ' keeps'} the shards' links from limiting "
           f"cgx-ps 4-bit on {args.nodes} nodes (BytePS's rule, as many as the nodes, is the bound)")
     print(f"recommended: {best.name} — {_reason(best, ddp, cluster, fastest)}")
     return 0

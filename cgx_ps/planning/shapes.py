@@ -26,7 +26,7 @@ from typing import Iterable
 
 from .model import Tensor, Workload
 
-__all__ = ["COMPUTE_S", "MODELS", "PlanningError", "resnet50_tensors", "sized_workload", "workload"]
+__all__ = ["COMPUTE_S", "MODELS", "PlanningError", "backward_split", "resnet50_tensors", "sized_workload", "workload"]
 
 
 class PlanningError(ValueError):
@@ -147,3 +147,12 @@ def sized_workload(params: int, compute_s: float, name: str | None = None) -> Wo
         shapes = [*shapes, (rest % 4096,)] if rest % 4096 else shapes
     tensors = tuple(Tensor(f"layer{i}.weight", s) for i, s in enumerate(shapes))
     return Workload(name or f"{params:,} parameters", tuple(reversed(tensors)), compute_s)
+
+
+def backward_split(job: Workload) -> list[tuple[str, float]]:
+    """Seconds of backward spent on each gradient, in the order backward produces them (each tensor's
+    ``compute`` share of ``compute_s * overlap``): what a benchmark that emulates compute layer by layer
+    sleeps before each gradient is ready."""
+    weights = [t.numel if t.compute is None else t.compute for t in job.tensors]
+    total = sum(weights) or 1.0
+    return [(t.name, job.compute_s * job.overlap * w / total) for t, w in zip(job.tensors, weights)]
