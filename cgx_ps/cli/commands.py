@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cgx-ps", description=summary, epilog=rest,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    __import__("cgx_ps.planning.command", fromlist=["add_parser"]).add_parser(sub)  # cgx-ps plan
 
     server = sub.add_parser("server", help="run one parameter-server shard")
     _add_server_options(server, per_shard=True)
@@ -213,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = _port_range_problem(args)
         if problem:
             parser.error(problem)
-        return _run(args)
+        return args.command_run(args) if hasattr(args, "command_run") else _run(args)
     except KeyboardInterrupt:
         # Ctrl-C before a command installed its own handler: while parsing or importing (the
         # whole process group gets it, so a cluster's shards may be anywhere in their start-up)

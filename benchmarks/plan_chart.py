@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""The performance model (cgx_ps/planning/model.py) against the measured cells of BENCHMARKS.md, and its
+extrapolation to 256 nodes as a chart.
+
+    .venv/bin/python benchmarks/plan_chart.py                  # the error table (Markdown) on stdout
+    .venv/bin/python benchmarks/plan_chart.py --png benchmarks/results/model-step-time-vs-nodes.png
+
+The cells are mlp17m (benchmarks/workload.py) on emulated hosts of one 2-core machine (benchmarks/cluster.py):
+one worker per host, its compute on the CPU. So the model runs with the CPU's fp16 cast speed (BENCHMARKS.md,
+"Codecs": torch's cast, 1.09 G elements/s) in place of a GPU's, and each cell gives the compute alone that
+its own run measured. The "shared cores" column adds what a real cluster does not have: every host's
+CPU shares the machine's 2 cores (``predicted``). docs/performance-model.md has the table and what it shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # `python benchmarks/plan_chart.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from cgx_ps.planning import Cluster, Speeds, Tensor, Workload, predict, workload  # noqa: E402
+
+OPTIONS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-8bit", "cgx-4bit", "cgx-2bit")
+EMULATED = replace(Speeds(), cast_eps=1.09e9)  # the emulated hosts' "device" is the CPU (torch's fp16 cast)
+CORES = 2
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured median step (s) of BENCHMARKS.md: ``line`` is its table row there."""
+
+    line: int
+    nodes: int
+    rate: float
+    shards: int | None  # None: colocated, one per host
+    compute_s: float  # that run's compute alone (single process), or derived where the section gives none
+    option: str
+    measured_s: float
+
+
+# compute: 0.100 (line 1993), 0.139 (2190), 0.138 (benchmarks/results/cluster-10gbit-auto-3runs.json, the runs'
+# "single" rows); the 3-host section (lines 1837-1863) gives none, so it is solved from each row's own
+# "comm cut vs DDP fp32": (ddp - x) / (cgx - x) = cut
+CELLS = (
+    Cell(1997, 2, 1e9, None, 0.100, "ddp-fp32", 0.685),
+    Cell(1998, 2, 1e9, None, 0.100, "ddp-fp16", 0.420),
+    Cell(2000, 2, 1e9, None, 0.100, "cgx-4bit", 0.182),
+    Cell(2194, 2, 1e9, None, 0.139, "ddp-fp32", 0.749),
+    Cell(2195, 2, 1e9, None, 0.139, "ddp-fp16", 0.505),
+    Cell(2196, 2, 1e9, None, 0.139, "cgx-4bit", 0.257),
+    Cell(1787, 2, 1e10, None, 0.138, "ddp-fp32", 0.236),
+    Cell(1858, 3, 1e8, None, 0.178, "ddp-fp32", 8.110),
+    Cell(1858, 3, 1e8, None, 0.178, "ddp-fp16", 4.333),
+    Cell(1858, 3, 1e8, None, 0.178, "cgx-4bit", 1.466),
+    Cell(1859, 3, 1e8, 2, 0.213, "ddp-fp32", 8.120),
+    Cell(1859, 3, 1e8, 2, 0.213, "ddp-fp16", 4.300),
+    Cell(1859, 3, 1e8, 2, 0.213, "cgx-4bit", 1.895),
+    Cell(1860, 3, 1e9, None, 0.179, "ddp-fp32", 1.195),
+    Cell(1860, 3, 1e9, None, 0.179, "ddp-fp16", 0.897),
+    Cell(1860, 3, 1e9, None, 0.179, "cgx-4bit", 0.606),
+    Cell(1861, 3, 1e9, 2, 0.193, "ddp-fp32", 1.165),
+    Cell(1861, 3, 1e9, 2, 0.193, "ddp-fp16", 0.863),
+    Cell(1861, 3, 1e9, 2, 0.193, "cgx-4bit", 0.631),
+    Cell(1862, 3, 1e10, None, 0.165, "ddp-fp32", 0.630),
+    Cell(1862, 3, 1e10, None, 0.165, "ddp-fp16", 0.579),
+    Cell(1862, 3, 1e10, None, 0.165, "cgx-4bit", 0.543),
+    Cell(1863, 3, 1e10, 2, 0.194, "ddp-fp32", 0.545),
+    Cell(1863, 3, 1e10, 2, 0.194, "ddp-fp16", 0.646),
+    Cell(1863, 3, 1e10, 2, 0.194, "cgx-4bit", 0.644),
+)
+
+
+def mlp17m(compute_s: float) -> Workload:
+    """benchmarks/workload.py's mlp17m, gradients in backward order; an MLP's FLOPs follow its parameters."""
+    from benchmarks.workload import build_model
+
+    tensors = [Tensor(name, tuple(p.shape)) for name, p in build_model("mlp17m").named_parameters()]
+    return Workload("mlp17m", tuple(reversed(tensors)), compute_s)
+
+
+def predicted(cell: Cell) -> tuple[float, float]:
+    """The model's step for a cell, and the same on the emulation's shared cores: the workers compute at the
+    same time, so with more hosts than cores each one's compute stretches by hosts / cores, and no step is
+    shorter than all hosts' CPU (compute plus the model's communication CPU, shards included) over the cores."""
+    cluster = Cluster(cell.nodes, cell.rate, shards=cell.shards)
+    model = predict(mlp17m(cell.compute_s), cluster, EMULATED, cell.option)
+    stretched = cell.compute_s * max(1.0, cell.nodes / CORES)
+    shared = predict(mlp17m(stretched), cluster, EMULATED, cell.option)
+    hosts_cpu = cell.nodes * (cell.compute_s + shared.cpu_per_host_s) + (cell.shards or 0) * shared.shard_cpu_s
+    return model.step_s, max(shared.step_s, hosts_cpu / CORES)
+
+
+def error_table() -> str:
+    lines = ["| BENCHMARKS.md line | hosts | link | shards | compute (s) | option | measured (s) | model (s) | error "
+             "| model, shared cores (s) | error |", "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    errors, floored = [], []
+    for c in CELLS:
+        model, floor = predicted(c)
+        e, f = model / c.measured_s - 1, floor / c.measured_s - 1
+        errors.append(abs(e))
+        floored.append(abs(f))
+        rate = f"{c.rate / 1e9:g} Gbit/s" if c.rate >= 1e9 else f"{c.rate / 1e6:g} Mbit/s"
+        shards = "colocated" if c.shards is None else f"{c.shards} dedicated"
+        lines.append(f"| {c.line} | {c.nodes} | {rate} | {shards} | {c.compute_s:.3f} | {c.option} | "
+                     f"{c.measured_s:.3f} | {model:.3f} | {e:+.0%} | {floor:.3f} | {f:+.0%} |")
+    lines.append(f"\nMedian |error|: model {statistics.median(errors):.0%}, on shared cores "
+                 f"{statistics.median(floored):.0%}; within 15%: {sum(e <= 0.15 for e in errors)} and "
+                 f"{sum(f <= 0.15 for f in floored)} of {len(CELLS)} cells.")
+    return "\n".join(lines)
+
+
+def chart(path: str, models: tuple[str, ...] = ("resnet50", "bert-base"), rates: tuple[float, ...] = (1e9, 1e10),
+          nodes: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(models), len(rates), figsize=(6 * len(rates), 4 * len(models)), squeeze=False)
+    for i, name in enumerate(models):
+        job = workload(name)
+        for j, rate in enumerate(rates):
+            ax = axes[i][j]
+            for option in OPTIONS:
+                steps = [predict(job, Cluster(n, rate), Speeds(), option).step_s for n in nodes]
+                ax.plot(nodes, steps, marker="o", label=option)
+            ax.axhline(job.compute_s, color="grey", linestyle=":", label="compute alone")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{name} ({job.params / 1e6:.1f}M), {rate / 1e9:g} Gbit/s, 1 GPU per node")
+            ax.set_xlabel("nodes")
+            ax.set_ylabel("predicted step time (s)")
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("cgx_ps/planning/model.py: DDP gloo (ring) vs cgx-ps (colocated shards), RTX 3090 compute")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser.add_argument("--png", default=None, help="draw step time against node count here")
+    args = parser.parse_args()
+    print(error_table())
+    if args.png:
+        chart(args.png)
+        print(f"chart: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
