@@ -19,6 +19,7 @@ import sys
 from typing import MutableMapping, Sequence
 
 from ..envparse import Bounds
+from ..planning.command import add_parser as add_plan_parser
 
 # Everything else is imported by build_parser or a command, inside main's Ctrl-C handling: a
 # terminal's Ctrl-C reaches a `cgx-ps cluster`'s shards wherever they are in their start-up.
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cgx-ps", description=summary, epilog=rest,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    __import__("cgx_ps.planning.command", fromlist=["add_parser"]).add_parser(sub)  # cgx-ps plan
+    add_plan_parser(sub)
 
     server = sub.add_parser("server", help="run one parameter-server shard")
     _add_server_options(server, per_shard=True)
