@@ -13,6 +13,7 @@ import asyncio
 import os
 from typing import Iterator, Sequence
 
+import grpc
 import pytest
 
 from cgx_ps.server import LocalCluster, ServerConfig, ShardServer
@@ -54,6 +55,22 @@ async def start_shard(request):
 async def shard(start_shard) -> ShardServer:
     """One in-process shard with the module's settings."""
     return await start_shard()
+
+
+@pytest.fixture
+async def open_channel():
+    """``open_channel(address, options=())``: a plaintext grpc.aio channel, closed after the test
+    (also one it failed in) while the test's event loop still runs: a channel left to the
+    garbage collector cancels its calls on a loop that may be closed by then."""
+    opened: list[grpc.aio.Channel] = []
+
+    def open_(address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        opened.append(grpc.aio.insecure_channel(address, options=list(options)))
+        return opened[-1]
+
+    yield open_
+    for channel in opened:
+        await channel.close()  # closing one closed already does nothing
 
 
 class LocalClusters:
