@@ -227,7 +227,11 @@ def main() -> None:
 
     runs: list[dict[str, PathRun]] = []
     loads = [os.getloadavg()]
-    with tempfile.TemporaryDirectory(prefix="cgx-ps-bench-dataplane-") as tmp:
+    # One event loop for every run, not an asyncio.run each: grpc.aio's completion queue outlives
+    # a loop, and a closed channel's cancelled calls report their end to it after close() has
+    # returned. Whatever came in after a run's loop had closed was then handed to that closed loop
+    # from the next run's ("RuntimeError: Event loop is closed", a traceback now and then).
+    with tempfile.TemporaryDirectory(prefix="cgx-ps-bench-dataplane-") as tmp, asyncio.Runner() as loop:
         creds = make_credentials(tmp)  # the token file, and TLS files for --tls
         flags = ["--log-level", "WARNING"]
         tls_flags = [*flags, "--tls-cert", creds.server_cert, "--tls-key", creds.server_key]
@@ -246,8 +250,8 @@ def main() -> None:
                     cluster = stack.enter_context(kind(1, extra_args=extra, token_file=creds.token))
                     targets[path] = Target(cluster.addresses[0], cluster.procs[0].pid, security,
                                            cluster.raw_port() if isinstance(cluster, RawPlaneCluster) else None)
-                measured, differing = asyncio.run(one_run(targets, args.nodes, layout, payloads, args.rounds,
-                                                          Path(args.profile) if args.profile else None))
+                measured, differing = loop.run(one_run(targets, args.nodes, layout, payloads, args.rounds,
+                                                       Path(args.profile) if args.profile else None))
             if differing:
                 raise SystemExit(f"run {run}: {differing} rounds' results differ between gRPC and the raw plane")
             runs.append(measured)

@@ -46,9 +46,13 @@ async def push_and_idle(address: str, security: ChannelSecurity, nodes: int, blo
                           block_bytes=4 * numel)
     payload = encode(torch.randn(numel), Codec.FP32).to_bytes()
     clients = [ShardClient(address, f"node-{i}", nodes, layout, security=security) for i in range(nodes)]
-    for c in clients:
-        await c.connect()
-    await asyncio.gather(*[c.exchange(0, 0, payload) for c in clients])
+    try:
+        for c in clients:
+            await c.connect()
+        await asyncio.gather(*[c.exchange(0, 0, payload) for c in clients])
+    except BaseException:
+        await asyncio.gather(*[c.close() for c in clients])
+        raise
     return clients
 
 
@@ -61,14 +65,15 @@ def measure(tree: Path, tmp: str, token: str, nodes: int, block_mb: float) -> fl
     # a variable, which trees older than it ignore, rather than a flag they would refuse)
     env = {**os.environ, "PYTHONPATH": str(tree), "MALLOC_MMAP_THRESHOLD_": str(128 << 10), "CGX_PS_DATA_PORT": "-1"}
     proc = launch_shard(flags, port_file, cwd=tree, env=env)
+    clients: list[ShardClient] = []
     try:
         address = f"127.0.0.1:{wait_for_port_file(proc, port_file, time.monotonic() + STARTUP_TIMEOUT_S)['port']}"
         before = settle(proc.pid)["RssAnon"]
         clients = run(push_and_idle(address, ChannelSecurity(token_file=token), nodes, block_mb))
         after = settle(proc.pid)["RssAnon"]
-        run(asyncio.gather(*[c.close() for c in clients]))
         return after - before
     finally:
+        run(asyncio.gather(*[c.close() for c in clients]))  # their channels, on the loop they use
         proc.terminate()
         proc.wait(timeout=30)
 

@@ -133,12 +133,12 @@ async def _ab(address: str, token_env: dict, pairs: int) -> dict:
     layout = build_layout(tensors, 1, Compression(bits=4, bucket_size=1024), block_bytes=1 << 20)
     client = _Switchable(address, "node-0", 1, layout, connect_timeout_s=30, job_id=f"ab-{uuid.uuid4().hex[:6]}",
                          security=ChannelSecurity.from_env(token_env), recovery_timeout_s=60)
-    await client.connect()
     payloads = {b.block_id: encode(torch.randn(b.numel), Codec.MAXMIN, bits=4, bucket_size=1024).to_bytes()
                 for b in layout.blocks}
     times: dict[bool, list[float]] = {True: [], False: []}
     round_ = 0
     try:
+        await client.connect()
         for i in range(2 * (pairs + 2)):
             client.bookkeeping = on = (i % 4) in (0, 3)  # ABBA: neither goes first more often
             t0 = time.perf_counter()

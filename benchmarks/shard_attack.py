@@ -113,29 +113,31 @@ def attack(tmp: str, token: str, inflight_mb: int, worst: bool, parked: int = PA
     async def go() -> None:
         att = Attacker(shard.address, ChannelSecurity(token_file=token), inflight_mb)
         members = att.parts * 2 + parked
-        await att.register(members)
-        stages.append(("registered", await asyncio.to_thread(settle, shard.pid)))
-        blob = att.cap // 8 - 16  # cost = key (<= 16 bytes) + data: 8 fill the capacity
-        if not worst:
-            await att.blobs(1, att.cap - 16, "full", finish=True)  # one blob: its chunks and their join coexist
-            stages.append(("+ blob store full (one blob of M)", await asyncio.to_thread(settle, shard.pid)))
-            await att.partial_blocks(0)
-            stages.append(("+ partial blocks fill in-flight budget (M)", await asyncio.to_thread(settle, shard.pid)))
-        else:
-            await att.blobs(7, blob, "full", finish=True)
-            stages.append(("+ 7/8 of blob store", await asyncio.to_thread(settle, shard.pid)))
-            # uploads reserve their size from the same capacity as stored blobs: one more fills it
-            await att.blobs(1, blob, "open", finish=False)
-            stages.append(("+ an unfinished PutBlob fills the rest of the store",
-                           await asyncio.to_thread(settle, shard.pid)))
-            await att.partial_blocks(0)
-            stages.append(("+ partial blocks fill in-flight budget (M)", await asyncio.to_thread(settle, shard.pid)))
-            await att.parked(att.parts, parked, PARKED_CHUNK)
-            stages.append((f"+ {parked} streams parked on the budget, each with a {PARKED_CHUNK / MiB:g} MiB chunk",
-                           await asyncio.to_thread(settle, shard.pid)))
-        if shard.proc.poll() is not None:
-            raise RuntimeError("the shard died during the attack")
-        await att.close()
+        try:
+            await att.register(members)
+            stages.append(("registered", await asyncio.to_thread(settle, shard.pid)))
+            blob = att.cap // 8 - 16  # cost = key (<= 16 bytes) + data: 8 fill the capacity
+            if not worst:
+                await att.blobs(1, att.cap - 16, "full", finish=True)  # one blob: its chunks and their join coexist
+                stages.append(("+ blob store full (one blob of M)", await asyncio.to_thread(settle, shard.pid)))
+                await att.partial_blocks(0)
+                stages.append(("+ partial blocks fill in-flight budget (M)", await asyncio.to_thread(settle, shard.pid)))
+            else:
+                await att.blobs(7, blob, "full", finish=True)
+                stages.append(("+ 7/8 of blob store", await asyncio.to_thread(settle, shard.pid)))
+                # uploads reserve their size from the same capacity as stored blobs: one more fills it
+                await att.blobs(1, blob, "open", finish=False)
+                stages.append(("+ an unfinished PutBlob fills the rest of the store",
+                               await asyncio.to_thread(settle, shard.pid)))
+                await att.partial_blocks(0)
+                stages.append(("+ partial blocks fill in-flight budget (M)", await asyncio.to_thread(settle, shard.pid)))
+                await att.parked(att.parts, parked, PARKED_CHUNK)
+                stages.append((f"+ {parked} streams parked on the budget, each with a {PARKED_CHUNK / MiB:g} MiB chunk",
+                               await asyncio.to_thread(settle, shard.pid)))
+            if shard.proc.poll() is not None:
+                raise RuntimeError("the shard died during the attack")
+        finally:
+            await att.close()  # its channel, before run()'s loop is left
 
     try:
         run(go())

@@ -2,17 +2,21 @@
 
 Every shard and worker the tests start shares one job token (support.TOKEN_FILE): the tests run
 the secure default, not an open shard. ``start_shard`` starts in-process shards; a test file
-sets its own defaults for them in a module-level ``SHARD_SETTINGS`` dict.
+sets its own defaults for them in a module-level ``SHARD_SETTINGS`` dict. ``local_cluster``
+starts shard processes (a LocalCluster) for one test; ``cluster`` is one LocalCluster that a
+test file's tests share, set by its module-level ``CLUSTER_SETTINGS`` dict.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from typing import Iterator, Sequence
 
+import grpc
 import pytest
 
-from cgx_ps.server import ServerConfig, ShardServer
+from cgx_ps.server import LocalCluster, ServerConfig, ShardServer
 from support import TOKEN_FILE
 
 # Worker processes inherit the environment, and LocalCluster's shards take the job token it
@@ -51,3 +55,58 @@ async def start_shard(request):
 async def shard(start_shard) -> ShardServer:
     """One in-process shard with the module's settings."""
     return await start_shard()
+
+
+@pytest.fixture
+async def open_channel():
+    """``open_channel(address, options=())``: a plaintext grpc.aio channel, closed after the test
+    (also one it failed in) while the test's event loop still runs: a channel left to the
+    garbage collector cancels its calls on a loop that may be closed by then."""
+    opened: list[grpc.aio.Channel] = []
+
+    def open_(address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        opened.append(grpc.aio.insecure_channel(address, options=list(options)))
+        return opened[-1]
+
+    yield open_
+    for channel in opened:
+        await channel.close()  # closing one closed already does nothing
+
+
+class LocalClusters:
+    """``clusters(shards=2, round_timeout=None, log_level="WARNING", extra_args=(), **config)``:
+    a started LocalCluster whose shards run with ``--round-timeout`` (when given), ``--log-level``
+    and ``extra_args``; ``config`` goes to LocalCluster (metrics_base_port, data_base_port, ...).
+    ``stop()`` stops every cluster it started, also those a test stopped or broke itself."""
+
+    def __init__(self) -> None:
+        self.started: list[LocalCluster] = []
+
+    def __call__(self, shards: int = 2, *, round_timeout: float | None = None, log_level: str = "WARNING",
+                 extra_args: Sequence[str] = (), **config) -> LocalCluster:
+        timeout = ["--round-timeout", str(round_timeout)] if round_timeout is not None else []
+        cluster = LocalCluster(shards, extra_args=[*timeout, "--log-level", log_level, *extra_args], **config)
+        self.started.append(cluster.start())  # a cluster that fails to start stops its shards itself
+        return cluster
+
+    def stop(self) -> None:
+        for cluster in reversed(self.started):
+            cluster.stop()  # SIGKILL after 30 s: never leaves a shard process behind
+
+
+@pytest.fixture
+def local_cluster() -> Iterator[LocalClusters]:
+    """``local_cluster(shards=2, **settings)`` (LocalClusters): shard processes for this test,
+    stopped after it."""
+    clusters = LocalClusters()
+    yield clusters
+    clusters.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(request) -> Iterator[LocalCluster]:
+    """One LocalCluster for the test file, with its ``CLUSTER_SETTINGS`` (LocalClusters' arguments):
+    its tests share the shards (each runs its own job), started once."""
+    clusters = LocalClusters()
+    yield clusters(**getattr(request.module, "CLUSTER_SETTINGS", {}))
+    clusters.stop()

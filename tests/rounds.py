@@ -69,9 +69,10 @@ def check_aggregate(block: ps_pb2.BlockSpec, payloads: list[bytes], result: byte
         assert bool(((got - exact).abs() <= unit * 1.0001 + 1e-6).all())
 
 
-async def raw_stream(server: ShardServer, node: str, layout: ps_pb2.Layout, session_id: str = ""):
-    """An Exchange stream we drive by hand, as the member ``node`` of the session ``session_id``."""
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+async def raw_stream(open_channel, server: ShardServer, node: str, layout: ps_pb2.Layout, session_id: str = ""):
+    """An Exchange stream we drive by hand, as the member ``node`` of the session ``session_id``,
+    on a channel from the ``open_channel`` fixture (closed after the test, also one that failed)."""
+    channel = open_channel(f"127.0.0.1:{server.port}")
     call = ps_pb2_grpc.ParameterServerStub(channel).Exchange(metadata=METADATA)
     from cgx_ps.model_layout import layout_hash
     await call.write(ps_pb2.ExchangeRequest(hello=ps_pb2.Hello(node_id=node, layout_hash=layout_hash(layout),

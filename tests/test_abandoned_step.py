@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgx_ps.server import LocalCluster
 from support import env_for, until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,10 +26,7 @@ ROUND_TIMEOUT_S = 120  # far above a step here: a step that waited for it was no
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, extra_args=["--round-timeout", str(ROUND_TIMEOUT_S), "--log-level", "WARNING"]) as c:
-        yield c
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=ROUND_TIMEOUT_S)  # the tests' shared shards (conftest.cluster)
 
 
 def run(cluster, world: int, args_for, timeout: float = 300) -> list[dict]:

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.tuning.tuner import Decision
 from cgx_ps.worker.tuning.auto_mode import REEXPLORE, AutoFigures, ModeChooser, keep_or_switch
@@ -40,18 +39,18 @@ def test_compression_parse_modes():
         Compression.parse("adaptive:x")
 
 
-def test_adaptive_bits_change_on_the_same_round_everywhere(tmp_path):
+def test_adaptive_bits_change_on_the_same_round_everywhere(tmp_path, local_cluster):
     job = uuid.uuid4().hex[:8]
-    with LocalCluster(2, metrics_base_port=0, extra_args=["--round-timeout", "20", "--log-level", "WARNING"]) as c:
-        outs = [tmp_path / f"{r}.pt" for r in range(2)]
-        procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--compression",
-                                   "adaptive:2", "--steps", "6", "--hidden", "512", "--out", str(outs[r])],
-                                  env=_env(r, 2, c.addresses, job), stderr=subprocess.PIPE, text=True)
-                 for r in range(2)]
-        errs = [p.communicate(timeout=240)[1] for p in procs]
-        assert all(p.returncode == 0 for p in procs), errs[0][-2000:] + errs[1][-2000:]
-        metrics = "".join(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-                          for port in c.metrics_ports)
+    c = local_cluster(2, round_timeout=20, metrics_base_port=0)
+    outs = [tmp_path / f"{r}.pt" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--compression",
+                               "adaptive:2", "--steps", "6", "--hidden", "512", "--out", str(outs[r])],
+                              env=_env(r, 2, c.addresses, job), stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs[0][-2000:] + errs[1][-2000:]
+    metrics = "".join(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                      for port in c.metrics_ports)
     saved = [torch.load(o, weights_only=False) for o in outs]
     for name in saved[0]["final"]:  # replicas stay bit-identical across the changes
         assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name
@@ -81,12 +80,12 @@ def _run_auto(model: str, servers: list[str], spawn=None, steps: int = 3, interv
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_auto_mode_skips_compression_when_communication_hides_behind_compute():
+def test_auto_mode_skips_compression_when_communication_hides_behind_compute(local_cluster):
     """The model says no compression; auto then measures compressed steps (two intervals of 3:
     the first step after a switch is no sample, and a mode needs 3) and goes back, since they
     are not faster on loopback."""
-    with LocalCluster(1, extra_args=["--log-level", "WARNING"]) as c:
-        result = _run_auto("conv", c.addresses, steps=16, interval=3)  # the last decision (after step 14) governs step 15
+    c = local_cluster(1)
+    result = _run_auto("conv", c.addresses, steps=16, interval=3)  # the last decision (after step 14) governs step 15
     decisions = result["decisions"]
     first = decisions[0]
     f = first["figures"]

@@ -28,10 +28,7 @@ WORKER = ROOT / "tests" / "workers" / "resume_worker.py"
 STEPS, EVERY = 10, 3
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, extra_args=["--round-timeout", "20", "--log-level", "WARNING"]) as c:
-        yield c
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=20)  # the tests' shared shards (conftest.cluster)
 
 
 # ---- the state, in one process --------------------------------------------------------------------

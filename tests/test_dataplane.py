@@ -37,7 +37,7 @@ from cgx_ps.model_layout import layout_hash
 from cgx_ps.net.raw_frames import (MAX_FRAME, MAX_HELLO, challenge, frame_header, new_nonce, opening, parse_challenge,
                               parse_status, preface, proof, split_header)
 from cgx_ps.net.security import ChannelSecurity, read_token
-from cgx_ps.server import LocalCluster, ShardServer
+from cgx_ps.server import ShardServer
 from cgx_ps.server.rpc.raw_listener import DataPlane, peer_name, presented_token
 from cgx_ps.server.rpc.gate import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
@@ -582,24 +582,24 @@ def _established(port: int) -> int:
 
 
 @pytest.mark.slow
-def test_workers_on_the_raw_plane_survive_a_shard_restart_exactly(tmp_path: Path) -> None:
+def test_workers_on_the_raw_plane_survive_a_shard_restart_exactly(tmp_path: Path, local_cluster) -> None:
     steps = 16
-    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING", "--data-port", "0"]) as cluster:
-        workers = start_workers(cluster.addresses, tmp_path, steps, CGX_PS_DATAPLANE="raw",
-                                CGX_PS_RECOVERY_TIMEOUT="30")
-        try:
-            wait_for_rounds(cluster.addresses[1], 4, workers)
-            assert all(_established(port) == 2 for port in cluster.data_ports)  # a stream per worker and shard
-            cluster.procs[1].kill()  # SIGKILL: the raw streams see a reset, not a status
-            cluster.procs[1].wait()
-            cluster.restart(1)  # a new instance on the same gRPC port, and a new data port (0: a free one)
-            wait_for_rounds(cluster.addresses[1], 6, workers)
-            assert _established(cluster.data_ports[1]) == 2  # the rejoin found the new port
-            results = finish(workers, timeout_s=120)
-        finally:
-            for p in workers:
-                if p.poll() is None:
-                    p.kill()
+    cluster = local_cluster(2, round_timeout=30, extra_args=["--data-port", "0"])
+    workers = start_workers(cluster.addresses, tmp_path, steps, CGX_PS_DATAPLANE="raw",
+                            CGX_PS_RECOVERY_TIMEOUT="30")
+    try:
+        wait_for_rounds(cluster.addresses[1], 4, workers)
+        assert all(_established(port) == 2 for port in cluster.data_ports)  # a stream per worker and shard
+        cluster.procs[1].kill()  # SIGKILL: the raw streams see a reset, not a status
+        cluster.procs[1].wait()
+        cluster.restart(1)  # a new instance on the same gRPC port, and a new data port (0: a free one)
+        wait_for_rounds(cluster.addresses[1], 6, workers)
+        assert _established(cluster.data_ports[1]) == 2  # the rejoin found the new port
+        results = finish(workers, timeout_s=120)
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.kill()
     everything = "\n".join(f"rank {r} (exit {code}):\n{err[-3000:]}" for r, (code, err, _) in enumerate(results))
     for code, err, _ in results:
         assert code == 0, everything
@@ -613,23 +613,23 @@ def test_workers_on_the_raw_plane_survive_a_shard_restart_exactly(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_by_default_shards_open_the_plane_on_free_ports_and_workers_take_it(tmp_path: Path) -> None:
+def test_by_default_shards_open_the_plane_on_free_ports_and_workers_take_it(tmp_path: Path, local_cluster) -> None:
     """No --data-port and no CGX_PS_DATAPLANE anywhere, as `cgx-ps cluster` and `cgx-ps demo` start
     shards (LocalCluster's data_base_port None: the shard's own default): each shard opens the raw
     plane on a free port of its own, advertises it, and the workers' streams go over it, with the
     reference's parameters. Before, the plane was off unless asked for and every stream took gRPC."""
     steps = 8
-    with LocalCluster(2, extra_args=["--log-level", "WARNING"], data_base_port=None) as cluster:
-        assert all(port > 0 for port in cluster.data_ports) and len(set(cluster.data_ports)) == 2
-        workers = start_workers(cluster.addresses, tmp_path, steps)
-        try:
-            wait_for_rounds(cluster.addresses[1], 3, workers)
-            assert [_established(port) for port in cluster.data_ports] == [2, 2]  # a stream per worker and shard
-            results = finish(workers, timeout_s=120)
-        finally:
-            for p in workers:
-                if p.poll() is None:
-                    p.kill()
+    cluster = local_cluster(2, data_base_port=None)
+    assert all(port > 0 for port in cluster.data_ports) and len(set(cluster.data_ports)) == 2
+    workers = start_workers(cluster.addresses, tmp_path, steps)
+    try:
+        wait_for_rounds(cluster.addresses[1], 3, workers)
+        assert [_established(port) for port in cluster.data_ports] == [2, 2]  # a stream per worker and shard
+        results = finish(workers, timeout_s=120)
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.kill()
     for code, err, _ in results:
         assert code == 0 and "cannot be reached" not in err, err[-3000:]
     saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -81,10 +81,7 @@ def expected_fp32(initial: dict, steps: int, ranks_of=lambda name: range(WORLD))
     return params
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, extra_args=["--round-timeout", "10", "--log-level", "WARNING"]) as c:
-        yield c
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=10)  # the tests' shared shards (conftest.cluster)
 
 
 def check_user_hooks(results: list[dict]) -> None:
@@ -277,15 +274,15 @@ def test_optimizer_auto_uncompressed_steps_all_reduce_on_the_process_group(clust
     assert auto[0]["paths"] == ["shards" if c else "allreduce" for c in compress], (auto[0]["paths"], decisions)
 
 
-def test_a_stalled_rank_fails_the_optimizers_all_reduce_step_within_the_round_timeout(tmp_path):
+def test_a_stalled_rank_fails_the_optimizers_all_reduce_step_within_the_round_timeout(tmp_path, local_cluster):
     """Before: a rank that stalled in auto mode's all_reduce steps was detected only at the gloo
     group's own timeout (30 minutes), by an error naming no block or step; the shards path fails
     after its round timeout. Now the all_reduce steps wait the same round timeout, and the
     collective refuses every later step (torch cannot cancel the stalled all_reduce)."""
     round_timeout = 1.0
-    with LocalCluster(1, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as short:
-        results = run_ddp_workers(short, tmp_path, "--scenarios", "optimizer_allreduce_stall",
-                                  "--stall-s", str(round_timeout + 1.5), timeout=120)
+    short = local_cluster(1, round_timeout=round_timeout)
+    results = run_ddp_workers(short, tmp_path, "--scenarios", "optimizer_allreduce_stall",
+                              "--stall-s", str(round_timeout + 1.5), timeout=120)
     (ok, _), (stalled, took), (refused, refused_after) = results[0]["optimizer_allreduce_stall"]["outcomes"]
     assert ok == "allreduce"
     assert stalled.startswith("CollectiveStalledError: rank 0: the all_reduce of block "), stalled
@@ -298,7 +295,7 @@ def test_a_stalled_rank_fails_the_optimizers_all_reduce_step_within_the_round_ti
     assert [o for o, _ in results[1]["optimizer_allreduce_stall"]["outcomes"]] == ["allreduce", "allreduce"]
 
 
-def test_a_rank_whose_backward_fails_part_way_leaves_every_rank_an_error_not_a_mismatched_average(tmp_path):
+def test_a_rank_whose_backward_fails_part_way_leaves_every_rank_an_error_not_a_mismatched_average(tmp_path, local_cluster):
     """gloo pairs all_reduces by the order ranks issue them. Auto mode's uncompressed steps on the
     gloo group: rank 1's backward fails at step 1 once some of its blocks are launched, and it goes
     on to the next batch, so from then on the ranks' all_reduces are out of step. No rank may apply
@@ -307,8 +304,8 @@ def test_a_rank_whose_backward_fails_part_way_leaves_every_rank_an_error_not_a_m
     process exits) and refuses every later step; rank 1's zero_grad() says that such a step cannot be
     abandoned (tests/test_abandoned_step.py: on the shards it can), and it starts no further step. No parameter moves after step 0, and the replicas stay equal."""
     round_timeout = 1.0
-    with LocalCluster(1, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as short:
-        results = run_ddp_workers(short, tmp_path, "--scenarios", "optimizer_allreduce_abandon", timeout=120)
+    short = local_cluster(1, round_timeout=round_timeout)
+    results = run_ddp_workers(short, tmp_path, "--scenarios", "optimizer_allreduce_abandon", timeout=120)
     runs = [r["optimizer_allreduce_abandon"] for r in results]
     assert runs[0]["outcomes"][0] == runs[1]["outcomes"][0] == "allreduce"
     assert runs[1]["outcomes"][1] == "RuntimeError: injected: out of memory in backward"
@@ -412,14 +409,14 @@ def test_bad_state_options_are_named_before_any_training():
         _ = cgx.DDPHookState(model).stats
 
 
-def test_hook_without_allow_non_finite_a_nan_gradient_abandons_the_step_on_every_rank_at_once(tmp_path):
+def test_hook_without_allow_non_finite_a_nan_gradient_abandons_the_step_on_every_rank_at_once(tmp_path, local_cluster):
     """The hook with allow_non_finite=False, rank 1's gradient NaN at step 1 (README, "Under DDP":
     what each rank's backward raises). Rank 1's backward raises the codec's error naming the
     tensor; it pushes the abandon marker for that block, so rank 0's backward raises StepAbandoned
     at once (far below the 120 s round timeout), both through DDP's RuntimeError. Neither applies
     the step, the loop catches and goes on: the later steps train, the replicas stay equal."""
-    with LocalCluster(2, extra_args=["--round-timeout", "120", "--log-level", "WARNING"]) as slow:
-        results = run_ddp_workers(slow, tmp_path, "--scenarios", "hook_nan", timeout=200)
+    slow = local_cluster(2, round_timeout=120)
+    results = run_ddp_workers(slow, tmp_path, "--scenarios", "hook_nan", timeout=200)
     runs = [r["hook_nan"] for r in results]
     outcomes = [[o.rsplit(" (", 1)[0] for o in run["outcomes"]] for run in runs]
     seconds = [float(run["outcomes"][1].rsplit(" (", 1)[1].split(" s)")[0]) for run in runs]

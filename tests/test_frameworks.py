@@ -28,12 +28,10 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    # a generous round timeout: on a fresh checkout the first step of one rank may wait for numba
-    # to compile the codec (cached afterwards) while the other pushes
-    with LocalCluster(2, extra_args=["--round-timeout", "60", "--log-level", "WARNING"]) as c:
-        yield c
+# the tests' shared shards (conftest.cluster); a generous round timeout: on a fresh checkout the
+# first step of one rank may wait for numba to compile the codec (cached afterwards) while the
+# other pushes
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=60)
 
 
 def free_port() -> int:

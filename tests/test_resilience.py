@@ -25,7 +25,6 @@ import grpc
 import pytest
 import torch
 
-from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from support import METADATA, SECURITY, until
 from test_worker import env_for, expected_params
@@ -164,28 +163,28 @@ def finish(workers: list[subprocess.Popen], timeout_s: float) -> list[tuple[int,
 
 
 @pytest.mark.slow
-def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path) -> None:
+def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path, local_cluster) -> None:
     steps = 24
-    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
-        proxy = CuttableProxy(cluster.ports[0])
-        try:
-            workers = start_workers([f"127.0.0.1:{proxy.port}", cluster.addresses[1]], tmp_path, steps,
-                                    CGX_PS_RECOVERY_TIMEOUT="30")
-            wait_for_rounds(cluster.addresses[0], 6, workers)
-            assert proxy.cut() >= 4  # both workers' connections to shard 0, both directions
-            wait_for_rounds(cluster.addresses[1], 12, workers)
-            cluster.procs[1].kill()  # SIGKILL: no drain, rounds in flight are lost with it
-            cluster.procs[1].wait()
-            time.sleep(1.0)
-            cluster.restart(1)  # same port, new instance: a new session must be resumed
-            results = finish(workers, timeout_s=120)
-        except AssertionError:
-            for p in workers:  # say why a worker stopped
-                p.kill()
-                print(p.stderr.read()[-3000:], file=sys.stderr)
-            raise
-        finally:
-            proxy.close()
+    cluster = local_cluster(2, round_timeout=30)
+    proxy = CuttableProxy(cluster.ports[0])
+    try:
+        workers = start_workers([f"127.0.0.1:{proxy.port}", cluster.addresses[1]], tmp_path, steps,
+                                CGX_PS_RECOVERY_TIMEOUT="30")
+        wait_for_rounds(cluster.addresses[0], 6, workers)
+        assert proxy.cut() >= 4  # both workers' connections to shard 0, both directions
+        wait_for_rounds(cluster.addresses[1], 12, workers)
+        cluster.procs[1].kill()  # SIGKILL: no drain, rounds in flight are lost with it
+        cluster.procs[1].wait()
+        time.sleep(1.0)
+        cluster.restart(1)  # same port, new instance: a new session must be resumed
+        results = finish(workers, timeout_s=120)
+    except AssertionError:
+        for p in workers:  # say why a worker stopped
+            p.kill()
+            print(p.stderr.read()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        proxy.close()
     everything = "\n".join(f"rank {r} (exit {code}):\n{err[-3000:]}" for r, (code, err, _) in enumerate(results))
     for code, err, _ in results:
         assert code == 0, everything
@@ -199,14 +198,14 @@ def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_a_shard_not_back_within_the_recovery_timeout_fails_every_worker(tmp_path: Path) -> None:
-    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
-        workers = start_workers(cluster.addresses, tmp_path, 10_000, CGX_PS_RECOVERY_TIMEOUT="3")
-        wait_for_rounds(cluster.addresses[1], 3, workers)
-        cluster.procs[1].kill()
-        killed = time.monotonic()
-        results = finish(workers, timeout_s=30)
-        cluster.restart(1)  # back after the workers gave up: too late, they must not have waited for it
+def test_a_shard_not_back_within_the_recovery_timeout_fails_every_worker(tmp_path: Path, local_cluster) -> None:
+    cluster = local_cluster(2, round_timeout=30)
+    workers = start_workers(cluster.addresses, tmp_path, 10_000, CGX_PS_RECOVERY_TIMEOUT="3")
+    wait_for_rounds(cluster.addresses[1], 3, workers)
+    cluster.procs[1].kill()
+    killed = time.monotonic()
+    results = finish(workers, timeout_s=30)
+    cluster.restart(1)  # back after the workers gave up: too late, they must not have waited for it
     for r, (code, err, exited) in enumerate(results):
         assert code != 0 and "ShardUnavailableError" in err, f"rank {r}:\n{err[-3000:]}"
         assert f"shard {cluster.addresses[1]} did not come back within the recovery timeout of 3s" in err, err[-3000:]
@@ -214,12 +213,12 @@ def test_a_shard_not_back_within_the_recovery_timeout_fails_every_worker(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp_path: Path) -> None:
+def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp_path: Path, local_cluster) -> None:
     round_timeout = 3
-    with LocalCluster(2, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as cluster:
-        workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 180 s
-        wait_for_rounds(cluster.addresses[1], 3, workers)
-        results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=30)
+    cluster = local_cluster(2, round_timeout=round_timeout)
+    workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 180 s
+    wait_for_rounds(cluster.addresses[1], 3, workers)
+    results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=30)
     for r, (code, err, exited) in enumerate(results):
         assert code != 0 and "ShardUnavailableError" in err, f"rank {r}:\n{err[-3000:]}"
         assert f"shard {cluster.addresses[1]} sent no result" in err, err[-3000:]
@@ -227,22 +226,22 @@ def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp
 
 
 @pytest.mark.slow
-def test_a_stopped_shard_is_named_by_every_local_rank_of_a_node(tmp_path: Path) -> None:
+def test_a_stopped_shard_is_named_by_every_local_rank_of_a_node(tmp_path: Path, local_cluster) -> None:
     """User trial s26, finding 4: with 2 local ranks, the rank that does not own a block of the
     stopped shard timed out first on its owner ("result from its owner (local rank 0 stalled?)")
     and torchrun killed the owner before it named the shard. Now the owner posts the shard's error
     to its node and the other rank waits past the owner's shard timeout: both name the shard."""
     round_timeout = 3
     job = f"chaos-{uuid.uuid4().hex[:8]}"
-    with LocalCluster(2, extra_args=["--round-timeout", str(round_timeout), "--log-level", "WARNING"]) as cluster:
-        workers = [subprocess.Popen([sys.executable, str(STEP_WORKER), "--steps", "10000", "--step-sleep", "0.05",
-                                     "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"r{r}.pt")],
-                                    env=env_for(r, 2, cluster.addresses, CGX_PS_JOB_ID=job, LOCAL_RANK=str(r),
-                                                LOCAL_WORLD_SIZE="2", CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1"),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                   for r in range(2)]
-        wait_for_rounds(cluster.addresses[1], 3, workers)
-        results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=60)
+    cluster = local_cluster(2, round_timeout=round_timeout)
+    workers = [subprocess.Popen([sys.executable, str(STEP_WORKER), "--steps", "10000", "--step-sleep", "0.05",
+                                 "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"r{r}.pt")],
+                                env=env_for(r, 2, cluster.addresses, CGX_PS_JOB_ID=job, LOCAL_RANK=str(r),
+                                            LOCAL_WORLD_SIZE="2", CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for r in range(2)]
+    wait_for_rounds(cluster.addresses[1], 3, workers)
+    results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=60)
     for r, (code, err, exited) in enumerate(results):
         assert code != 0 and "ShardUnavailableError" in err, f"local rank {r}:\n{err[-3000:]}"
         assert f"shard {cluster.addresses[1]} sent no result" in err, err[-3000:]

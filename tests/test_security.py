@@ -27,7 +27,7 @@ from cgx_ps.kernels import Codec, encode
 from cgx_ps.kernels.wire import max_encoded_size
 from cgx_ps.model_layout import layout_hash
 from cgx_ps.net.security import ChannelSecurity, CredentialError
-from cgx_ps.server import LocalCluster, ServerConfig, ShardServer
+from cgx_ps.server import ServerConfig, ShardServer
 from cgx_ps.server.session.blobs import BlobError, BlobStore
 from cgx_ps.server.process.allocator import TRIM_THRESHOLD
 from cgx_ps.server.main import exposure_warning
@@ -111,37 +111,37 @@ async def _put_as(address: str, layout: ps_pb2.Layout, node: str, nodes: int, jo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("writer", ["root", "another member"])
-def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer):
+def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer, local_cluster):
     """Before: broadcast blobs were torch.load(weights_only=False)ed, so whoever wrote
     broadcast/0 ran code in every worker. Now a pickle is refused as not a cgx-ps blob, and a
     valid blob from anyone but the root rank is refused too."""
     marker = tmp_path / "pwned"
     nodes = 3
-    with LocalCluster(1, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as cluster:
-        job = f"victim-{uuid.uuid4().hex[:6]}"
-        env = dict(os.environ, **cluster.worker_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                   LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK="1", CGX_PS_NUM_NODES=str(nodes), CGX_PS_JOB_ID=job,
-                   OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
-        layout_file = tmp_path / "layout.pb"
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tests/workers/broadcast_worker.py"), "--layout-out",
-                                 str(layout_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 60
-            while not layout_file.exists():
-                assert proc.poll() is None, proc.communicate()[1][-3000:]
-                assert time.monotonic() < deadline, "the victim never registered"
-                time.sleep(0.05)
-            layout = ps_pb2.Layout.FromString(layout_file.read_bytes())
-            if writer == "root":  # a compromised or impersonated root puts a pickle
-                node, data = "node-0", pickle.dumps({"0.weight": _Plant(str(marker))})
-            else:  # a valid blob, written by a member that is not the root rank
-                from cgx_ps.worker.broadcast.blob_format import encode_object
-                node, data = "node-2", encode_object({"0.weight": torch.zeros(32, 16)})
-            asyncio.run(_put_as(cluster.addresses[0], layout, node, nodes, job, data))
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    cluster = local_cluster(1, round_timeout=30)
+    job = f"victim-{uuid.uuid4().hex[:6]}"
+    env = dict(os.environ, **cluster.worker_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK="1", CGX_PS_NUM_NODES=str(nodes), CGX_PS_JOB_ID=job,
+               OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
+    layout_file = tmp_path / "layout.pb"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/workers/broadcast_worker.py"), "--layout-out",
+                             str(layout_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not layout_file.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the victim never registered"
+            time.sleep(0.05)
+        layout = ps_pb2.Layout.FromString(layout_file.read_bytes())
+        if writer == "root":  # a compromised or impersonated root puts a pickle
+            node, data = "node-0", pickle.dumps({"0.weight": _Plant(str(marker))})
+        else:  # a valid blob, written by a member that is not the root rank
+            from cgx_ps.worker.broadcast.blob_format import encode_object
+            node, data = "node-2", encode_object({"0.weight": torch.zeros(32, 16)})
+        asyncio.run(_put_as(cluster.addresses[0], layout, node, nodes, job, data))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 0, err[-3000:]
     outcome = json.loads(out.strip().splitlines()[-1])
     assert not marker.exists(), "the planted pickle ran code in the worker"
@@ -407,20 +407,19 @@ async def test_certificates_rotate_without_a_restart(start_shard, pki, tmp_path)
 
 
 @pytest.mark.slow
-def test_workers_train_bit_identically_over_mutual_tls(pki, tmp_path):
-    extra = ["--round-timeout", "20", "--log-level", "WARNING", *tls_args(pki, mutual=True)]
-    with LocalCluster(2, extra_args=extra) as cluster:
-        job = f"tls-{uuid.uuid4().hex[:6]}"
-        procs = []
-        for rank in range(2):
-            env = dict(os.environ, **cluster.worker_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
-                       LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES="2", CGX_PS_JOB_ID=job,
-                       OMP_NUM_THREADS="1", CGX_PS_TLS_CA=pki["ca"], CGX_PS_TLS_CERT=pki["client"],
-                       CGX_PS_TLS_KEY=pki["client_key"])
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--steps", "3",
-                                           "--out", str(tmp_path / f"{rank}.pt")], env=env, stderr=subprocess.PIPE,
-                                          text=True))
-        errors = [p.communicate(timeout=180)[1] for p in procs]
+def test_workers_train_bit_identically_over_mutual_tls(pki, tmp_path, local_cluster):
+    cluster = local_cluster(2, round_timeout=20, extra_args=tls_args(pki, mutual=True))
+    job = f"tls-{uuid.uuid4().hex[:6]}"
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, **cluster.worker_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+                   LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES="2", CGX_PS_JOB_ID=job,
+                   OMP_NUM_THREADS="1", CGX_PS_TLS_CA=pki["ca"], CGX_PS_TLS_CERT=pki["client"],
+                   CGX_PS_TLS_KEY=pki["client_key"])
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--steps", "3",
+                                       "--out", str(tmp_path / f"{rank}.pt")], env=env, stderr=subprocess.PIPE,
+                                      text=True))
+    errors = [p.communicate(timeout=180)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors
     a, b = (torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2))
     assert all(torch.equal(a["final"][n], b["final"][n]) for n in a["final"])
@@ -466,36 +465,36 @@ def _rss_kib(pid: int) -> int:
 
 
 @pytest.mark.slow
-def test_huge_keys_and_blocks_leave_the_shard_within_its_caps():
+def test_huge_keys_and_blocks_leave_the_shard_within_its_caps(local_cluster):
     """Before: 30 empty blobs with 4 MiB keys grew a 2 MiB-capped shard by 144 MiB, and a block
     larger than the cap was admitted."""
-    with LocalCluster(1, extra_args=["--max-inflight-mb", "2", "--log-level", "ERROR"]) as cluster:
-        pid, address = cluster.procs[0].pid, cluster.addresses[0]
+    cluster = local_cluster(1, log_level="ERROR", extra_args=["--max-inflight-mb", "2"])
+    pid, address = cluster.procs[0].pid, cluster.addresses[0]
 
-        async def attack() -> list[grpc.StatusCode]:
-            codes = []
-            (client,) = [await member_at(address, layout_of((64, 64)))]
-            async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
-                stub = ps_pb2_grpc.ParameterServerStub(ch)
-                for i in range(30):
-                    key = f"{i}" + "k" * (4 << 20)
-                    code, _ = await status_of(stub.PutBlob(iter([ps_pb2.BlobChunk(
-                        key=key, total_bytes=0, node_id="node-0", session_id=client.session_id)]),
-                        metadata=METADATA, timeout=10))
-                    codes.append(code)
-            big = build_layout([TensorInfo("w", (1024, 1024))], 1, Compression(bits=None), block_bytes=8 << 20)
-            try:
-                await member_at(address, big, node="node-1", nodes=1, job_id="other-job-after-idle")
-                codes.append(grpc.StatusCode.OK)
-            except ShardRejectedError as exc:
-                codes.append(grpc.StatusCode[exc.code])
-                assert "exceeds this shard's in-flight budget" in str(exc)
-            await client.close()
-            return codes
+    async def attack() -> list[grpc.StatusCode]:
+        codes = []
+        (client,) = [await member_at(address, layout_of((64, 64)))]
+        async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+            stub = ps_pb2_grpc.ParameterServerStub(ch)
+            for i in range(30):
+                key = f"{i}" + "k" * (4 << 20)
+                code, _ = await status_of(stub.PutBlob(iter([ps_pb2.BlobChunk(
+                    key=key, total_bytes=0, node_id="node-0", session_id=client.session_id)]),
+                    metadata=METADATA, timeout=10))
+                codes.append(code)
+        big = build_layout([TensorInfo("w", (1024, 1024))], 1, Compression(bits=None), block_bytes=8 << 20)
+        try:
+            await member_at(address, big, node="node-1", nodes=1, job_id="other-job-after-idle")
+            codes.append(grpc.StatusCode.OK)
+        except ShardRejectedError as exc:
+            codes.append(grpc.StatusCode[exc.code])
+            assert "exceeds this shard's in-flight budget" in str(exc)
+        await client.close()
+        return codes
 
-        before = _rss_kib(pid)
-        codes = asyncio.run(attack())
-        growth_mib = (_rss_kib(pid) - before) / 1024
+    before = _rss_kib(pid)
+    codes = asyncio.run(attack())
+    growth_mib = (_rss_kib(pid) - before) / 1024
     assert codes[:30] == [grpc.StatusCode.INVALID_ARGUMENT] * 30, codes
     assert codes[30] == grpc.StatusCode.INVALID_ARGUMENT, codes
     # receive buffers, not 30 x 4 MiB kept; and the freed ones the shard's allocator keeps for the next

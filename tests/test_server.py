@@ -158,7 +158,7 @@ async def test_a_round_costs_one_kernel_thread_hop_its_last_push() -> None:
         agg.close()
 
 
-async def test_uncompressed_rounds_for_compressed_blocks(shard: ShardServer) -> None:
+async def test_uncompressed_rounds_for_compressed_blocks(shard: ShardServer, open_channel) -> None:
     """Warm-up or auto mode: a 4-bit block may travel as FP32 if every node of the round agrees."""
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
     a, b = await connect(shard, layout, 2)
@@ -175,7 +175,7 @@ async def test_uncompressed_rounds_for_compressed_blocks(shard: ShardServer) -> 
         # mixing encodings inside one round is refused
         fut = a.expect(0, 2)
         await a.push(0, 2, encode_block(blk, xa, 3))
-        channel, call = await raw_stream(shard, "node-1", layout, b.session_id)
+        channel, call = await raw_stream(open_channel, shard, "node-1", layout, b.session_id)
         p = encode(xb, Codec.FP32).to_bytes()
         await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=2, block_id=0, total_bytes=len(p),
                                                                       offset=0, data=p)))

@@ -58,12 +58,12 @@ class _PlaneStream:
         self.call.cancel()
 
 
-async def raw_stream(server: ShardServer, node: str, layout, member: int = 0, register: bool = False,
+async def raw_stream(open_channel, server: ShardServer, node: str, layout, member: int = 0, register: bool = False,
                      num_nodes: int = 2, session_id: str = "", transport: str = "grpc"):
     """An Exchange stream we drive message by message (after an optional Register, whose
-    session id the Hello then carries); ``transport`` "raw": over the shard's raw data plane
-    (the stream is then its own channel)."""
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    session id the Hello then carries), on a channel from the ``open_channel`` fixture;
+    ``transport`` "raw": over the shard's raw data plane (the stream is then its own channel)."""
+    channel = open_channel(f"127.0.0.1:{server.port}")
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     if register:
         reply = await stub.Register(ps_pb2.RegisterRequest(node_id=node, num_nodes=num_nodes, layout=layout,
@@ -153,14 +153,14 @@ async def test_overlong_ids_are_refused_at_register(start_shard):
 
 
 @pytest.mark.parametrize("transport", ["grpc", "raw"])  # the raw data plane's memory bound is the same
-async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_it(start_shard, transport):
+async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_it(start_shard, transport, open_channel):
     """Before: half a block held the budget forever; the good node's push waited on it, no
     round timer started, and everyone hung."""
     layout = layout_of((384, 1024), block_bytes=4 << 20)  # one 1.5 MiB block
     total = HEADER_SIZE + 4 * layout.blocks[0].numel
     server = await start_shard(max_inflight_bytes=2 << 20, data_port=0)
     good, _ = await connect(server, layout, 2)
-    channel, call = await raw_stream(server, "node-1", layout, member=1, register=True, transport=transport)
+    channel, call = await raw_stream(open_channel, server, "node-1", layout, member=1, register=True, transport=transport)
     await call.write(chunk(0, 0, total, 0, b"\0" * (1 << 20)))  # the first MiB, then nothing
     for _attempt in range(100):  # the shard holds the half block before the good node pushes
         if server.service.budget.used >= total:
@@ -177,14 +177,14 @@ async def test_a_stalled_upload_releases_its_budget_and_the_round_fails_naming_i
     await close(server, [good, _], [channel])
 
 
-async def test_a_stalled_blob_upload_never_blocks_gradients(start_shard):
+async def test_a_stalled_blob_upload_never_blocks_gradients(start_shard, open_channel):
     """Before: a PutBlob declaring the whole budget froze every push. (Strangers are refused
     outright now; here a member of the session stalls.)"""
     cap = 2 << 20
     server = await start_shard(max_inflight_bytes=cap)
     layout = layout_of((64, 64))
     a, b = await connect(server, layout, 2)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    channel = open_channel(f"127.0.0.1:{server.port}")
     never = asyncio.Event()
 
     async def stalled():
@@ -205,7 +205,7 @@ async def test_a_stalled_blob_upload_never_blocks_gradients(start_shard):
     await close(server, [a, b], [channel])
 
 
-async def test_interleaved_blocks_on_one_stream_are_refused_not_deadlocked(start_shard):
+async def test_interleaved_blocks_on_one_stream_are_refused_not_deadlocked(start_shard, open_channel):
     """Before: chunk 0 of block 0, then chunk 0 of block 1, with the budget full: the stream
     waited for budget while holding block 0's reservation, forever."""
     layout = layout_of((256, 1024), (256, 1024), block_bytes=1 << 20)
@@ -213,7 +213,7 @@ async def test_interleaved_blocks_on_one_stream_are_refused_not_deadlocked(start
     total = HEADER_SIZE + 4 * layout.blocks[0].numel
     server = await start_shard(max_inflight_bytes=2 << 20)
     good, _ = await connect(server, layout, 2)
-    channel, call = await raw_stream(server, "node-1", layout, member=1, register=True)
+    channel, call = await raw_stream(open_channel, server, "node-1", layout, member=1, register=True)
     await call.write(chunk(0, 0, total, 0, b"\0" * (total // 2)))
     await call.write(chunk(1, 0, total, 0, b"\0" * (total // 2)))
     code, details = await final_status(call)
@@ -238,7 +238,7 @@ async def test_budget_waiter_cancelled_while_released_raises_cancelled():
 
 
 @pytest.mark.parametrize("transport", ["grpc", "raw"])  # over the raw data plane, TCP's window holds the writes
-async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays_bounded(start_shard, transport):
+async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays_bounded(start_shard, transport, open_channel):
     """Before: results queued without limit for a client pushing without reading (~1 MiB a round)."""
     layout = layout_of((256, 1024), block_bytes=2 << 20)  # one 1 MiB block
     n = layout.blocks[0].numel
@@ -246,7 +246,7 @@ async def test_a_client_that_never_reads_its_results_is_cut_off_and_memory_stays
     server = await start_shard(max_inflight_bytes=4 << 20, data_port=0)
     good, _ = await connect(server, layout, 2)
     # replaces node-1's stream; never reads
-    channel, call = await raw_stream(server, "node-1", layout, session_id=_.session_id, transport=transport)
+    channel, call = await raw_stream(open_channel, server, "node-1", layout, session_id=_.session_id, transport=transport)
     cap = server.service.session.result_cap
     for r in range(12):
         for off in range(0, len(payload), 1 << 20):
@@ -291,11 +291,11 @@ async def test_another_member_pushing_a_finished_round_is_refused_too(start_shar
     await close(server, [a, b, twin])
 
 
-async def test_a_replaced_stream_is_told_why(start_shard):
+async def test_a_replaced_stream_is_told_why(start_shard, open_channel):
     layout = layout_of((64, 64))
     server = await start_shard()
     a, b = await connect(server, layout, 2)
-    channel, call = await raw_stream(server, "node-0", layout, session_id=a.session_id)  # a second stream for node-0 member 0
+    channel, call = await raw_stream(open_channel, server, "node-0", layout, session_id=a.session_id)  # a second stream for node-0 member 0
     with pytest.raises(RoundFailedError, match="replaced by a newer stream of node node-0 member 0"):
         await asyncio.wait_for(a.exchange(0, 0, fp32(4096)), 10)
     call.cancel()
@@ -473,7 +473,7 @@ async def test_getblob_of_missing_keys_leaves_nothing_behind(start_shard):
     await close(server, [member], [])
 
 
-async def test_a_member_whose_session_was_replaced_is_told_so(start_shard):
+async def test_a_member_whose_session_was_replaced_is_told_so(start_shard, open_channel):
     """Job J registered but had not opened its streams when job K took the idle shard: J's Hello
     used to hear "has not registered (push before Register)"."""
     layout = layout_of((64, 64))
@@ -487,13 +487,13 @@ async def test_a_member_whose_session_was_replaced_is_told_so(start_shard):
         other = layout_of((8, 8))
         await stub.Register(ps_pb2.RegisterRequest(node_id="k-0", num_nodes=1, layout=other,
                                                    layout_hash=layout_hash(other), job_id="K"), metadata=METADATA)
-    channel, call = await raw_stream(server, "node-0", layout, session_id=reply.session_id)
+    channel, call = await raw_stream(open_channel, server, "node-0", layout, session_id=reply.session_id)
     code, details = await final_status(call)
     assert code == "FAILED_PRECONDITION" and "its session ended (job 'K' replaces finished job 'J')" in details
     await close(server, [], [channel])
 
 
-async def test_keepalive_pings_of_an_idle_worker_do_not_get_it_dropped(start_shard):
+async def test_keepalive_pings_of_an_idle_worker_do_not_get_it_dropped(start_shard, open_channel):
     """Workers ping every 30 s even with nothing to send (evaluation, checkpointing). gRPC's server
     default answered a few such pings with GOAWAY too_many_pings, dropping workers idle ~95 s.
     Here a client pings every second for 6 s of idling, then trains on."""
@@ -501,7 +501,7 @@ async def test_keepalive_pings_of_an_idle_worker_do_not_get_it_dropped(start_sha
     server = await start_shard()
     options = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 5000),
                ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=options)
+    channel = open_channel(f"127.0.0.1:{server.port}", options)
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     reply = await stub.Register(ps_pb2.RegisterRequest(node_id="node-0", num_nodes=1, layout=layout,
                                                        layout_hash=layout_hash(layout)), metadata=METADATA)

@@ -57,7 +57,7 @@ BAD_PUSHES = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_PUSHES))
-async def test_bad_push_rejected_and_other_nodes_unharmed(shard: ShardServer, case: str) -> None:
+async def test_bad_push_rejected_and_other_nodes_unharmed(shard: ShardServer, case: str, open_channel) -> None:
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
     block = layout.blocks[0]
     good, bad = await connect(shard, layout, 2, prefix="n")
@@ -72,7 +72,7 @@ async def test_bad_push_rejected_and_other_nodes_unharmed(shard: ShardServer, ca
         pg = encode_block(block, xg, 1)
         fut = good.expect(0, 0)
         await good.push(0, 0, pg)
-        channel, call = await raw_stream(shard, bad.node_id, layout, bad.session_id)
+        channel, call = await raw_stream(open_channel, shard, bad.node_id, layout, bad.session_id)
         await call.write(ps_pb2.ExchangeRequest(push=chunk))
         await expect_status(call, code, match)
         await channel.close()
@@ -87,14 +87,14 @@ async def test_bad_push_rejected_and_other_nodes_unharmed(shard: ShardServer, ca
         await close([good, bad])
 
 
-async def test_nan_payload_rejected(shard: ShardServer) -> None:
+async def test_nan_payload_rejected(shard: ShardServer, open_channel) -> None:
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
     (node,) = await connect(shard, layout, 1)
     payload = bytearray(encode(torch.ones(4096), Codec.FP32).to_bytes())
     payload[32 + 4 * 100: 32 + 4 * 101] = b"\x00\x00\xc0\x7f"  # NaN
     from cgx_ps.kernels import wire
     payload[20:24] = wire.body_crc32(payload).to_bytes(4, "little")
-    channel, call = await raw_stream(shard, "node-0", layout, node.session_id)
+    channel, call = await raw_stream(open_channel, shard, "node-0", layout, node.session_id)
     await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(
         round=0, block_id=0, total_bytes=len(payload), offset=0, data=bytes(payload))))
     await expect_status(call, grpc.StatusCode.INVALID_ARGUMENT, "NaN/Inf (first at element 100)")
@@ -172,8 +172,8 @@ async def test_a_failure_while_summing_a_round_fails_it_for_every_node_naming_th
         await close([a, b])
 
 
-async def test_push_before_register_refused(shard: ShardServer) -> None:
-    channel, call = await raw_stream(shard, "stranger", make_layout())
+async def test_push_before_register_refused(shard: ShardServer, open_channel) -> None:
+    channel, call = await raw_stream(open_channel, shard, "stranger", make_layout())
     await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "has not registered")
     await channel.close()
 
@@ -189,28 +189,28 @@ async def test_mismatched_layout_refused_naming_the_tensor(shard: ShardServer) -
     await first.close()
 
 
-async def test_stale_round_refused(shard: ShardServer) -> None:
+async def test_stale_round_refused(shard: ShardServer, open_channel) -> None:
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=None))
     (node,) = await connect(shard, layout, 1)
     p = encode(torch.ones(4096), Codec.FP32).to_bytes()
     for r in range(3):
         await node.exchange(0, r, p)
     await node.close()
-    channel, call = await raw_stream(shard, "node-0", layout, node.session_id)
+    channel, call = await raw_stream(open_channel, shard, "node-0", layout, node.session_id)
     await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=0, block_id=0, total_bytes=len(p),
                                                                   offset=0, data=p)))
     await expect_status(call, grpc.StatusCode.FAILED_PRECONDITION, "stale round 0, the shard expects round 3")
     await channel.close()
 
 
-async def test_a_refused_push_into_a_resumed_session_changes_no_blocks_round(shard: ShardServer) -> None:
+async def test_a_refused_push_into_a_resumed_session_changes_no_blocks_round(shard: ShardServer, open_channel) -> None:
     """A resumed session's block (the shard restarted under the job) takes its round from the
     first push it gets. Before, it took it from the first push it *saw*: a malformed push, or a
     hostile round id, set the round every other node was then refused against ("stale round"),
     and a round id near 2**64 broke every later Register (its next_rounds overflowed uint64)."""
     layout = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
     block, job = layout.blocks[0], "resumed-after-restart"
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}")
+    channel = open_channel(f"127.0.0.1:{shard.port}")
     stub = ps_pb2_grpc.ParameterServerStub(channel)
 
     def register(node: str, member: int = 0) -> ps_pb2.RegisterRequest:
@@ -230,7 +230,7 @@ async def test_a_refused_push_into_a_resumed_session_changes_no_blocks_round(sha
                     ((1 << 64) - 1, valid, False, grpc.StatusCode.INVALID_ARGUMENT, "cannot take round"),
                     ((1 << 64) - 1, valid, True, grpc.StatusCode.INVALID_ARGUMENT, "cannot take round")]
         for round_, data, restore, code, match in refusals:
-            raw, call = await raw_stream(shard, "bad", layout, bad.session_id)
+            raw, call = await raw_stream(open_channel, shard, "bad", layout, bad.session_id)
             await call.write(ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(
                 round=round_, block_id=block.block_id, total_bytes=len(data), offset=0, data=data, restore=restore)))
             await expect_status(call, code, match)

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from cgx_ps import cli, timeline
-from cgx_ps.server import LocalCluster
 from cgx_ps.server.config import ServerConfig
 from cgx_ps.worker import ConfigError
 from test_worker import env_for
@@ -63,32 +62,32 @@ def wait_until_stopped(pid: int, timeout: float) -> None:
 
 
 @pytest.mark.slow
-def test_a_two_worker_job_traces_every_process_on_one_clock(tmp_path):
+def test_a_two_worker_job_traces_every_process_on_one_clock(tmp_path, local_cluster):
     template = str(tmp_path / "trace.json")
     job = {"CGX_PS_JOB_ID": f"tl-{uuid.uuid4().hex[:8]}", "CGX_PS_TIMELINE": template, "CGX_PS_TIMELINE_STEPS": "1:3"}
-    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING", "--kernel-threads", "1",
-                                     "--timeline", template, "--timeline-steps", "1:3"]) as cluster:
-        # rank 0 trains 4 steps and ends normally; rank 1 stops itself before a 5th step and is
-        # then killed with SIGTERM, as torchrun stops the workers of a failed job
-        procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
-                                   str(tmp_path / f"rank{r}.pt"), *args],
-                                  env=env_for(r, 2, cluster.addresses, **job), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for r, args in enumerate([["--steps", "4"], ["--steps", "5", "--stall-at-step", "4"]])]
-        try:
-            out, err = procs[0].communicate(timeout=240)
-            assert procs[0].returncode == 0, err[-3000:]
-            wait_until_stopped(procs[1].pid, 60)
-            procs[1].send_signal(signal.SIGTERM)
-            procs[1].send_signal(signal.SIGCONT)
-            _, err = procs[1].communicate(timeout=60)
-            assert procs[1].returncode == -signal.SIGTERM, err[-3000:]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    # the shards write theirs when they stop
+    cluster = local_cluster(2, round_timeout=30, extra_args=["--kernel-threads", "1", "--timeline", template,
+                                                          "--timeline-steps", "1:3"])
+    # rank 0 trains 4 steps and ends normally; rank 1 stops itself before a 5th step and is
+    # then killed with SIGTERM, as torchrun stops the workers of a failed job
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
+                               str(tmp_path / f"rank{r}.pt"), *args],
+                              env=env_for(r, 2, cluster.addresses, **job), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for r, args in enumerate([["--steps", "4"], ["--steps", "5", "--stall-at-step", "4"]])]
+    try:
+        out, err = procs[0].communicate(timeout=240)
+        assert procs[0].returncode == 0, err[-3000:]
+        wait_until_stopped(procs[1].pid, 60)
+        procs[1].send_signal(signal.SIGTERM)
+        procs[1].send_signal(signal.SIGCONT)
+        _, err = procs[1].communicate(timeout=60)
+        assert procs[1].returncode == -signal.SIGTERM, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    cluster.stop()  # the shards write theirs when they stop
     workers = [timeline.load(str(tmp_path / f"trace.rank{r}.json")) for r in range(2)]
     shards = [timeline.load(str(tmp_path / f"trace.shard{i}.json")) for i in range(2)]
 

@@ -16,7 +16,6 @@ import torch
 
 from cgx_ps.kernels import dequantize, encode
 from cgx_ps.model_layout import codec_of
-from cgx_ps.server import LocalCluster
 from cgx_ps.server.rounds.aggregator import result_seed
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import ConfigError, WorkerConfig
@@ -29,10 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, extra_args=["--round-timeout", "8", "--log-level", "WARNING"]) as c:
-        yield c
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=8)  # the tests' shared shards (conftest.cluster)
 
 
 def run_workers(script: Path, world: int, servers: list[str], args_for, timeout: float = 240,
@@ -165,11 +161,11 @@ def test_training_converges_identically_and_4bit_matches_fp32_accuracy(cluster):
     assert done4["fp32_bytes"] / done4["bytes_pushed"] > 6
 
 
-def test_mismatched_model_refused_and_peer_fails_clearly(tmp_path):
-    with LocalCluster(1, extra_args=["--round-timeout", "3", "--log-level", "WARNING"]) as c:
-        results = run_workers(ROOT / "tests/workers/step_worker.py", 2, c.addresses,
-                              lambda r: ["--hidden", "300" if r == 0 else "200", "--out", str(tmp_path / f"{r}.pt")],
-                              timeout=120)
+def test_mismatched_model_refused_and_peer_fails_clearly(tmp_path, local_cluster):
+    c = local_cluster(1, round_timeout=3)
+    results = run_workers(ROOT / "tests/workers/step_worker.py", 2, c.addresses,
+                          lambda r: ["--hidden", "300" if r == 0 else "200", "--out", str(tmp_path / f"{r}.pt")],
+                          timeout=120)
     assert all(r.returncode != 0 for r in results)
     # whichever registered second is refused, naming the tensor; the first is told it is alone
     refused = [r for r in results if "declares a different model layout than the session's: tensor '0.bias'" in r.stderr]
@@ -179,13 +175,13 @@ def test_mismatched_model_refused_and_peer_fails_clearly(tmp_path):
     assert "was not put within 3s" in other.stderr or "waiting for node(s)" in other.stderr, other.stderr[-800:]
 
 
-def test_a_node_started_alone_says_whom_it_waits_for_and_names_them_when_it_gives_up(tmp_path):
+def test_a_node_started_alone_says_whom_it_waits_for_and_names_them_when_it_gives_up(tmp_path, local_cluster):
     """Finding 11 of the s26 user trial: node 1 of 2 restarted alone waited in silence, then blamed
     the root's broadcast ("was not put within ... did the root rank fail"). Node 0 never joined."""
-    with LocalCluster(1, extra_args=["--round-timeout", "3", "--log-level", "WARNING"]) as c:
-        env = env_for(1, 2, c.addresses, CGX_PS_JOB_ID=f"test-{uuid.uuid4().hex[:8]}")
-        alone = subprocess.run([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
-                                str(tmp_path / "1.pt")], env=env, capture_output=True, text=True, timeout=120)
+    c = local_cluster(1, round_timeout=3)
+    env = env_for(1, 2, c.addresses, CGX_PS_JOB_ID=f"test-{uuid.uuid4().hex[:8]}")
+    alone = subprocess.run([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
+                            str(tmp_path / "1.pt")], env=env, capture_output=True, text=True, timeout=120)
     assert alone.returncode != 0
     assert "waiting for blob 'broadcast/0': 1 of 2 nodes have joined shard" in alone.stderr, alone.stderr[-800:]
     assert "not yet: node-0" in alone.stderr
@@ -283,15 +279,15 @@ def _pushes(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def test_two_nodes_of_two_ranks_reduce_locally_and_push_once(tmp_path):
+def test_two_nodes_of_two_ranks_reduce_locally_and_push_once(tmp_path, local_cluster):
     before = _shm_files()
     steps = 3
-    with LocalCluster(2, metrics_base_port=0, extra_args=["--round-timeout", "20", "--log-level", "WARNING"]) as c:
-        outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
-        results = run_nodes(c, 2, 2, lambda r: ["--compression", "4bit", "--steps", str(steps), "--out", str(outs[r])])
-        for r, res in enumerate(results):
-            assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
-        pushes = [_pushes(port) for port in c.metrics_ports]
+    c = local_cluster(2, round_timeout=20, metrics_base_port=0)
+    outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
+    results = run_nodes(c, 2, 2, lambda r: ["--compression", "4bit", "--steps", str(steps), "--out", str(outs[r])])
+    for r, res in enumerate(results):
+        assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
+    pushes = [_pushes(port) for port in c.metrics_ports]
     saved = [torch.load(o, weights_only=False) for o in outs]
     layout = ps_pb2.Layout.FromString(saved[0]["layout"])
     for r in range(1, 4):
@@ -316,16 +312,16 @@ def _gpu_codec_ready() -> bool:
 
 
 @pytest.mark.skipif(not _gpu_codec_ready(), reason="needs a CUDA GPU and CuPy")
-def test_two_nodes_of_two_gpu_ranks_reduce_over_cuda_ipc(tmp_path):
+def test_two_nodes_of_two_gpu_ranks_reduce_over_cuda_ipc(tmp_path, local_cluster):
     """Four processes on one GPU: each node's two ranks reduce through CUDA IPC, compress on the
     GPU, and end bit-identical to the CPU replay of the same steps."""
     before = _shm_files()
     steps = 3
-    with LocalCluster(2, extra_args=["--round-timeout", "30", "--log-level", "WARNING"]) as c:
-        outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
-        results = run_nodes(c, 2, 2, lambda r: ["--steps", str(steps), "--out", str(outs[r]), "--device", "cuda"])
-        for r, res in enumerate(results):
-            assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
+    c = local_cluster(2, round_timeout=30)
+    outs = [tmp_path / f"rank{r}.pt" for r in range(4)]
+    results = run_nodes(c, 2, 2, lambda r: ["--steps", str(steps), "--out", str(outs[r]), "--device", "cuda"])
+    for r, res in enumerate(results):
+        assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
     saved = [torch.load(o, weights_only=False) for o in outs]
     assert [s["intranode"] for s in saved] == ["cuda"] * 4
     expected = expected_params(saved[0], 4, steps, 1, torch.float32, local=2)
@@ -335,7 +331,7 @@ def test_two_nodes_of_two_gpu_ranks_reduce_over_cuda_ipc(tmp_path):
     assert _shm_files() == before
 
 
-def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
+def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path, local_cluster):
     """A local rank that hangs (SIGSTOP: alive, holding its segment) must not hang the node: the
     other rank fails, naming what it waited for: within the round timeout when it waited for the
     stalled rank's gradient, OWNER_GIVES_UP_S later when for its result (a live owner would have
@@ -346,31 +342,31 @@ def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
 
     before = _shm_files()
     job = f"test-{uuid.uuid4().hex[:8]}"
-    with LocalCluster(1, extra_args=["--round-timeout", "5", "--log-level", "WARNING"]) as c:
-        procs = []
-        for lr in range(2):
-            env = dict(os.environ, LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE="2", RANK=str(lr), WORLD_SIZE="2",
-                       CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1", CGX_PS_SERVERS=c.addresses[0],
-                       CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
-            args = ["--steps", "3", "--out", str(tmp_path / f"{lr}.pt"), *(["--stall-at-step", "1"] if lr else [])]
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        stalled, survivor = procs[1], procs[0]
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # wait until rank 1 has stopped itself
-                with open(f"/proc/{stalled.pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                        break
-                time.sleep(0.05)
-            else:
-                pytest.fail("rank 1 never reached its stall point")
-            t0 = time.monotonic()
-            _, err = survivor.communicate(timeout=60)
-            elapsed = time.monotonic() - t0
-        finally:
-            stalled.send_signal(signal.SIGKILL)
-            stalled.communicate(timeout=30)
+    c = local_cluster(1, round_timeout=5)
+    procs = []
+    for lr in range(2):
+        env = dict(os.environ, LOCAL_RANK=str(lr), LOCAL_WORLD_SIZE="2", RANK=str(lr), WORLD_SIZE="2",
+                   CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1", CGX_PS_SERVERS=c.addresses[0],
+                   CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
+        args = ["--steps", "3", "--out", str(tmp_path / f"{lr}.pt"), *(["--stall-at-step", "1"] if lr else [])]
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    stalled, survivor = procs[1], procs[0]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until rank 1 has stopped itself
+            with open(f"/proc/{stalled.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.05)
+        else:
+            pytest.fail("rank 1 never reached its stall point")
+        t0 = time.monotonic()
+        _, err = survivor.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        stalled.send_signal(signal.SIGKILL)
+        stalled.communicate(timeout=30)
     assert survivor.returncode != 0
     waited = "5s waiting for block" if "gradient (local rank" in err else f"{5 + OWNER_GIVES_UP_S:g}s waiting for block"
     assert f"IntraNodeError: timed out after {waited}" in err and "(local rank 1 stalled?)" in err, err[-1500:]
@@ -380,12 +376,12 @@ def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not _gpu_codec_ready(), reason="needs a CUDA GPU and CuPy"))])
-def test_dead_local_rank_fails_its_node_clearly(tmp_path, device):
+def test_dead_local_rank_fails_its_node_clearly(tmp_path, device, local_cluster):
     before = _shm_files()
-    with LocalCluster(1, extra_args=["--round-timeout", "10", "--log-level", "WARNING"]) as c:
-        results = run_nodes(c, 1, 2, lambda r: ["--steps", "2", "--out", str(tmp_path / f"{r}.pt"),
-                                                "--device", device,
-                                                *(["--die-at-step", "1"] if r == 1 else [])], timeout=120)
+    c = local_cluster(1, round_timeout=10)
+    results = run_nodes(c, 1, 2, lambda r: ["--steps", "2", "--out", str(tmp_path / f"{r}.pt"),
+                                            "--device", device,
+                                            *(["--die-at-step", "1"] if r == 1 else [])], timeout=120)
     assert results[1].returncode == 3
     assert results[0].returncode != 0
     assert "IntraNodeError: local rank 1 (pid" in results[0].stderr and "exited while waiting" in results[0].stderr, \

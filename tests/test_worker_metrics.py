@@ -12,7 +12,6 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cgx_ps.server import LocalCluster
 from cgx_ps.worker import StepStats
 from cgx_ps.worker.metrics import WorkerMetrics, after_step
 
@@ -65,14 +64,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_training_worker_serves_its_metrics():
+def test_a_training_worker_serves_its_metrics(local_cluster):
     port = free_port()
-    with LocalCluster(1, extra_args=["--round-timeout", "20", "--log-level", "WARNING"]) as cluster:
-        env = dict(os.environ, **cluster.worker_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                   LOCAL_WORLD_SIZE="1", CGX_PS_JOB_ID=uuid.uuid4().hex[:8], OMP_NUM_THREADS="1",
-                   CGX_PS_WORKER_METRICS_PORT=str(port), CGX_PS_WORKER_METRICS_HOST="127.0.0.1")
-        res = subprocess.run([sys.executable, str(ROOT / "tests/workers/metrics_worker.py"), "--compression",
-                              "adaptive:2", "--steps", "5"], env=env, capture_output=True, text=True, timeout=240)
+    cluster = local_cluster(1, round_timeout=20)
+    env = dict(os.environ, **cluster.worker_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1", CGX_PS_JOB_ID=uuid.uuid4().hex[:8], OMP_NUM_THREADS="1",
+               CGX_PS_WORKER_METRICS_PORT=str(port), CGX_PS_WORKER_METRICS_HOST="127.0.0.1")
+    res = subprocess.run([sys.executable, str(ROOT / "tests/workers/metrics_worker.py"), "--compression",
+                          "adaptive:2", "--steps", "5"], env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     got = samples(res.stdout)
     assert got[("cgx_ps_worker_steps_total", ())] == 5

@@ -14,7 +14,6 @@ import torch
 
 import cgx_ps.worker as cgx
 from cgx_ps.net.security import ChannelSecurity
-from cgx_ps.server import LocalCluster
 from cgx_ps.cli.status_table import probe_all
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import runtime
@@ -25,10 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, extra_args=["--round-timeout", "5", "--log-level", "WARNING"]) as c:
-        yield c
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=5)  # the tests' shared shards (conftest.cluster)
 
 
 def run(cluster, scenario: str, servers: list[str] | None = None) -> dict:
@@ -143,14 +139,14 @@ def test_shards_listed_out_of_order_are_named(cluster):
 
 
 @pytest.mark.parametrize("order", [(1, 0), (0, 0)], ids=["reversed", "one shard twice"])
-def test_a_worker_refused_for_the_shards_order_leaves_no_session_behind(order):
+def test_a_worker_refused_for_the_shards_order_leaves_no_session_behind(order, local_cluster):
     """usertrial-s26 finding 14: refused only after registering, the worker left an idle session on
     every shard it reached (shown by `cgx-ps status`; a restart with another node count or layout
     under the same job id was then refused). The order is checked before anything registers."""
-    with LocalCluster(2, extra_args=["--log-level", "WARNING"]) as fresh:
-        out = run(fresh, "frozen_after", servers=[fresh.addresses[i] for i in order])
-        assert "list the shards in index order" in out.get("error", ""), out
-        states = [r.status.session_state for r in probe_all(fresh.addresses, ChannelSecurity(token_file=fresh.token_file))]
-        assert states == [ps_pb2.SESSION_STATE_NONE] * 2, states
-        out = run(fresh, "frozen_after")  # the corrected start trains at once
-        assert "error" not in out and out["after"] == out["before"], out
+    fresh = local_cluster(2)
+    out = run(fresh, "frozen_after", servers=[fresh.addresses[i] for i in order])
+    assert "list the shards in index order" in out.get("error", ""), out
+    states = [r.status.session_state for r in probe_all(fresh.addresses, ChannelSecurity(token_file=fresh.token_file))]
+    assert states == [ps_pb2.SESSION_STATE_NONE] * 2, states
+    out = run(fresh, "frozen_after")  # the corrected start trains at once
+    assert "error" not in out and out["after"] == out["before"], out

@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.procstat import CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ import pytest
 from benchmarks import netcluster as nc
 from support import terminate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "netcluster.py"  # the CLI, run as documented
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
