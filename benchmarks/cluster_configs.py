@@ -22,8 +22,7 @@ CONFIGS: dict[str, tuple[str, str, str]] = {  # name -> (system, hook or compres
 # Shard options and worker variables a configuration adds: the "-raw" ones open the shards' raw
 # data plane and make the workers use it (raw, not auto: a port that cannot be reached fails the
 # row instead of measuring gRPC under the raw plane's name). The others keep their streams on gRPC,
-# as in every earlier run of these names: `--data-port -1`, since a shard now opens the plane
-# unless told not to (server/config.py, deployed_data_port).
+# the shards' default; `--data-port -1` says so explicitly.
 _RAW = ("cgx-4bit-raw", "ddp-cgx-4bit-raw")
 SHARD_ARGS: dict[str, tuple[str, ...]] = {
     name: ("--data-port", "0" if name in _RAW else "-1") for name, (system, _, _) in CONFIGS.items() if system != "ddp"

@@ -613,25 +613,23 @@ def test_workers_on_the_raw_plane_survive_a_shard_restart_exactly(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_by_default_shards_open_the_plane_on_free_ports_and_workers_take_it(tmp_path: Path, local_cluster) -> None:
+def test_by_default_shards_open_no_plane_and_workers_stream_over_grpc(tmp_path: Path, local_cluster) -> None:
     """No --data-port and no CGX_PS_DATAPLANE anywhere, as `cgx-ps cluster` and `cgx-ps demo` start
-    shards (LocalCluster's data_base_port None: the shard's own default): each shard opens the raw
-    plane on a free port of its own, advertises it, and the workers' streams go over it, with the
-    reference's parameters. Before, the plane was off unless asked for and every stream took gRPC."""
+    shards (LocalCluster's data_base_port None: the shard's own default): no shard opens the raw
+    plane (one port, gRPC, which also carries TLS), the workers' streams take gRPC, and they train
+    to the reference's parameters. A worker under auto with no advertised port says nothing of it."""
     steps = 8
     cluster = local_cluster(2, data_base_port=None)
-    assert all(port > 0 for port in cluster.data_ports) and len(set(cluster.data_ports)) == 2
+    assert all(port < 0 for port in cluster.data_ports), cluster.data_ports
     workers = start_workers(cluster.addresses, tmp_path, steps)
     try:
-        wait_for_rounds(cluster.addresses[1], 3, workers)
-        assert [_established(port) for port in cluster.data_ports] == [2, 2]  # a stream per worker and shard
         results = finish(workers, timeout_s=120)
     finally:
         for p in workers:
             if p.poll() is None:
                 p.kill()
     for code, err, _ in results:
-        assert code == 0 and "cannot be reached" not in err, err[-3000:]
+        assert code == 0 and "data plane" not in err, err[-3000:]
     saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for name, value in expected_params(saved[0], 2, steps, 1, torch.float32).items():
         assert torch.equal(saved[0]["final"][name], saved[1]["final"][name]), name

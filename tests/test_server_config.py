@@ -16,8 +16,8 @@ def test_every_field_has_one_environment_variable_and_flag() -> None:
 
 
 def test_from_env_reads_the_variables_over_the_defaults() -> None:
-    # deployed shards serve metrics, and the raw data plane on a free port
-    assert ServerConfig.from_env({}) == ServerConfig(metrics_port=9400, data_port=0)
+    # deployed shards serve metrics; no raw data plane unless asked: gRPC carries every stream
+    assert ServerConfig.from_env({}) == ServerConfig(metrics_port=9400, data_port=-1)
     config = ServerConfig.from_env({"CGX_PS_PORT": "7001", "CGX_PS_MAX_INFLIGHT_MB": "2.5", "CGX_PS_NUM_SHARDS": "4",
                                     "CGX_PS_SHARD_INDEX": "3", "CGX_PS_ERROR_FEEDBACK": "1", "CGX_PS_TOKEN_FILE": "",
                                     "CGX_PS_TLS_CERT": "c.pem", "CGX_PS_TLS_KEY": "k.pem", "CGX_PS_LOG_LEVEL": "DEBUG"})
@@ -42,7 +42,8 @@ def test_bad_settings_are_named(env: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize("argv, env, data_port", [
-    ([], {}, 0),  # the default: a free port, advertised at Register
+    ([], {}, -1),  # the default: gRPC only, one port (the raw plane is an opt-in)
+    (["--data-port", "0"], {}, 0),  # a free port, advertised at Register
     (["--data-port", "-1"], {}, -1),
     ([], {"CGX_PS_DATA_PORT": "-1"}, -1),
     ([], {"CGX_PS_DATA_PORT": "7072"}, 7072),
@@ -50,7 +51,7 @@ def test_bad_settings_are_named(env: dict, message: str) -> None:
     (["--tls-cert", "c.pem", "--tls-key", "k.pem"], {}, -1),  # TLS: off unless asked (and asking is refused)
     ([], {"CGX_PS_TLS_CERT": "c.pem", "CGX_PS_TLS_KEY": "k.pem"}, -1),
 ])
-def test_a_deployed_shard_opens_the_data_plane_unless_told_otherwise_or_under_tls(monkeypatch, argv, env,
+def test_a_deployed_shard_opens_the_data_plane_only_when_asked(monkeypatch, argv, env,
                                                                                   data_port) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)

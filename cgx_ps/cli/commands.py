@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     env = flag_defaults(os.environ)  # valid: _add_server_options exits on a malformed variable
     cluster.add_argument("--data-base-port", type=_port(off=-1),
                          default=None if env["data_port"] == "" else env["data_port"],
-                         help="shard i's raw data plane listens on this + i; 0: a free port each; -1: off "
-                              "(env CGX_PS_DATA_PORT; default: a free port each, off with --tls-cert)")
+                         help="shard i's raw data plane (an opt-in for trusted networks) listens on this + i; "
+                              "0: a free port each; -1: off (env CGX_PS_DATA_PORT; default: off)")
     cluster.add_argument("--health-base-port", type=_port(off=-1), default=env["health_port"],
                          help="shard i serves a plaintext health-only port on this + i; 0: a free port each; "
                               "-1: off (env CGX_PS_HEALTH_PORT; default %(default)s)")

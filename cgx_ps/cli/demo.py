@@ -66,7 +66,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"cgx-ps demo: {args.shards} shards, {args.workers} workers{nodes}, compression {args.compression}, "
           f"{args.epochs} epochs (logs in {logs})", flush=True)
     t_start = time.perf_counter()
-    # data_base_port None: the shards' own default, as `cgx-ps server` (the raw data plane on a free port)
+    # data_base_port None: the shards' own default, as `cgx-ps server` (gRPC only)
     with LocalCluster(args.shards, extra_args=["--log-level", "WARNING"], log_dir=logs,
                       data_base_port=None) as cluster:
         cmd = [sys.executable, "-m", TRAIN_MODULE, "--epochs", str(args.epochs), "--batch-size",

@@ -104,7 +104,7 @@ class LocalCluster:
         port_file.unlink(missing_ok=True)
         # every per-shard port on the command line: a CGX_PS_DATA_PORT or CGX_PS_HEALTH_PORT in
         # the environment would otherwise give every shard the same one (extra_args still win);
-        # data_port None: the shard's default (a free port, off under TLS: config.deployed_data_port),
+        # data_port None: the shard's default (no raw data plane, unless CGX_PS_DATA_PORT... is dropped here),
         # without a CGX_PS_DATA_PORT of the environment, which names one port for all of them
         data = ["--data-port", str(data_port)] if data_port is not None else []
         env = {k: v for k, v in os.environ.items() if k != "CGX_PS_DATA_PORT"} if data_port is None else None

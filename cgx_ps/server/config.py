@@ -18,7 +18,7 @@ from ..timeline import ENV_PATH as TIMELINE_ENV, ENV_STEPS as TIMELINE_STEPS_ENV
 from ..net.channel_options import CHUNK_BYTES, GRPC_OPTIONS
 
 __all__ = ["CHUNK_BYTES", "DEFAULT_METRICS_PORT", "DEFAULT_PORT", "GRPC_OPTIONS", "HEALTH_PORT_CALLS",
-           "MAX_SHARDS", "MIN_CONCURRENT_RPCS", "SETTINGS", "ServerConfig", "Setting", "deployed_data_port",
+           "MAX_SHARDS", "MIN_CONCURRENT_RPCS", "SETTINGS", "ServerConfig", "Setting",
            "flag_defaults", "shard_flags"]
 
 DEFAULT_PORT = 7070
@@ -66,8 +66,8 @@ class ServerConfig:
     # a plaintext port serving only the gRPC health service (for kubelet probes when TLS is on)
     health_port: int = -1
     # the raw data plane (server/rpc/raw_listener.py): Exchange streams over plain TCP, token-checked;
-    # -1 off, 0 a free port. Off for a shard built in code (tests, embedding); a deployed shard
-    # (the CLI, from_env) opens it on a free port unless it serves TLS: deployed_data_port
+    # -1 off (the default: gRPC carries every stream), 0 a free port. An opt-in for trusted networks
+    # where the shard's CPU is the limit: it takes about a fifth less shard CPU per byte than gRPC
     data_port: int = -1
     # where metrics listen; None: the same address as the gRPC port
     metrics_host: str | None = None
@@ -162,11 +162,11 @@ SETTINGS: dict[str, Setting] = {
     "health_port": Setting("CGX_PS_HEALTH_PORT", "--health-port", "plaintext port serving only the gRPC health "
                            "service, for probes that cannot speak TLS; -1 disables", int, per_shard=True,
                            bounds=_PORT_OR_OFF),
-    "data_port": Setting("CGX_PS_DATA_PORT", "--data-port", "port of the raw data plane (Exchange streams over "
+    "data_port": Setting("CGX_PS_DATA_PORT", "--data-port", "port of the raw data plane, an opt-in beside the "
+                         "gRPC port for trusted networks where the shard's CPU is the limit (Exchange streams over "
                          "plain TCP, token-checked like the gRPC port; advertised to workers at Register, used "
-                         "under their CGX_PS_DATAPLANE=auto|raw); 0 picks a free one, -1 turns it off; default: a "
-                         "free port, off with --tls-cert (which it cannot be used with)", int, per_shard=True,
-                         deployed="", bounds=_PORT_OR_OFF),
+                         "under their CGX_PS_DATAPLANE=auto|raw); 0 picks a free one; -1 (default) turns it off; "
+                         "not with --tls-cert", int, per_shard=True, bounds=_PORT_OR_OFF),
     "round_timeout_s": Setting("CGX_PS_ROUND_TIMEOUT", "--round-timeout",
                                "seconds a round may wait for its last node before it fails for everyone", float,
                                bounds=Bounds(0, _MAX_SECONDS, integer=False, above=True, unit="seconds")),
@@ -238,24 +238,12 @@ def shard_flags(flags: Mapping[str, Any], skip: tuple[str, ...] = ()) -> list[st
     return argv
 
 
-def deployed_data_port(tls: bool) -> int:
-    """The raw data plane of a deployed shard told no --data-port: a free port (0), advertised to
-    the workers at Register, so that shards started by hand on one host cannot collide on it; off
-    (-1) under TLS, where the plaintext plane would undo the TLS and saves nothing (config check
-    below). The plane is the faster transport (BENCHMARKS.md: ≈ 1.2× the shard's MB per CPU-second,
-    less worker CPU per step), token-checked like the gRPC port, and a worker that cannot reach it
-    falls back to gRPC with one warning (worker/shards/client.py), so it is on unless asked otherwise."""
-    return -1 if tls else 0
-
-
 def _deployed_ports(fields: dict[str, Any]) -> dict[str, Any]:
     """Defaults of a deployed shard where they differ from one built in code. No metrics port:
     9400 + its index, so shards started by hand on one host (``cgx-ps server --shard-index i``
-    each) do not collide. No data port: ``deployed_data_port``."""
+    each) do not collide."""
     if fields.get("metrics_port") is None:
         fields["metrics_port"] = DEFAULT_METRICS_PORT + fields.get("shard_index", 0)
-    if fields.get("data_port") is None:
-        fields["data_port"] = deployed_data_port(bool(fields.get("tls_cert")))
     return fields
 
 

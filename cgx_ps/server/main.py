@@ -62,11 +62,11 @@ def exposure_warning(config: ServerConfig) -> str | None:
 
 
 def _data_port_words(server: "ShardServer") -> str:
-    """The data port as the start line names it: a free port picked for it says so (it is the
-    default: a firewall must let the workers reach it, or they use gRPC after one warning)."""
+    """The data port as the start line names it: a free port picked for it says so (a firewall must
+    let the workers reach it, or they use gRPC after one warning)."""
     if server.dataplane is None:
         return "off"
-    return f"{server.data_port}, a free one: --data-port chooses it, -1 turns it off" if server.config.data_port == 0 \
+    return f"{server.data_port}, a free one: --data-port N fixes it" if server.config.data_port == 0 \
         else str(server.data_port)
 
 

@@ -1,6 +1,6 @@
-"""The raw data plane's listener: Exchange streams over plain TCP beside the gRPC port (a deployed
-shard's default: on a free port unless ``--data-port`` says otherwise, config.deployed_data_port;
-plaintext, authenticated by a proof of the job token, never with TLS).
+"""The raw data plane's listener: Exchange streams over plain TCP beside the gRPC port (an opt-in,
+``--data-port``, for trusted networks where the shard's CPU is the limit; plaintext, authenticated
+by a proof of the job token, never with TLS).
 
 Why: Python gRPC costs the shard about a quarter of its CPU per round and the workers about 40%
 of theirs for pushes and results; a plain TCP stream read by an asyncio BufferedProtocol gets it
