@@ -30,7 +30,7 @@ from cgx_ps.net.security import ChannelSecurity, CredentialError
 from cgx_ps.server import ServerConfig, ShardServer
 from cgx_ps.server.session.blobs import BlobError, BlobStore
 from cgx_ps.server.process.allocator import TRIM_THRESHOLD
-from cgx_ps.server.main import exposure_warning
+from cgx_ps.server.main import exposure_problem, exposure_warning
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker.shards.client import ShardClient
@@ -603,6 +603,80 @@ def test_a_shard_open_beyond_loopback_without_token_or_tls_warns():
     assert exposure_warning(ServerConfig(host="::1")) is None
     assert "neither --token-file nor --tls-cert" in exposure_warning(ServerConfig(host="0.0.0.0"))
     assert exposure_warning(ServerConfig(host="shard-0.example")) is not None
+
+
+def test_a_shard_beyond_loopback_without_token_or_tls_is_refused_unless_insecure():
+    assert exposure_problem(ServerConfig(host="127.0.0.1")) is None
+    assert exposure_problem(ServerConfig(host="::1")) is None
+    assert exposure_problem(ServerConfig(host="0.0.0.0", token_file="t")) is None
+    assert exposure_problem(ServerConfig(host="0.0.0.0", tls_cert="c", tls_key="k")) is None
+    assert exposure_problem(ServerConfig(host="0.0.0.0", insecure=True)) is None
+    for host in ("0.0.0.0", "::", "10.1.2.3", "shard-0.example"):
+        problem = exposure_problem(ServerConfig(host=host))
+        assert problem and "--token-file" in problem and "--insecure" in problem and host in problem
+
+
+def _start(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.Popen:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CGX_PS_")}, **env}
+    return subprocess.Popen([sys.executable, "-m", "cgx_ps.cli", "server", "--port", "0", "--metrics-port", "-1",
+                             "--port-file", str(tmp_path / "port.json"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_an_operator_command_line_open_to_the_network_is_refused_then_allowed_by_insecure(tmp_path):
+    """`cgx-ps server --host 0.0.0.0` with no token and no TLS: one line naming the flags, exit 2,
+    nothing bound. With --insecure (or CGX_PS_INSECURE=1) it serves, and says so in a warning;
+    on loopback it serves without either."""
+    refused = _start(["--host", "0.0.0.0"], {}, tmp_path)
+    out = refused.communicate(timeout=60)[0]
+    assert refused.returncode == 2, out
+    assert out.count("\n") == 1 and "refusing to serve 0.0.0.0" in out and "--insecure" in out, out
+    assert not (tmp_path / "port.json").exists()
+    for args, env in ((["--host", "0.0.0.0", "--insecure"], {}), (["--host", "0.0.0.0"], {"CGX_PS_INSECURE": "1"}),
+                      (["--host", "127.0.0.1"], {})):
+        proc = _start(args, env, tmp_path)
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "serving on" in line:
+                    break
+            said = "".join(lines)
+            assert "serving on" in said, said
+            exposed = "neither --token-file nor --tls-cert: anyone who can reach" in said
+            assert exposed == (args[1] == "0.0.0.0"), said
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+
+
+def test_the_metrics_expose_no_token_nor_its_hash(tmp_path):
+    """A shard with a token: nothing its metrics page serves names the token, in any common form."""
+    import base64
+    import hashlib
+    import urllib.request
+
+    token = "s3cret-" + uuid.uuid4().hex
+    (tmp_path / "token").write_text(token + "\n")
+    proc = _start(["--host", "127.0.0.1", "--token-file", str(tmp_path / "token"), "--metrics-port", "0"], {},
+                  tmp_path)
+    try:
+        for line in proc.stdout:
+            if "serving on" in line:
+                break
+        info = json.loads((tmp_path / "port.json").read_text())
+        page = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=10).read().decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert "cgx_ps_" in page  # the shard's own metrics are there
+    raw = token.encode()
+    forms = [token, base64.b64encode(raw).decode(), raw.hex(), hashlib.sha256(raw).hexdigest(),
+             base64.b64encode(hashlib.sha256(raw).digest()).decode(), hashlib.md5(raw).hexdigest(),
+             hashlib.sha1(raw).hexdigest(), token[7:15]]
+    for form in forms:
+        assert form not in page, form
 
 
 async def test_metrics_listen_where_the_grpc_port_does(start_shard):

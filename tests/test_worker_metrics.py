@@ -79,3 +79,14 @@ def test_a_training_worker_serves_its_metrics(local_cluster):
     assert 0 < pushed < fp32 and got[("cgx_ps_worker_compression_ratio", ())] > 1.5
     bits = {labels[0][1]: v for (name, labels), v in got.items() if name == "cgx_ps_worker_tensor_bits"}
     assert set(bits) == {"0.weight", "2.weight"} and all(1 <= b <= 8 for b in bits.values()), bits
+
+
+def test_non_finite_steps_are_counted() -> None:
+    from cgx_ps.worker.frontends.stepstats import StepStats
+    from cgx_ps.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(rank=3)
+    for tensors in [(), ("fc.weight",), ("fc.weight", "fc.bias"), ()]:
+        metrics.observe(StepStats(non_finite_tensors=tensors))
+    assert metrics.registry.get_sample_value("cgx_ps_worker_non_finite_steps_total", {"rank": "3"}) == 2
+    assert metrics.registry.get_sample_value("cgx_ps_worker_steps_total", {"rank": "3"}) == 4

@@ -57,6 +57,23 @@ def test_misuse_is_named(cluster, scenario, error):
         assert "NaN/Inf" in out["error"] and ("0.weight" in out["error"] or "2.weight" in out["error"]), out
 
 
+def test_a_nan_without_a_scaler_travels_by_default_and_is_counted_and_said_once(cluster):
+    """allow_non_finite is on by default (as DDP's and Horovod's allreduce): a NaN gradient travels
+    to every rank as NaN, where a GradScaler would skip the step. Without a scaler, step() applies
+    nothing and says why on every rank alike (the same average), naming this rank's tensors; the log
+    says so once a minute at most, however many steps are non-finite; training goes on after."""
+    out = run(cluster, "nan_by_default")
+    tensors, errors = out["non_finite_tensors"], out["errors"]
+    assert tensors[0] == tensors[3] == [] and errors[0] == errors[3] == "", out
+    for step in (1, 2):
+        assert {"0.weight", "2.weight"} <= set(tensors[step]), out
+        assert "averaged gradient was not finite" in errors[step] and "0.weight" in errors[step], out
+        assert "GradScaler" in errors[step], out
+    lines = [line for line in out["said"] if "was not finite" in line]
+    assert len(lines) == 1 and "0.weight" in lines[0] and "step 1" in lines[0], out
+    assert out["weight_finite"] is True  # the non-finite steps were not applied
+
+
 def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 

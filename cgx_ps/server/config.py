@@ -63,6 +63,8 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # serve a non-loopback address with neither token nor TLS (exposure_problem refuses it otherwise)
+    insecure: bool = False
     # a plaintext port serving only the gRPC health service (for kubelet probes when TLS is on)
     health_port: int = -1
     # the raw data plane (server/rpc/raw_listener.py): Exchange streams over plain TCP, token-checked;
@@ -195,6 +197,9 @@ SETTINGS: dict[str, Setting] = {
     "tls_key": Setting("CGX_PS_TLS_KEY", "--tls-key", "PEM private key of --tls-cert", security=True),
     "tls_client_ca": Setting("CGX_PS_TLS_CLIENT_CA", "--tls-client-ca", "PEM CA bundle: require client "
                              "certificates it signed, mutual TLS", security=True),
+    "insecure": Setting("CGX_PS_INSECURE", "--insecure", "serve a non-loopback --host with neither --token-file "
+                        "nor --tls-cert: anyone who reaches the port joins the job (refused without it)", bool,
+                        security=True),
     "log_level": Setting("CGX_PS_LOG_LEVEL", "--log-level", "log level", choices=LOG_LEVELS),
     # The workers' variables: one export traces a local job's shards and workers, each process
     # into a file of its own (trace.shard0.json, trace.rank0.json, ...).

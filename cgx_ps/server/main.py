@@ -32,7 +32,7 @@ from .rpc.shard_status import ShardStatus
 from .rounds.kernel_threads import executor_threads, usable_cpus
 from .rpc.tls import ReloadingServerCredentials
 
-__all__ = ["ShardServer", "run_server", "setup_logging"]
+__all__ = ["ShardServer", "exposure_problem", "run_server", "setup_logging"]
 
 log = logging.getLogger("cgx_ps.server")
 
@@ -50,6 +50,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(bare_host(host)).is_loopback
     except ValueError:
         return False  # a name: assume it resolves beyond this machine
+
+
+def exposure_problem(config: ServerConfig) -> str | None:
+    """Why a shard will not start as asked, or None: a non-loopback address with neither a job token
+    nor TLS serves anyone who reaches it (the job's broadcasts, its gradients), so it takes
+    ``--insecure`` to say that is meant, as Redis's protected mode and Jupyter's token do."""
+    if is_loopback(config.host) or config.token_file or config.tls_cert or config.insecure:
+        return None
+    return (f"refusing to serve {config.host} with neither --token-file nor --tls-cert: anyone who reaches the "
+            f"port could join the job. Give a token (--token-file, CGX_PS_TOKEN_FILE) or TLS, bind loopback "
+            f"(--host 127.0.0.1), or pass --insecure (CGX_PS_INSECURE=1) on a network you trust")
 
 
 def exposure_warning(config: ServerConfig) -> str | None:
@@ -247,6 +258,10 @@ def run_server(args: argparse.Namespace) -> int:
         config = ServerConfig.from_flags(vars(args))
     except ValueError as exc:  # flags that do not fit together: a usage error (argparse's exit status 2)
         print(f"cgx-ps server: {exc}", file=sys.stderr)
+        return 2
+    problem = exposure_problem(config)
+    if problem is not None:
+        print(f"cgx-ps server: {problem}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.shard_index)
     keep_freed_memory()  # this process is a shard: its buffers come back every round (allocator.py)

@@ -64,6 +64,9 @@ class WorkerMetrics:
                                 ["rank"], registry=r).labels(**labels)
         self.tensor_bits = Gauge("cgx_ps_worker_tensor_bits", "Bits per element adaptive compression chose",
                                  ["rank", "tensor"], registry=r)
+        self.non_finite_steps = Counter("cgx_ps_worker_non_finite_steps", "Steps whose gradient on this rank had "
+                                        "NaN/Inf (allow_non_finite: every rank decodes NaN, a GradScaler skips them)",
+                                        ["rank"], registry=r).labels(**labels)
         self.auto_decisions = Counter("cgx_ps_worker_auto_decisions", "Auto mode decisions: compress or not, and why",
                                       ["rank", "mode", "reason"], registry=r)
         self._rank = str(rank)
@@ -83,6 +86,8 @@ class WorkerMetrics:
         if stats.bytes_pushed:  # 0: another local rank pushed every block this step
             self.ratio.set(stats.fp32_bytes / stats.bytes_pushed)
         self.compressed.set(1 if stats.compressed else 0)
+        if getattr(stats, "non_finite_tensors", ()):
+            self.non_finite_steps.inc()
         for decision in decisions[self._decisions_seen:]:
             decision = decision.as_dict() if hasattr(decision, "as_dict") else decision  # a tuner Decision
             for tensor, bits in decision.get("bits", {}).items():

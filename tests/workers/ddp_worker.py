@@ -113,10 +113,10 @@ def optimizer_allreduce_run(rank: int) -> dict:
     """The DistributedOptimizer's auto-mode uncompressed steps go through all_reduce on the
     default (gloo) group: steps 1, 2, 4 and 5 are switched to uncompressed on every rank at the
     same step boundary, as auto mode's decision is (set here on the pipeline, as the tuner does).
-    At step 4 rank 1's gradient overflows: without allow_non_finite every rank must refuse it."""
+    At step 4 rank 1's gradient overflows: with allow_non_finite=False every rank must refuse it."""
     model = _model()
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
-                                   compression="4bit", block_bytes=BLOCK_BYTES)
+                                   compression="4bit", block_bytes=BLOCK_BYTES, allow_non_finite=False)
     pipe = opt._cgx_pipe  # what auto mode's tuner sets: no public switch, on purpose
     named = list(model.named_parameters())
     before, paths, rounds, in_place, errors = [], [], [], [], []
@@ -499,8 +499,9 @@ def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1, u
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
         net = model
+        # no allow_non_finite: the standard GradScaler loop works with the defaults, as under DDP
         opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                       compression="4bit", block_bytes=BLOCK_BYTES, allow_non_finite=True)
+                                       compression="4bit", block_bytes=BLOCK_BYTES)
         if uncompressed:
             opt._cgx_pipe.apply(False, {})  # as auto mode's decision
     named = list(model.named_parameters())

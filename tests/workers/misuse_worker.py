@@ -5,10 +5,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import torch
 
 import cgx_ps.worker as cgx
+
+
+def _nan_by_default(model: torch.nn.Module, x: torch.Tensor) -> dict:
+    """Four steps, the middle two with a NaN loss, with the default options and no GradScaler."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("cgx_ps.worker.frontends.step_driver").addHandler(handler)
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   compression="4bit")
+    tensors, errors = [], []
+    for step in range(4):
+        opt.zero_grad()
+        loss = model(x).pow(2).sum()
+        (loss * float("nan") if step in (1, 2) else loss).backward()
+        try:
+            opt.step()
+            errors.append("")
+        except cgx.CgxPsError as exc:  # not applied, on every rank alike: skip it and go on
+            errors.append(str(exc))
+        tensors.append(list(opt.stats.non_finite_tensors))
+    return {"non_finite_tensors": tensors, "errors": errors, "said": said, "steps": opt.stats.step,
+            "weight_finite": bool(torch.isfinite(model[0].weight).all())}
 
 
 def scenario(name: str) -> dict:
@@ -37,8 +61,11 @@ def scenario(name: str) -> dict:
         return out
     if name == "thawed":  # frozen when wrapped, trained later
         model[0].bias.requires_grad_(False)
+    if name == "nan_by_default":  # no allow_non_finite: NaN travels, is counted and said once a minute
+        return _nan_by_default(model, x)
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5),
-                                   model.named_parameters(), compression="fp32")
+                                   model.named_parameters(), compression="fp32",
+                                   allow_non_finite=name != "nan")  # "nan": the refusal asked for
     if name == "thawed":
         model[0].bias.requires_grad_(True)
     if name == "frozen_after":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
@@ -28,10 +27,11 @@ from google.protobuf.message import DecodeError, Message
 
 from ...net.security import bearer_matches
 from ...v1 import ps_pb2
+from ...rate_limited_log import RateLimitedLog
 from ..errors import (AlreadyExists, BadRequest, Busy, Conflict, Forbidden, InternalError, LimitExceeded, NotMember,
                       ProtocolError, SessionEnded, ShuttingDown, StreamAborted, TimedOut, Unauthenticated, WrongRound)
 
-__all__ = ["MAX_DETAILS_CHARS", "SERVICE_NAME", "STATUS_CODES", "Gate", "RateLimitedLog", "add_parameter_server",
+__all__ = ["MAX_DETAILS_CHARS", "SERVICE_NAME", "STATUS_CODES", "Gate", "add_parameter_server",
            "add_wrong_port_answer", "clip", "grpc_status", "read_message", "parse_message"]
 
 SERVICE_NAME = "cgx_ps.v1.ParameterServer"
@@ -77,31 +77,6 @@ def grpc_status(error: ProtocolError) -> tuple[grpc.StatusCode, str]:
         if code is not None:
             return code, clip(error.message)
     return grpc.StatusCode.INTERNAL, clip(error.message)  # a class missing from the table is a bug
-
-
-class RateLimitedLog:
-    """At most ``burst`` lines per ``window_s`` per key; what is dropped is counted and reported
-    with the next line that gets through."""
-
-    def __init__(self, logger: logging.Logger, burst: int = 10, window_s: float = 10.0) -> None:
-        self.logger, self.burst, self.window_s = logger, burst, window_s
-        self._windows: dict[str, tuple[float, int, int]] = {}  # key -> (start, logged, dropped)
-
-    def warning(self, key: str, message: str, *args: object) -> None:
-        now = time.monotonic()
-        start, logged, dropped = self._windows.get(key, (now, 0, 0))
-        if now - start >= self.window_s:
-            start, logged = now, 0
-        if logged >= self.burst:
-            self._windows[key] = (start, logged, dropped + 1)
-            return
-        if dropped:
-            message += f" ({dropped} similar lines suppressed)"
-        self._windows[key] = (start, logged + 1, 0)
-        self.logger.warning(message, *args)
-
-    def __len__(self) -> int:  # keys seen: bounded by the number of methods, not by callers
-        return len(self._windows)
 
 
 def parse_message(cls: type[M], raw: bytes) -> M:

@@ -33,7 +33,8 @@ from ..errors import (BadRequest, Conflict, Forbidden, InternalError, LimitExcee
 from .push_frames import PushFrame, read_push
 from ..metrics import ShardMetrics
 from ..rounds.reassembly import InflightPushes, PushAssembler
-from .gate import RateLimitedLog, discard_rest, grpc_status, read_message
+from ...rate_limited_log import RateLimitedLog
+from .gate import discard_rest, grpc_status, read_message
 from ..session.job_session import Session
 from ..session.outbound import NodeStream
 

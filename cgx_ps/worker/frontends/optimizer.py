@@ -257,12 +257,18 @@ class _DistributedMixin:
             synchronizing_here = not self._cgx_synchronized
             self.synchronize()
             if synchronizing_here and self._cgx_driver.options.allow_non_finite and not self._cgx_finite():
-                # A GradScaler read .grad before step() averaged it: ranks decided apart.
+                # Every rank gets here alike (the same average): a GradScaler that read .grad before
+                # step() averaged it would have let ranks decide apart, and without one the step
+                # would write NaN into the weights. Neither is applied.
                 self._cgx_synchronized = False
-                raise CgxPsError("a rank's gradient was not finite (NaN/Inf), and step() averaged the gradients "
-                                 "only now, after the GradScaler looked at them: call opt.synchronize() before "
-                                 "scaler.unscale_(opt) / scaler.step(opt), and scaler.step(opt) inside "
-                                 "opt.skip_synchronize(), so every rank's scaler sees the same gradients")
+                self._cgx_driver.after_step()  # it counts, as a step a scaler skips: on every rank alike
+                mine = ", ".join(self.stats.non_finite_tensors) or "none of this rank's"
+                raise CgxPsError(f"the averaged gradient was not finite (NaN/Inf; this rank's non-finite tensors: "
+                                 f"{mine}); the step is not applied. With a GradScaler, call opt.synchronize() "
+                                 f"before scaler.unscale_(opt), and scaler.step(opt) inside opt.skip_synchronize(), "
+                                 f"so every rank's scaler sees the averaged gradients and skips the step; without "
+                                 f"one, training has diverged: catch CgxPsError, zero_grad() and go on, or lower the "
+                                 f"learning rate")
         elif not self._cgx_synchronized:
             raise CgxPsError("step() inside skip_synchronize() needs synchronize() first")
         with timeline.span("optimizer", self.stats.step):
@@ -273,7 +279,10 @@ class _DistributedMixin:
         return result
 
     def _cgx_finite(self) -> bool:
-        # the averages are in .grad (decoded there, or copied there from the block buffers)
+        """Whether the step's averages are finite: the shards' path knows it from each block's
+        result (one element read per block); an all_reduce step's averages are scanned in .grad."""
+        if self.stats.path == "shards":
+            return not self.stats.non_finite_average
         return all(bool(torch.isfinite(p.grad).all()) for p in self._cgx_params.values() if p.grad is not None)
 
     # ---- checkpoints ----------------------------------------------------------------------------
@@ -332,7 +341,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     error_feedback: bool = False,
     warmup_steps: int = 0,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    allow_non_finite: bool = False,
+    allow_non_finite: bool = True,
     uncompressed_via: str = "allreduce",
     process_group: "dist.ProcessGroup | None" = None,
 ) -> torch.optim.Optimizer:
@@ -349,12 +358,14 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     error_feedback: carry each block's compression error into the next step (worker side).
     warmup_steps: the first steps travel uncompressed.
     block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
-    allow_non_finite: for mixed precision with a ``torch.amp.GradScaler``: a NaN/Inf gradient on
-        any rank reaches every rank as NaN (instead of an error), so every scaler skips the same
-        step. Without it, that rank's ``step()`` raises ``CgxPsError`` naming the tensors and
-        pushes the block as an abandoned step's marker: every other rank's ``step()`` raises
-        ``StepAbandoned`` at once (a loop that catches both and calls ``zero_grad()`` skips the
-        step on every rank). Synchronize before the scaler looks at the gradients::
+    allow_non_finite: a NaN/Inf gradient on any rank reaches every rank as NaN (the default, as
+        with DDP and Horovod), so a ``torch.amp.GradScaler`` skips the same step everywhere with no
+        flag; such steps are counted (``cgx_ps_worker_non_finite_steps``, ``StepStats.non_finite_tensors``)
+        and logged once a minute at most, naming the tensors. ``False``: that rank's ``step()``
+        raises ``CgxPsError`` naming the tensors and pushes the block as an abandoned step's marker:
+        every other rank's ``step()`` raises ``StepAbandoned`` at once (a loop that catches both
+        and calls ``zero_grad()`` skips the step on every rank). Synchronize before the scaler
+        looks at the gradients::
 
             scaler.scale(loss).backward()
             opt.synchronize()

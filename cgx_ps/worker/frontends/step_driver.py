@@ -32,12 +32,14 @@ gradient, on the training thread, never on the communication thread.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from ...rate_limited_log import RateLimitedLog
 from ...v1 import ps_pb2
 from ..tuning.tuner import Decision, Tuner
 from ..pipeline.buffers import TensorOf
@@ -45,6 +47,11 @@ from ..errors import CheckpointError, ConfigError
 from ..pipeline.blocks import DEFAULT_BLOCK_BYTES, Compression
 from ..metrics import after_step as export_step_metrics
 from ..pipeline.block_pipeline import BlockPipeline, PipelineSpec, StepStats
+
+log = logging.getLogger(__name__)
+# one line a minute at most: a diverged run has non-finite gradients every step, a GradScaler's
+# overflows come in runs at the start; the metric counts every one of them
+_NON_FINITE_LOG = RateLimitedLog(log, burst=1, window_s=60.0)
 
 if TYPE_CHECKING:
     from .uncompressed import BlockAllreduce
@@ -83,12 +90,12 @@ class SyncOptions:
     error_feedback: bool = False  # carry each block's compression error into the next step
     warmup_steps: int = 0  # the first steps travel uncompressed
     block_bytes: int = DEFAULT_BLOCK_BYTES  # fp32 bytes per block
-    allow_non_finite: bool = False  # NaN/Inf gradients reach every rank as NaN instead of an error
+    allow_non_finite: bool = True  # NaN/Inf gradients reach every rank as NaN instead of an error
     uncompressed_via: str = "shards"  # auto mode's uncompressed steps: "shards" or "allreduce" (a collective)
 
     @classmethod
     def of(cls, compression: "str | Compression | None", error_feedback: bool = False, warmup_steps: int = 0,
-           block_bytes: int = DEFAULT_BLOCK_BYTES, allow_non_finite: bool = False,
+           block_bytes: int = DEFAULT_BLOCK_BYTES, allow_non_finite: bool = True,
            uncompressed_via: str = "shards") -> "SyncOptions":
         for name, value, least in [("warmup_steps", warmup_steps, 0), ("block_bytes", block_bytes, 4)]:
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
@@ -229,6 +236,7 @@ class StepDriver:
             return
         if self.tuner is not None:
             self.tuner.after_step()
+        report_non_finite(self.pipe.stats, self.pipe.rank)
         export_step_metrics(self.pipe.stats, self.tuner.history if self.tuner is not None else ())
 
     # ---- checkpoints (both front ends put this under their "cgx_ps" entry) --------------------
@@ -263,3 +271,15 @@ class StepDriver:
     @property
     def tuning_history(self) -> list[Decision]:
         return list(self.tuner.history) if self.tuner is not None else []
+
+
+def report_non_finite(stats: StepStats, rank: int) -> None:
+    """Say, rate-limited, that a step's gradients were not finite on this rank, naming the tensors:
+    under allow_non_finite such a step is skipped quietly by a GradScaler, and without one a NaN
+    would otherwise go unseen until the loss shows it."""
+    if not stats.non_finite_tensors:
+        return
+    names = ", ".join(stats.non_finite_tensors[:8]) + (" ..." if len(stats.non_finite_tensors) > 8 else "")
+    _NON_FINITE_LOG.warning("non-finite", "rank %d: step %d: the gradient of %s was not finite (NaN/Inf); every "
+                            "rank sees it as NaN (a GradScaler skips the step; without one, training has "
+                            "diverged)", rank, stats.step, names)

@@ -27,6 +27,10 @@ class StepStats:
     comm_window_s: float = 0.0  # this process's first push to its last result
     in_place_blocks: int = 0  # blocks encoded from and decoded into the front end's memory: no copies
     early_gradients: int = 0  # DDP hook: gradients it took from autograd before DDP copied them (ddp_hook.py)
+    # tensors whose gradient on this rank had NaN/Inf (with allow_non_finite: every rank then
+    # decodes NaN for their blocks, and a GradScaler skips the step); () for a finite step
+    non_finite_tensors: tuple[str, ...] = ()
+    non_finite_average: bool = False  # the step's average had NaN/Inf (this rank's gradient or another's)
     path: str = "shards"  # how the step was averaged: "shards", or "allreduce" (auto mode's
     # uncompressed steps with a process group: DDP's own allreduce for the hook, all_reduce per
     # block for the optimizer; not the shards)

@@ -61,6 +61,12 @@ class BlockState:
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
     scratch: PayloadScratch = field(default_factory=PayloadScratch)  # the encoded payload, reused each round
     in_place: bool = False  # this step's work and result are the front end's memory: no copy in or out
+    # this step's gradient had NaN/Inf and travelled as a non-finite block (allow_non_finite): what
+    # a loss scaler's overflow looks like, and what a diverged run without one looks like too
+    non_finite: bool = False
+    # this step's average came back as a non-finite block (some rank's gradient had NaN/Inf): one
+    # element read at decode, so a front end need not scan every gradient to know it
+    result_non_finite: bool = False
 
 
 def block_seed(node_rank: int, block_id: int, round_: int) -> int:
@@ -154,8 +160,10 @@ class BlockExchange:
         await self._reducer.fetch(block.spec.block_id, seq, failed=lambda: self._engine.shard_error(shard),
                                   run_in_thread=self._codec_calls(block.buffer.device, ready))
         # (one element read here; on a GPU that waits for the copy above, one small read per block)
-        if not self.allow_non_finite and abandoned_result(block.buffer):
+        non_finite = abandoned_result(block.buffer)
+        if not self.allow_non_finite and non_finite:
             raise self._abandoned(block, None)
+        block.result_non_finite = non_finite
         return 0
 
     @staticmethod
@@ -191,6 +199,8 @@ class BlockExchange:
                                        allow_non_finite=self.allow_non_finite, scratch=block.scratch)
             except CodecError as exc:
                 refused = exc
+            else:
+                block.non_finite = encoded.header.non_finite
         if abandon or refused is not None:  # the header alone; the residual stays as it was
             encoded = non_finite_block(codec, s.bits or 4, s.bucket_size or 1024, block.spec.numel)
         # framed here, from the reused encode buffer: the payload's one copy (kept until its result
@@ -204,4 +214,6 @@ class BlockExchange:
         dequantize(result, out=block.result, scale=1.0 / self._config.world_size)
         if block.result.is_cuda:  # this codec thread's stream only: backward's kernels go on
             torch.cuda.current_stream(block.result.device).synchronize()
-        return not self.allow_non_finite and abandoned_result(block.result)
+        non_finite = abandoned_result(block.result)
+        block.result_non_finite = non_finite and self.allow_non_finite
+        return not self.allow_non_finite and non_finite

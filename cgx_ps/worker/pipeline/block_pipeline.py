@@ -270,6 +270,9 @@ class BlockPipeline:
             self.abort_step()
             raise
         stats.exposed_comm_s = max(0.0, time.perf_counter() - t0)
+        stats.non_finite_tensors = tuple(sorted({name for b in self._blocks if b.non_finite
+                                                 for name in self.buffers.tensors_in(b.spec.block_id)}))
+        stats.non_finite_average = any(b.result_non_finite for b in self._blocks)
         timeline.since(waited, "exposed wait", stats.step)
         stats.comm_window_s = self._span.take()
         self.stats, self.steps = stats, self.steps + 1
@@ -369,6 +372,7 @@ class BlockPipeline:
             self._to_shards = False
             for block in self._blocks:
                 block.future, block.in_place = torch.futures.Future(), False
+                block.non_finite = block.result_non_finite = False
 
     def copy_out(self, block_id: int, out_of: TensorOf) -> None:
         """Write the block's averaged gradient into ``out_of(name)`` of each of its tensors
