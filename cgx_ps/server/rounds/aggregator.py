@@ -45,8 +45,7 @@ import functools
 import logging
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Callable, Collection, Mapping, Protocol
+from typing import Callable, Collection
 
 from ... import timeline
 from ...kernels import HEADER_SIZE, Codec, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
@@ -59,37 +58,11 @@ from ..errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from ..rpc.push_frames import ResultFrames
 from ..metrics import ShardMetrics
 from .kernel_threads import keeps_on_loop
+from .round_outcomes import RoundFailure, RoundSink, RoundSum
 
 __all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RoundSum:
-    """A round's sum as the kernel thread left it: the encoded result, framed for every node, or
-    why it cannot be encoded."""
-
-    result: ResultFrames | None
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class RoundFailure:
-    block_id: int
-    round: int
-    message: str
-    missing_nodes: tuple[str, ...]
-
-
-class RoundSink(Protocol):
-    """Who hears of finished and failed rounds (the session)."""
-
-    def deliver(self, block_id: int, round_: int, result: ResultFrames, pushers: Mapping[str, int]) -> None:
-        """``result`` of a round (framed once: the same frames go to every node), for each node's
-        member in ``pushers`` (node id -> member)."""
-
-    def round_failed(self, failure: RoundFailure) -> None: ...
 
 
 class Aggregator:

@@ -48,162 +48,19 @@ import socket
 from typing import Any
 
 import grpc
-import numpy as np
 
 from ...net.addresses import host_port
-from ...net.raw_frames import (HEADER, MAX_FRAME, MAX_HELLO, MAX_PREFACE, Preface, challenge, frame_header, new_nonce,
-                               opening, parse_preface, proof, set_stream_options, split_header, status_body)
+from ...net.raw_frames import (MAX_FRAME, MAX_HELLO, MAX_PREFACE, Preface, challenge, new_nonce,
+                               opening, parse_preface, proof, status_body)
 from ...net.security import AUTH_HEADER
 from ..errors import BadRequest, LimitExceeded, ProtocolError, TimedOut
 from .gate import Gate, clip, grpc_status
+from .raw_connection import Connection, peer_name
 from .service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 
 __all__ = ["DataPlane", "FRAME_TIMEOUT_S", "peer_name", "presented_token"]
 
 FRAME_TIMEOUT_S = 30.0  # from a frame's first byte to its last: 8 MiB at under 300 kB/s is cut off
-_SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
-
-
-class _Connection(asyncio.BufferedProtocol):
-    """One connection's frames. The transport fills the frame's own buffer (no copy in Python);
-    reading pauses after each whole frame until ``read`` asks for the next. Complete frames,
-    EOF (None) or an error wait in ``_frames`` for the handler."""
-
-    def __init__(self, plane: "DataPlane") -> None:
-        self.plane = plane
-        self.transport: asyncio.Transport | None = None
-        self.peer = "unknown"
-        self.task: asyncio.Task | None = None
-        self._limit = MAX_PREFACE
-        self._header = bytearray(HEADER.size)
-        self._view = memoryview(self._header)
-        self._body: memoryview | None = None  # the frame being received, once its header is in
-        self._got = 0
-        self._status = False
-        self._deadline: asyncio.TimerHandle | None = None  # the frame under way must be whole by then
-        self._failed: Exception | None = None  # what broke the framing: every later read raises it
-        self._frames: asyncio.Queue = asyncio.Queue()
-        self._writable = asyncio.Event()
-        self._writable.set()
-        self._linger: asyncio.TimerHandle | None = None  # a closed connection's unsent bytes are dropped then
-
-    # ---- the transport's callbacks ---------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        self.peer = peer_name(transport.get_extra_info("peername"))
-        if not self.plane.admit(self):
-            transport.abort()  # past the cap: closed before a byte is read
-            return
-        try:
-            set_stream_options(transport.get_extra_info("socket"))
-        except OSError:  # reset before its options were set: gone before a byte was read
-            self.plane.forget(self)
-            transport.abort()
-            return
-        self.task = asyncio.get_running_loop().create_task(self.plane.serve(self))
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._view[self._got:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self._got == 0 and self._body is None:  # a frame's first bytes: its clock starts
-            self._deadline = asyncio.get_running_loop().call_later(self.plane.frame_timeout_s, self._timed_out)
-        self._got += nbytes
-        if self._got < len(self._view):
-            return
-        self._got = 0
-        if self._body is None:
-            size, self._status = split_header(self._header)
-            if size > self._limit:  # refused on its header: nothing is allocated for it
-                self._deliver(BadRequest(f"frame of {size} bytes; at most {self._limit}"))
-                return
-            if size:
-                # not zeroed (a bytearray would be: a memset of every byte the socket then overwrites)
-                self._body = self._view = memoryview(np.empty(size, np.uint8))
-                return
-            self._body = memoryview(b"")
-        body, self._body, self._view = self._body, None, memoryview(self._header)
-        self._deliver((self._status, body.tobytes() if len(body) < _SMALL else body))
-
-    def _deliver(self, item: Any) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        if not self.transport.is_closing():
-            self.transport.pause_reading()
-        if isinstance(item, Exception):
-            self._failed = self._failed or item  # the bytes after it are not frames any more
-        self._frames.put_nowait(item)
-
-    def _timed_out(self) -> None:
-        self._deadline = None
-        self._body, self._got, self._view = None, 0, memoryview(self._header)
-        self._deliver(TimedOut(f"a frame was not complete {self.plane.frame_timeout_s:g}s after its first byte"))
-
-    def eof_received(self) -> bool:
-        partial = self._body is not None or self._got > 0
-        # the client's fault, as a malformed message is (a ConnectionResetError would reach the gate
-        # as an unexpected error: INTERNAL, and a log line saying so)
-        self._deliver(BadRequest("the connection closed inside a frame") if partial else None)
-        return True  # half-closed: results due may still be written
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._deadline, self._linger):
-            if timer is not None:
-                timer.cancel()
-        # one kind of error for every way a peer goes (reset, keepalive timeout, EPIPE...), its
-        # reason as a line: readers log it as an event of the network, never with a traceback
-        reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc or "closed")
-        self._frames.put_nowait(ConnectionResetError(reason))
-        self._writable.set()
-        self.plane.forget(self)
-        if self.task is not None:
-            self.task.cancel()  # as gRPC cancels the handler of a call whose client is gone
-
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
-
-    # ---- the handler's side ----------------------------------------------------------------------
-
-    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
-        """(is a status frame, body) of the next frame; None at EOF between frames."""
-        if self._frames.empty() and self._failed is not None:
-            raise self._failed
-        if self._frames.empty() and not self.transport.is_closing():
-            self._limit = limit
-            self.transport.resume_reading()
-        item = await self._frames.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    async def write(self, data: Any, status: bool = False) -> None:
-        """One frame; ``data`` (bytes or any buffer) goes to the transport as it is, not copied.
-        A result waits while the transport's buffer is over its high-water mark (the peer reads
-        slowly: NodeStream's timeout bounds the wait). A status frame, the stream's last and small,
-        does not: it often ends a stream precisely because its peer stopped reading, and waiting
-        for that peer would hold the handler, and the connection, forever."""
-        if self.transport.is_closing():
-            raise ConnectionResetError("connection closed")
-        view = memoryview(data)
-        self.transport.write(frame_header(view.nbytes, status))
-        self.transport.write(view)
-        if not status:
-            await self._writable.wait()
-
-    def close(self, linger_s: float) -> None:
-        """Close once the bytes written are sent, or abort after ``linger_s`` when the peer does not
-        take them: a peer that acks a zero window keeps a TCP connection alive forever, and with it
-        the unsent results and a place under the connection cap."""
-        if self.transport is None or self.transport.is_closing():
-            return
-        self.transport.close()
-        if self.transport.get_write_buffer_size():
-            self._linger = asyncio.get_running_loop().call_later(linger_s, self.transport.abort)
 
 
 class _Aborted(grpc.aio.AbortError):
@@ -218,7 +75,7 @@ class _PlaneContext:
     # how this plane presents the job token, as the gate's refusal names it
     token_presented_as = "the data plane handshake's proof of it"
 
-    def __init__(self, connection: _Connection, token: bytes) -> None:
+    def __init__(self, connection: Connection, token: bytes) -> None:
         self.connection = connection
         self._metadata = ((AUTH_HEADER, b"Bearer " + token),)  # what the gate checks: bearer_matches
         self.ended = False
@@ -277,8 +134,8 @@ class DataPlane:
         self.max_pending = max_connections if max_pending is None else max_pending
         self.first_frame_timeout_s = first_frame_timeout_s
         self.frame_timeout_s = frame_timeout_s
-        self.connections: set[_Connection] = set()  # every connection open, pending or not
-        self.pending: dict[_Connection, None] = {}  # those before their preface, oldest first
+        self.connections: set[Connection] = set()  # every connection open, pending or not
+        self.pending: dict[Connection, None] = {}  # those before their preface, oldest first
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -304,10 +161,10 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         if _serves_ipv4_too(host):
             sock = socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=True)
-            return await loop.create_server(lambda: _Connection(self), sock=sock)
-        return await loop.create_server(lambda: _Connection(self), host, port, reuse_port=False)
+            return await loop.create_server(lambda: Connection(self), sock=sock)
+        return await loop.create_server(lambda: Connection(self), host, port, reuse_port=False)
 
-    def admit(self, connection: _Connection) -> bool:
+    def admit(self, connection: Connection) -> bool:
         """A new connection, before a byte of it is read: it waits for its preface among the
         pending ones, the oldest of which makes way when they are ``max_pending``."""
         if self.max_pending <= 0:
@@ -322,18 +179,18 @@ class DataPlane:
         self.connections.add(connection)
         return True
 
-    def promote(self, connection: _Connection) -> None:
+    def promote(self, connection: Connection) -> None:
         """A connection whose preface came: a stream now, if there is room under the cap."""
         self.pending.pop(connection, None)
         streams = len(self.connections) - len(self.pending) - 1  # the others past their preface
         if streams >= self.max_connections:
             raise LimitExceeded(f"{streams} data plane streams open (the cap, --max-concurrent-rpcs)")
 
-    def forget(self, connection: _Connection) -> None:
+    def forget(self, connection: Connection) -> None:
         self.connections.discard(connection)
         self.pending.pop(connection, None)
 
-    async def serve(self, connection: _Connection) -> None:
+    async def serve(self, connection: Connection) -> None:
         """One connection: its handshake, then one Exchange stream through the gate."""
         context: _PlaneContext | None = None
         try:
@@ -353,7 +210,7 @@ class DataPlane:
         finally:
             connection.close(linger_s=self.frame_timeout_s)
 
-    async def _handshake(self, connection: _Connection) -> bytes:
+    async def _handshake(self, connection: Connection) -> bytes:
         """The worker's opening, a challenge of a fresh nonce, the worker's preface: what its
         proof stands for at the gate (presented_token). Raises BadRequest for a frame that is not
         this framing's (a status naming both versions for another version's)."""
@@ -364,7 +221,7 @@ class DataPlane:
         await connection.write(challenge(nonce))
         return presented_token((await _handshake_frame(connection)).rest, nonce, self.gate.token)
 
-    async def _stream(self, connection: _Connection, context: _PlaneContext) -> None:
+    async def _stream(self, connection: Connection, context: _PlaneContext) -> None:
         """The Exchange stream, once the gate has passed the token: a client without it is told
         UNAUTHENTICATED, never how full the cap is, and holds no place under it."""
         self.promote(connection)
@@ -390,7 +247,7 @@ class DataPlane:
         self.pending.clear()
 
 
-async def _handshake_frame(connection: _Connection) -> Preface:
+async def _handshake_frame(connection: Connection) -> Preface:
     """A client's handshake frame, parsed (rawframes.Preface); BadRequest for one that is not."""
     frame = await connection.read(MAX_PREFACE)
     if frame is None or frame[0]:
@@ -409,19 +266,6 @@ def presented_token(proof_: bytes, nonce: bytes, token: bytes | None) -> bytes:
     if token is None:
         return b""
     return token if hmac.compare_digest(proof_, proof(token, nonce)) else b""
-
-
-def peer_name(peername: Any) -> str:
-    """A client as the gRPC port's log lines name it: ipv4:10.0.0.5:41234, and an IPv4 client of
-    the dual-stack socket on ``::`` so too (not ipv6:::ffff:10.0.0.5:41234), so that one client
-    reads the same on both ports; ipv6:[fd00::5]:41234 (gRPC escapes the brackets: %5B, %5D)."""
-    try:
-        address, port = ipaddress.ip_address(peername[0].split("%")[0]), peername[1]
-    except (TypeError, IndexError, ValueError):  # no address (the socket is gone already)
-        return "unknown"
-    if address.version == 6 and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return f"ipv{address.version}:{host_port(str(address), port)}"
 
 
 def _serves_ipv4_too(host: str) -> bool:

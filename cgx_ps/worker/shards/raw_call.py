@@ -21,17 +21,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import grpc
-import numpy as np
 
 from ...net.addresses import host_port
-from ...net.raw_frames import (HEADER, MAX_CHALLENGE, MAX_FRAME, frame_header, opening, parse_challenge, parse_status,
-                               preface, proof, set_stream_options, split_header)
+from ...net.raw_frames import (MAX_CHALLENGE, MAX_FRAME, Frame, FrameReader, FrameTooLarge, frame_header, opening,
+                               parse_challenge, parse_status, preface, proof, set_stream_options)
 from ..config import DATAPLANES, dataplane_problem
 from ..errors import ConfigError
 
 __all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane", "falls_back_to_grpc"]
 
-_SMALL = 1 << 16  # frames below this are handed on as bytes, larger ones as the buffer read
 CONNECT_TIMEOUT_S = 5.0  # a data port that does not answer by then is unreachable (auto: gRPC instead)
 
 
@@ -83,7 +81,7 @@ class _FrameSocket:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
-        self._header = bytearray(HEADER.size)
+        self._reader = FrameReader()
         self._busy = 0  # sends and receives under way: the socket is closed after the last of them
         self._shut = False
 
@@ -111,31 +109,22 @@ class _FrameSocket:
             if self._shut and not self._busy:
                 self.sock.close()
 
-    async def _fill(self, view: memoryview) -> int:
-        """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
-        got = 0
-        while got < len(view):
-            n = await self._io(self.loop.sock_recv_into(self.sock, view[got:]))
+    async def read(self, limit: int = MAX_FRAME) -> Frame | None:
+        """The next frame (the shared sans-IO reader's); None at EOF between frames."""
+        reader = self._reader
+        reader.limit = limit  # a shard sends none larger: refused on its header, before it is allocated
+        while True:
+            n = await self._io(self.loop.sock_recv_into(self.sock, reader.buffer()))
             if n == 0:
-                return got
-            got += n
-        return got
-
-    async def read(self, limit: int = MAX_FRAME) -> tuple[bool, bytes | memoryview] | None:
-        """(is a status frame, body) of the next frame; None at EOF between frames."""
-        got = await self._fill(memoryview(self._header))
-        if got == 0:
-            return None
-        if got < HEADER.size:
-            raise ConnectionResetError(f"connection closed inside a frame header ({bytes(self._header[:got])!r})")
-        size, status = split_header(self._header)
-        if size > limit:  # a shard sends none: refused before it is allocated
-            raise ConnectionResetError(f"frame of {size} bytes from the shard (header {bytes(self._header)!r}); "
-                                       f"at most {limit}")
-        body = memoryview(np.empty(size, np.uint8))  # not zeroed: the socket overwrites every byte
-        if await self._fill(body) < size:
-            raise ConnectionResetError(f"connection closed inside a frame of {size} bytes")
-        return status, body.tobytes() if size < _SMALL else body
+                if reader.started:
+                    raise ConnectionResetError("connection closed inside a frame")
+                return None
+            try:
+                frame = reader.advance(n)
+            except FrameTooLarge as exc:
+                raise ConnectionResetError(f"{exc}, from the shard") from None
+            if frame is not None:
+                return frame
 
     async def write(self, data: Any) -> None:
         view = memoryview(data)

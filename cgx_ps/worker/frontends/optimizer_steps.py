@@ -1,0 +1,302 @@
+"""What a wrapped optimizer does (``DistributedOptimizer`` in optimizer.py builds it): a hook per
+parameter hands final gradients to the block pipeline, ``synchronize()`` waits for the step's blocks
+and writes the averages into ``.grad``, ``step()`` steps the wrapped optimizer, and the step's route
+(the shards, or auto mode's all_reduce on a process group) is chosen once per step."""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import threading
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ... import timeline
+from ...v1 import ps_pb2
+from ..tuning.tuner import Decision
+from .uncompressed import BlockAllreduce, allreduce_rate, collective_group, group_size_problem
+from ..errors import CgxPsError, ConfigError
+from .step_driver import StepDriver, SyncOptions, uncompressed_path
+from ..pipeline.block_pipeline import StepStats
+from ..runtime import current_config
+
+__all__ = ["DistributedMixin"]
+
+
+class DistributedMixin:
+    """Mixed into a dynamic subclass of the wrapped optimizer's class (so LR schedulers and
+    ``isinstance(opt, torch.optim.SGD)`` keep working). The front end of the block pipeline:
+    it knows the parameters, their hooks and ``.grad``; the pipeline knows blocks."""
+
+    def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], options: SyncOptions,
+                   backward_passes_per_step: int, uncompressed_via: str,
+                   process_group: "dist.ProcessGroup | None") -> None:
+        if not isinstance(backward_passes_per_step, numbers.Integral) or backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        names = [n for n, _ in named_parameters]
+        if len(set(names)) != len(names):
+            raise ConfigError("named_parameters has duplicate names")
+        if len({id(p) for _, p in named_parameters}) != len(names):  # its gradient would count twice
+            raise ConfigError("named_parameters names one tensor twice (tied weights: name it once)")
+        opt_params = {id(p) for g in self.param_groups for p in g["params"]}
+        missing = [n for n, p in named_parameters if id(p) not in opt_params]
+        if missing:
+            raise ConfigError(f"named_parameters holds tensors the optimizer does not: {missing[:3]}")
+        named_ids = {id(p) for _, p in named_parameters}
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        unnamed = sum(1 for p in all_params if p.requires_grad and id(p) not in named_ids)
+        if unnamed:  # they would train on each rank's own gradient: replicas would drift apart
+            raise ConfigError(f"the optimizer holds {unnamed} trainable tensor(s) not in named_parameters: "
+                              f"pass every parameter the optimizer updates (e.g. model.named_parameters())")
+        # frozen when wrapped: not synchronized, so they must stay without gradients (checked per step)
+        self._cgx_frozen = [p for p in all_params if id(p) not in named_ids]
+        self._cgx_params = dict(named_parameters)
+        self._cgx_name_of = {id(p): n for n, p in named_parameters}
+        # auto mode's uncompressed steps: all_reduce on this group when there is one (the given
+        # one, else the default group), per block in the order of registration (frontends/uncompressed.py);
+        # auto mode's model measures that all_reduce
+        self._cgx_uncompressed_via, self._cgx_process_group = uncompressed_via, process_group
+        _check_group_size(options, process_group)
+        self._cgx_driver = StepDriver.open_together([named_parameters], [options], [self._cgx_probe_allreduce])[0]
+        self._cgx_pipe = self._cgx_driver.pipe
+        self._cgx_backward_passes = backward_passes_per_step
+        self._cgx_lock = threading.Lock()
+        self._cgx_synchronized = False
+        self._cgx_skip = False
+        self._cgx_passes: dict[int, int] = {}  # backward passes seen this step, per parameter
+        self._cgx_allreduce: BlockAllreduce | None = None  # opened at the first step that uses it
+        self._cgx_routed = False  # this step's route is chosen (at its first gradient)
+        self._cgx_route: BlockAllreduce | None = None  # and it is: this collective, or None (the shards)
+        self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad)
+                           for p in self._cgx_params.values() if p.requires_grad]
+
+    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - torch's, refusing unsynchronized tensors
+        if not hasattr(self, "_cgx_name_of"):  # torch's own __init__ (never: we wrap a built optimizer)
+            return super().add_param_group(param_group)
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error about its order
+            param_group = {**param_group, "params": list(params)}  # a generator is read once
+        listed = [params] if isinstance(params, torch.Tensor) else list(param_group["params"])
+        # the layout and the shards' sessions are fixed at wrapping: a tensor added now would train
+        # on this rank's gradient alone, and the replicas would drift apart without a word
+        unsynced = [p for p in listed if isinstance(p, torch.Tensor) and p.requires_grad
+                    and id(p) not in self._cgx_name_of]
+        if unsynced:
+            raise ConfigError(f"add_param_group after wrapping: {len(unsynced)} trainable tensor(s) that the "
+                              f"DistributedOptimizer does not synchronize (its blocks are fixed when it is created); "
+                              f"put every parameter in the optimizer before wrapping it (e.g. in a group with lr=0 "
+                              f"until it is needed), or train under DDP with cgx.ddp_comm_hook")
+        super().add_param_group(param_group)
+        # frozen now: they must stay without gradients, as those frozen when wrapped (synchronize())
+        self._cgx_frozen.extend(p for p in listed if isinstance(p, torch.Tensor) and id(p) not in self._cgx_name_of)
+
+    # ---- hooks: gradients enter here --------------------------------------------------------------
+
+    def _cgx_on_grad(self, param: torch.nn.Parameter) -> None:
+        name = self._cgx_name_of[id(param)]
+        if self._cgx_driver.gradient_arrived():
+            # a new step: the last one ended in synchronize() without step() (a GradScaler skips
+            # step() after an overflow), or in step()
+            self._cgx_synchronized = False
+        with self._cgx_lock:
+            passes = self._cgx_passes.get(id(param), 0) + 1
+            self._cgx_passes[id(param)] = passes
+        if passes > self._cgx_backward_passes:  # its block is already on its way: this pass would be lost
+            # the second cause is what a loop meets that skips a batch after an error in backward
+            # without zero_grad(): that backward's gradients count as passes of the step it began
+            raise CgxPsError(f"{name}: gradient computed {passes} times before step(), but backward_passes_per_step="
+                             f"{self._cgx_backward_passes}; raise it to the number of backward passes per step. "
+                             f"Or an earlier backward failed part way: call zero_grad() after it, which abandons "
+                             f"the step it began on every rank")
+        if passes == self._cgx_backward_passes:  # else accumulating: communicate after the last pass
+            self._cgx_driver.submit_ready([name], self._cgx_grad_of, collective=self._cgx_collective())
+
+    def _cgx_grad_of(self, name: str) -> torch.Tensor | None:
+        return self._cgx_params[name].grad
+
+    def _cgx_grad_out(self, name: str) -> torch.Tensor | None:
+        param = self._cgx_params[name]
+        if not param.requires_grad:
+            return None  # frozen since wrapping: torch's optimizers must skip it (weight decay too)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - torch's, after abandoning a step
+        self._cgx_abandon_step()
+        super().zero_grad(set_to_none)
+
+    def _cgx_abandon_step(self) -> None:
+        """zero_grad() between a backward and its step(): the backward failed part way (or the
+        loop gave the batch up), and the step it began is abandoned on every rank (the
+        factory's doc); nothing to do between steps. Where it cannot be, CgxPsError and nothing
+        changes (``BlockPipeline.why_not_abandon``)."""
+        with self._cgx_lock:
+            began, route = bool(self._cgx_passes), self._cgx_route
+        if not began:
+            return
+        problem = self._cgx_pipe.why_not_abandon() if route is None else (
+            # gloo pairs all_reduces by their order: this rank's next ones would pair with this step's
+            f"rank {self._cgx_pipe.rank}: a step that auto mode sends over the process group's all_reduce cannot be "
+            f"abandoned (the other ranks' all_reduce waits for this rank's): stop every rank and restart from a "
+            f"checkpoint")
+        if problem is not None:
+            raise CgxPsError(problem)
+        try:
+            self._cgx_driver.abandon()
+        finally:
+            self._cgx_next_step()
+
+    def _cgx_next_step(self) -> None:
+        with self._cgx_lock:
+            self._cgx_passes = {}
+            self._cgx_routed, self._cgx_route = False, None
+
+    def _cgx_collective(self) -> BlockAllreduce | None:
+        """Where this step's blocks go: a process group's all_reduce (auto mode sends this step
+        uncompressed and a group is there) or None, the shards. Chosen once per step, at its
+        first gradient, after auto mode's decision was applied (at the same step on every rank)."""
+        with self._cgx_lock:
+            if not self._cgx_routed:
+                self._cgx_route = self._cgx_open_route()
+                self._cgx_routed = True
+            return self._cgx_route
+
+    def _cgx_probe_allreduce(self, nbytes: int) -> float | None:
+        """The all_reduce rate of auto mode's uncompressed steps, or None: they use the shards."""
+        group = collective_group(self._cgx_process_group, self._cgx_uncompressed_via)
+        return allreduce_rate(self._cgx_allreduce_on(group).group, nbytes) if group is not None else None
+
+    def _cgx_open_route(self) -> BlockAllreduce | None:
+        pipe, via = self._cgx_pipe, self._cgx_uncompressed_via
+        group = None if pipe.compress else collective_group(self._cgx_process_group, via)
+        if uncompressed_path(pipe.compress, via, group is not None) != "allreduce":
+            return None
+        return self._cgx_allreduce_on(group)
+
+    def _cgx_allreduce_on(self, group: "dist.ProcessGroup") -> BlockAllreduce:
+        """The collective on ``group``, opened (the group checked) at its first use."""
+        if self._cgx_allreduce is None or self._cgx_allreduce.group is not group:
+            self._cgx_allreduce = BlockAllreduce.open(self._cgx_pipe, group, list(self._cgx_params))
+        return self._cgx_allreduce
+
+    # ---- synchronize / step ---------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finish communication for this step: submit blocks whose parameters got no gradient,
+        wait for every block, and write the averaged gradients into ``.grad``."""
+        if self._cgx_synchronized:
+            return
+        pipe, driver = self._cgx_pipe, self._cgx_driver
+        thawed = [p for p in self._cgx_frozen if p.requires_grad and p.grad is not None]
+        if thawed:
+            driver.abort()
+            self._cgx_next_step()
+            raise CgxPsError(f"{len(thawed)} tensor(s) were frozen (requires_grad=False) when the "
+                             f"DistributedOptimizer was created (or add_param_group gave them) but have gradients now; "
+                             f"ranks would update them "
+                             f"apart: create the DistributedOptimizer after unfreezing")
+        collective = None
+        try:
+            collective = self._cgx_collective()
+            driver.submit_rest(self._cgx_grad_of, collective=collective)
+            driver.finish(collective=collective)
+        except BaseException:
+            driver.abort(collective)
+            self._cgx_next_step()
+            raise
+        for block in range(pipe.num_blocks):
+            pipe.copy_out(block, self._cgx_grad_out)
+        self._cgx_next_step()
+        self._cgx_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._cgx_skip = True
+        try:
+            yield
+        finally:
+            self._cgx_skip = False
+
+    def step(self, closure=None):  # noqa: D102 - same contract as torch.optim.Optimizer.step
+        if not self._cgx_skip:
+            synchronizing_here = not self._cgx_synchronized
+            self.synchronize()
+            if synchronizing_here and self._cgx_driver.options.allow_non_finite and not self._cgx_finite():
+                # Every rank gets here alike (the same average): a GradScaler that read .grad before
+                # step() averaged it would have let ranks decide apart, and without one the step
+                # would write NaN into the weights. Neither is applied.
+                self._cgx_synchronized = False
+                self._cgx_driver.after_step()  # it counts, as a step a scaler skips: on every rank alike
+                mine = ", ".join(self.stats.non_finite_tensors) or "none of this rank's"
+                raise CgxPsError(f"the averaged gradient was not finite (NaN/Inf; this rank's non-finite tensors: "
+                                 f"{mine}); the step is not applied. With a GradScaler, call opt.synchronize() "
+                                 f"before scaler.unscale_(opt), and scaler.step(opt) inside opt.skip_synchronize(), "
+                                 f"so every rank's scaler sees the averaged gradients and skips the step; without "
+                                 f"one, training has diverged: catch CgxPsError, zero_grad() and go on, or lower the "
+                                 f"learning rate")
+        elif not self._cgx_synchronized:
+            raise CgxPsError("step() inside skip_synchronize() needs synchronize() first")
+        with timeline.span("optimizer", self.stats.step):
+            result = super().step(closure)
+        timeline.step_ends(self.stats.step)
+        self._cgx_synchronized = False
+        self._cgx_driver.after_step()
+        return result
+
+    def _cgx_finite(self) -> bool:
+        """Whether the step's averages are finite: the shards' path knows it from each block's
+        result (one element read per block); an all_reduce step's averages are scanned in .grad."""
+        if self.stats.path == "shards":
+            return not self.stats.non_finite_average
+        return all(bool(torch.isfinite(p.grad).all()) for p in self._cgx_params.values() if p.grad is not None)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:  # noqa: D102 - torch's, plus what cgx-ps adds
+        state = super().state_dict()
+        state["cgx_ps"] = self._cgx_driver.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102 - torch's, plus what cgx-ps adds
+        state = dict(state_dict)
+        ours = state.pop("cgx_ps", None)  # absent in a plain torch checkpoint: cgx-ps starts fresh
+        if ours is not None:
+            self._cgx_driver.load_state_dict(ours)
+        super().load_state_dict(state)
+
+    @property
+    def stats(self) -> StepStats:
+        return self._cgx_driver.stats
+
+    @property
+    def layout(self) -> ps_pb2.Layout:
+        return self._cgx_driver.layout
+
+    @property
+    def intranode(self) -> str | None:
+        """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
+        return self._cgx_driver.intranode
+
+    @property
+    def tuning_history(self) -> list[Decision]:
+        """The decisions of adaptive bits and auto mode so far, oldest first (empty otherwise);
+        ``Decision.as_dict()`` gives each as plain data."""
+        return self._cgx_driver.tuning_history
+
+
+def _check_group_size(options: SyncOptions, process_group: "dist.ProcessGroup | None") -> None:
+    """Auto mode's group, if it has one now, must be as large as the job: said here, before
+    registering, not at auto mode's first decision (inside an autograd hook, maybe at step 100).
+    The rest of the check (which ranks, one session, one parameter order) is a collective, made
+    at the group's first use (``BlockAllreduce.open``)."""
+    group = collective_group(process_group, options.uncompressed_via) if options.compression.auto else None
+    if group is None:
+        return
+    config = current_config()
+    problem = group_size_problem(dist.get_world_size(group), config.world_size)
+    if problem is not None:
+        raise ConfigError(f"rank {config.rank}: {problem}")
