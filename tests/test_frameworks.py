@@ -92,7 +92,7 @@ def _done(results) -> list[dict]:
 
 
 def test_ddp_train_resumes_from_its_checkpoint_to_the_uninterrupted_parameters(cluster, tmp_path):
-    """--checkpoint was accepted and ignored (usertrial-s27, finding 1): a restarted job began again
+    """--checkpoint was once accepted and ignored: a restarted job began again
     from step 0. Now a job stopped after step 5 resumes from its step-4 checkpoint (model,
     optimizer, the hook's counters and error-feedback residuals) and ends where one never stopped."""
     env = {"MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": "test"}

@@ -37,7 +37,7 @@ def run(cluster, scenario: str, servers: list[str] | None = None) -> dict:
 
 @pytest.mark.parametrize("scenario, error", [
     ("unnamed", "ConfigError: the optimizer holds 1 trainable tensor(s) not in named_parameters"),
-    # usertrial-s27 finding 2: a group added after wrapping trained apart on each rank, silently
+    # a group added after wrapping once trained apart on each rank, silently
     ("added_later", "ConfigError: add_param_group after wrapping: 2 trainable tensor(s) that the DistributedOptimizer "
                     "does not synchronize"),
     ("added_frozen_then_thawed", "CgxPsError: 2 tensor(s) were frozen (requires_grad=False) when the "
@@ -157,7 +157,7 @@ def test_shards_listed_out_of_order_are_named(cluster):
 
 @pytest.mark.parametrize("order", [(1, 0), (0, 0)], ids=["reversed", "one shard twice"])
 def test_a_worker_refused_for_the_shards_order_leaves_no_session_behind(order, local_cluster):
-    """usertrial-s26 finding 14: refused only after registering, the worker left an idle session on
+    """Refused only after registering, the worker once left an idle session on
     every shard it reached (shown by `cgx-ps status`; a restart with another node count or layout
     under the same job id was then refused). The order is checked before anything registers."""
     fresh = local_cluster(2)

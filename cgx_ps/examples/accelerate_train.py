@@ -27,7 +27,7 @@ from cgx_ps.examples.train import build_parser, load_data
 
 
 def main() -> None:
-    parser = build_parser(checkpoints=False)  # none here yet (docs/usertrial-s27.md)
+    parser = build_parser(checkpoints=False)  # no checkpointing in this example yet
     parser.description = __doc__.split("\n")[0]
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: all epochs)")
     args = parser.parse_args()

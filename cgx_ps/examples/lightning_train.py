@@ -72,7 +72,7 @@ class DigitsClassifier(pl.LightningModule):
 
 
 def main() -> None:
-    parser = build_parser(checkpoints=False)  # none here yet (docs/usertrial-s27.md)
+    parser = build_parser(checkpoints=False)  # no checkpointing in this example yet
     parser.description = __doc__.split("\n")[0]
     parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (-1: all epochs)")
     args = parser.parse_args()
