@@ -662,10 +662,10 @@ def test_the_metrics_expose_no_token_nor_its_hash(tmp_path):
     proc = _start(["--host", "127.0.0.1", "--token-file", str(tmp_path / "token"), "--metrics-port", "0"], {},
                   tmp_path)
     try:
-        for line in proc.stdout:
-            if "serving on" in line:
-                break
-        info = json.loads((tmp_path / "port.json").read_text())
+        port_file, deadline = tmp_path / "port.json", time.monotonic() + 60
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # written once the shard serves, after its start line
+        info = json.loads(port_file.read_text())
         page = urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=10).read().decode()
     finally:
         proc.send_signal(signal.SIGTERM)
