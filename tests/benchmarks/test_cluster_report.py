@@ -119,10 +119,10 @@ def test_the_raw_plane_configurations_are_judged_too():
 
 
 def test_the_raw_plane_figures_in_benchmarks_md_come_out_of_the_report():
-    """benchmarks/results/cluster-1gbit-150steps-3runs-rawplane.json, the run BENCHMARKS.md's raw-plane
-    figures are from: before, the report judged cgx-4bit alone and those figures were worked out by hand."""
+    """benchmarks/results/cluster-1gbit-150steps-3runs-grpc-vs-raw-slower-host.json, the run BENCHMARKS.md's
+    slower-host raw-plane figures are from: the report judges cgx-4bit-raw itself, not by hand."""
     rows, _ = cluster_report.load_results([str(Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-                                               / "cluster-1gbit-150steps-3runs-rawplane.json")])
+                                               / "cluster-1gbit-150steps-3runs-grpc-vs-raw-slower-host.json")])
     verdicts = {v.on_medians.key: v for v in judge(rows)}
 
     def figures(target: str) -> tuple[str, list[str], bool]:
