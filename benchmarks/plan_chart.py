@@ -43,35 +43,35 @@ class Cell:
     measured_s: float
 
 
-# compute: 0.100 (line 1993), 0.139 (2190), 0.138 (benchmarks/results/cluster-10gbit-auto-3runs.json, the runs'
-# "single" rows); the 3-host section (lines 1837-1863) gives none, so it is solved from each row's own
+# compute: 0.100 (line 182), 0.139 (199), 0.138 (benchmarks/results/cluster-10gbit-150steps-3runs-auto.json, the
+# runs' "single" rows); the 3-host section (lines 260-277) gives none, so it is solved from each row's own
 # "comm cut vs DDP fp32": (ddp - x) / (cgx - x) = cut
 CELLS = (
-    Cell(1997, 2, 1e9, None, 0.100, "ddp-fp32", 0.685),
-    Cell(1998, 2, 1e9, None, 0.100, "ddp-fp16", 0.420),
-    Cell(2000, 2, 1e9, None, 0.100, "cgx-4bit", 0.182),
-    Cell(2194, 2, 1e9, None, 0.139, "ddp-fp32", 0.749),
-    Cell(2195, 2, 1e9, None, 0.139, "ddp-fp16", 0.505),
-    Cell(2196, 2, 1e9, None, 0.139, "cgx-4bit", 0.257),
-    Cell(1787, 2, 1e10, None, 0.138, "ddp-fp32", 0.236),
-    Cell(1858, 3, 1e8, None, 0.178, "ddp-fp32", 8.110),
-    Cell(1858, 3, 1e8, None, 0.178, "ddp-fp16", 4.333),
-    Cell(1858, 3, 1e8, None, 0.178, "cgx-4bit", 1.466),
-    Cell(1859, 3, 1e8, 2, 0.213, "ddp-fp32", 8.120),
-    Cell(1859, 3, 1e8, 2, 0.213, "ddp-fp16", 4.300),
-    Cell(1859, 3, 1e8, 2, 0.213, "cgx-4bit", 1.895),
-    Cell(1860, 3, 1e9, None, 0.179, "ddp-fp32", 1.195),
-    Cell(1860, 3, 1e9, None, 0.179, "ddp-fp16", 0.897),
-    Cell(1860, 3, 1e9, None, 0.179, "cgx-4bit", 0.606),
-    Cell(1861, 3, 1e9, 2, 0.193, "ddp-fp32", 1.165),
-    Cell(1861, 3, 1e9, 2, 0.193, "ddp-fp16", 0.863),
-    Cell(1861, 3, 1e9, 2, 0.193, "cgx-4bit", 0.631),
-    Cell(1862, 3, 1e10, None, 0.165, "ddp-fp32", 0.630),
-    Cell(1862, 3, 1e10, None, 0.165, "ddp-fp16", 0.579),
-    Cell(1862, 3, 1e10, None, 0.165, "cgx-4bit", 0.543),
-    Cell(1863, 3, 1e10, 2, 0.194, "ddp-fp32", 0.545),
-    Cell(1863, 3, 1e10, 2, 0.194, "ddp-fp16", 0.646),
-    Cell(1863, 3, 1e10, 2, 0.194, "cgx-4bit", 0.644),
+    Cell(187, 2, 1e9, None, 0.100, "ddp-fp32", 0.685),
+    Cell(188, 2, 1e9, None, 0.100, "ddp-fp16", 0.420),
+    Cell(190, 2, 1e9, None, 0.100, "cgx-4bit", 0.182),
+    Cell(205, 2, 1e9, None, 0.139, "ddp-fp32", 0.749),
+    Cell(206, 2, 1e9, None, 0.139, "ddp-fp16", 0.505),
+    Cell(207, 2, 1e9, None, 0.139, "cgx-4bit", 0.257),
+    Cell(233, 2, 1e10, None, 0.138, "ddp-fp32", 0.236),
+    Cell(272, 3, 1e8, None, 0.178, "ddp-fp32", 8.110),
+    Cell(272, 3, 1e8, None, 0.178, "ddp-fp16", 4.333),
+    Cell(272, 3, 1e8, None, 0.178, "cgx-4bit", 1.466),
+    Cell(273, 3, 1e8, 2, 0.213, "ddp-fp32", 8.120),
+    Cell(273, 3, 1e8, 2, 0.213, "ddp-fp16", 4.300),
+    Cell(273, 3, 1e8, 2, 0.213, "cgx-4bit", 1.895),
+    Cell(274, 3, 1e9, None, 0.179, "ddp-fp32", 1.195),
+    Cell(274, 3, 1e9, None, 0.179, "ddp-fp16", 0.897),
+    Cell(274, 3, 1e9, None, 0.179, "cgx-4bit", 0.606),
+    Cell(275, 3, 1e9, 2, 0.193, "ddp-fp32", 1.165),
+    Cell(275, 3, 1e9, 2, 0.193, "ddp-fp16", 0.863),
+    Cell(275, 3, 1e9, 2, 0.193, "cgx-4bit", 0.631),
+    Cell(276, 3, 1e10, None, 0.165, "ddp-fp32", 0.630),
+    Cell(276, 3, 1e10, None, 0.165, "ddp-fp16", 0.579),
+    Cell(276, 3, 1e10, None, 0.165, "cgx-4bit", 0.543),
+    Cell(277, 3, 1e10, 2, 0.194, "ddp-fp32", 0.545),
+    Cell(277, 3, 1e10, 2, 0.194, "ddp-fp16", 0.646),
+    Cell(277, 3, 1e10, 2, 0.194, "cgx-4bit", 0.644),
 )
 
 

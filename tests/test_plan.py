@@ -206,12 +206,12 @@ def test_calibration_measures_this_machine():
 # mlp17m, emulated hosts on the project's 2-core machine (benchmarks/plan_chart.py has all 25 cells): (BENCHMARKS.md
 # line, hosts, link, compute alone of that run (s), option, measured median step (s))
 MEASURED = [
-    (1997, 2, 1e9, 0.100, "ddp-fp32", 0.685),  # "1 Gbit/s, 150 steps, 3 runs ... shards' default", set A idle
-    (1998, 2, 1e9, 0.100, "ddp-fp16", 0.420),
-    (2000, 2, 1e9, 0.100, "cgx-4bit", 0.182),  # raw plane, the default
-    (2194, 2, 1e9, 0.139, "ddp-fp32", 0.749),  # "... the <= 1.5x ideal target is the CPU floor"
-    (1858, 3, 1e8, 0.178, "ddp-fp32", 8.110),  # "Three worker hosts, dedicated shard hosts", colocated;
-    (1858, 3, 1e8, 0.178, "ddp-fp16", 4.333),  # compute solved from the row's own comm cut
+    (187, 2, 1e9, 0.100, "ddp-fp32", 0.685),  # "Commodity cluster", 1 Gbit/s, faster host, idle
+    (188, 2, 1e9, 0.100, "ddp-fp16", 0.420),
+    (190, 2, 1e9, 0.100, "cgx-4bit", 0.182),  # raw plane
+    (205, 2, 1e9, 0.139, "ddp-fp32", 0.749),  # the same benchmark on the slower host
+    (272, 3, 1e8, 0.178, "ddp-fp32", 8.110),  # "Three worker hosts, dedicated shard hosts", colocated;
+    (272, 3, 1e8, 0.178, "ddp-fp16", 4.333),  # compute solved from the row's own comm cut
 ]
 
 
