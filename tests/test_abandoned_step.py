@@ -1,6 +1,6 @@
 """A backward that fails part way, caught by the training loop: ``zero_grad()`` abandons the
-step and training goes on, on every rank in step (DistributedOptimizer's docstring, README's
-troubleshooting). Real shards, real worker processes (tests/workers/abandon_worker.py).
+step and training goes on, on every rank in step (DistributedOptimizer's docstring,
+docs/troubleshooting.md). Real shards, real worker processes (tests/workers/abandon_worker.py).
 
 Before: the next backward on that rank failed ("gradient computed 2 times before step()"), so
 the job could only be restarted; the other rank's step waited out the round timeout."""

@@ -926,7 +926,7 @@ async def test_a_member_connection_that_ends_is_one_warning_line_never_a_traceba
                                                                                     words) -> None:
     """However a member's connection ends (a reset, a keepalive timeout, a write's EPIPE, a close
     inside a frame), the shard logs it as one WARNING line naming the node: an event of the
-    network, not an ERROR with a traceback (the user trial's 15 lines for a node cut off past TCP
+    network, not an ERROR with a traceback (15 lines once, for a node cut off past TCP
     keepalive)."""
     shard = await start_shard()
     member, = await _members(shard, 1)

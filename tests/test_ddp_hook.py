@@ -407,7 +407,7 @@ def test_bad_state_options_are_named_before_any_training():
 
 
 def test_hook_without_allow_non_finite_a_nan_gradient_abandons_the_step_on_every_rank_at_once(tmp_path, local_cluster):
-    """The hook with allow_non_finite=False, rank 1's gradient NaN at step 1 (README, "Under DDP":
+    """The hook with allow_non_finite=False, rank 1's gradient NaN at step 1 (docs/troubleshooting.md:
     what each rank's backward raises). Rank 1's backward raises the codec's error naming the
     tensor; it pushes the abandon marker for that block, so rank 0's backward raises StepAbandoned
     at once (far below the 120 s round timeout), both through DDP's RuntimeError. Neither applies

@@ -2,7 +2,7 @@
 engine shutdown): CUDA IPC only where the GPUs can map each other, the CuPy kernels compiled when
 the pipeline is set up (a fake CuPy stands in for NVRTC), each codec thread's stream waiting for
 the gradient before its call, and codec threads drained before the local ranks' buffers are
-unmapped. What only a GPU can confirm is listed in GPU-REVIEW's successor."""
+unmapped. What only a GPU can confirm is listed in docs/deploy.md, "GPU path: status"."""
 
 from __future__ import annotations
 

@@ -227,7 +227,7 @@ def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp
 
 @pytest.mark.slow
 def test_a_stopped_shard_is_named_by_every_local_rank_of_a_node(tmp_path: Path, local_cluster) -> None:
-    """User trial s26, finding 4: with 2 local ranks, the rank that does not own a block of the
+    """With 2 local ranks, the rank that does not own a block of the
     stopped shard timed out first on its owner ("result from its owner (local rank 0 stalled?)")
     and torchrun killed the owner before it named the shard. Now the owner posts the shard's error
     to its node and the other rank waits past the owner's shard timeout: both name the shard."""

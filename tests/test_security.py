@@ -816,7 +816,7 @@ def test_grpc_core_does_not_log_a_line_per_failed_handshake_unless_asked(pki, tm
 
 
 def test_a_key_that_is_not_the_certificates_is_named_before_binding(pki, tmp_path):
-    """User trial s26 finding 7: the shard said "cannot bind ...: the port is in use". Now the
+    """A mismatched key once read "cannot bind ...: the port is in use". Now the
     real command says which file is wrong, in one line, exit status 2."""
     with pytest.raises(CredentialError, match="--tls-key.* is not the private key of the certificate in --tls-cert"):
         ShardServer(ServerConfig(port=0, tls_cert=pki["shard"], tls_key=pki["client_key"]))

@@ -201,7 +201,7 @@ def _has_ipv6_loopback() -> bool:
 async def test_an_ipv6_host_serves_every_listener_and_workers_reach_it_on_both_planes(start_shard, host) -> None:
     """--host takes an IPv6 address with or without brackets, for every listener the shard opens:
     gRPC wants "[::1]:port", Python's HTTP server (metrics) and asyncio (the data plane) "::1"
-    (the user trial: "::1" refused as "port in use", "[::1]" failing metrics and --data-port)."""
+    ("::1" was once refused as "port in use", and "[::1]" failed metrics and --data-port)."""
     shard = await start_shard(host=host, metrics_port=0, health_port=0, data_port=0)
     body = urllib.request.urlopen(f"http://[::1]:{shard.metrics_port}/metrics", timeout=5).read().decode()
     assert 'cgx_ps_connected_nodes{shard="0"} 0.0' in body

@@ -176,7 +176,7 @@ def test_mismatched_model_refused_and_peer_fails_clearly(tmp_path, local_cluster
 
 
 def test_a_node_started_alone_says_whom_it_waits_for_and_names_them_when_it_gives_up(tmp_path, local_cluster):
-    """Finding 11 of the s26 user trial: node 1 of 2 restarted alone waited in silence, then blamed
+    """Node 1 of 2 restarted alone used to wait in silence, then blame
     the root's broadcast ("was not put within ... did the root rank fail"). Node 0 never joined."""
     c = local_cluster(1, round_timeout=3)
     env = env_for(1, 2, c.addresses, CGX_PS_JOB_ID=f"test-{uuid.uuid4().hex[:8]}")

@@ -124,7 +124,7 @@ class ShardServer:
         self._timeline = timeline.start_shard(self.config.timeline, self.config.timeline_steps,
                                               self.config.shard_index, self.config.num_shards)
         # Before serving: a restarted shard must sum its first rounds at full speed. Loading the
-        # kernels from numba's cache takes about a second (BENCHMARKS.md, "Recovery"); compiling
+        # kernels from numba's cache takes about a second (benchmarks/recovery.py); compiling
         # them cold (a new pod's empty cache) 60-90 s on one core, which the startupProbe and the
         # workers' CGX_PS_RECOVERY_TIMEOUT allow for.
         await asyncio.get_running_loop().run_in_executor(self.executor, warm_kernels)

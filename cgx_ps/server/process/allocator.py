@@ -15,7 +15,7 @@ and keeps only memory the shard already held at its peak, so the peak resident m
 server/process/sizing.py's rule describes grows at most by what each thread's heap keeps: measured, no
 change beyond the run-to-run spread of an attack at the caps (+/- 70 MiB at M = 256 MiB), and up to
 +80 MiB of peak after 20 honest rounds of 4 nodes x 100 MB; between rounds a shard now holds about
-70 MB more (BENCHMARKS.md, "The shard's buffers kept between rounds").
+70 MB more, for x1.14-1.20 less CPU per round (benchmarks/shard_allocator.py).
 
 Only for the shard process (``run_server``), whose memory is sized for this: a library must not
 change its host process's allocator. An operator's own malloc settings (glibc's ``MALLOC_*_``

@@ -11,8 +11,8 @@ so early blocks are returned while later ones are still arriving.
 
 A push costs at most one hop to a kernel thread: the push that completes its round is kept,
 summed and encoded in that same hop, rather than in a second one per block. Each hop wakes an
-executor thread and, back on the event loop, resumes the push; the profiles (BENCHMARKS.md, "One
-executor hop per push", "The shard's data path on AVX2") counted these hand-offs among the
+executor thread and, back on the event loop, resumes the push; py-spy profiles (of the shard
+under benchmarks/server.py) counted these hand-offs among the
 shard's larger costs. So a push whose keeping is only a check (a compressed block of up to
 1 MiB that does not complete its round: EncodedSum keeps it where it arrived) is kept on the
 event loop, with no hop at all (threads.keeps_on_loop): a round of N nodes costs one hop per block.

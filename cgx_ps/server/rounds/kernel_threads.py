@@ -5,7 +5,7 @@ per task: with a thread per core, the pushes and rounds of different blocks are 
 summed side by side. A kernel call can also split one block's buckets over the kernels' own pool
 (kernels.cpu._run_split). On top of an executor that already keeps every core busy, that split
 only adds hand-offs: a submit, a wake-up and a wait per call, on a pool thread that competes
-for the same cores (profile in BENCHMARKS.md, "One executor hop per push"). So a call is split
+for the same cores (py-spy of the shard under benchmarks/server.py). So a call is split
 only over the cores the executor's threads leave over.
 
 The hop to the executor has its own price: a submit, a futex wake of an executor thread, the
@@ -13,7 +13,7 @@ GIL passed back and forth, and a call back into the event loop to resume the pus
 does not complete its round is only checked (crc32, header, metadata) and kept: for a
 compressed block of up to 1 MiB that costs less CPU than the hop itself, so it is kept on the
 event loop, and only the push completing a round (the summing kernel) goes to a kernel
-thread (``keeps_on_loop``; measured in BENCHMARKS.md, "The shard's data path on AVX2").
+thread (``keeps_on_loop``; benchmarks/aggregator.py times the hand-offs).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The gRPC handlers take and give raw bytes (rpc.py), so the shard decides how its
 messages are (de)serialized. With protobuf objects a pushed chunk's data was copied three times
 after gRPC's own copy (parse, and each read of ``chunk.data``), and a result was serialized once
 per node; profiles of benchmarks/server.py put these copies at about a quarter of the event
-loop's time (BENCHMARKS.md, "Where the shard's time goes").
+loop's time (py-spy of the shard's event loop).
 
 ``read_push`` reads the shape our clients send (an ExchangeRequest holding one PushChunk) with
 ``chunkframes.read_chunk``, the chunk's data a view into the received bytes; anything else (a

@@ -4,8 +4,8 @@ by a proof of the job token, never with TLS).
 
 Why: Python gRPC costs the shard about a quarter of its CPU per round and the workers about 40%
 of theirs for pushes and results; a plain TCP stream read by an asyncio BufferedProtocol gets it
-back (BENCHMARKS.md, "What Python gRPC costs the shard"). Under TLS the crypto dominates and gRPC
-is as fast, so TLS deployments keep gRPC.
+back (benchmarks/dataplane.py; benchmarks/server.py --configs plain,raw). Under TLS the crypto
+dominates and gRPC is as fast, so TLS deployments keep gRPC.
 
 Each connection is one Exchange stream (framing: cgx_ps/net/raw_frames.py). Its frames go into
 ``ParameterServerService.Exchange`` unchanged, through a small context (read, write, abort), and

@@ -8,7 +8,7 @@ blocks are encoded or decoded at once) and, inside one CPU codec call, the kerne
 the cores nobody else wants only preempt backward and the shard: the last blocks then leave later
 and every worker waits for the slowest shard. ``plan_threads`` gives the codec work the spare
 cores, at least one thread, and at most two blocks at once (one decoding while the next encodes;
-more adds contention, not overlap). ``CGX_PS_CODEC_THREADS`` overrides it (README, "Environment").
+more adds contention, not overlap). ``CGX_PS_CODEC_THREADS`` overrides it (docs/configuration.md).
 """
 
 from __future__ import annotations
