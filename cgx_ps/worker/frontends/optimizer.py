@@ -23,7 +23,7 @@ Auto mode (``compression="auto"``) with a ``torch.distributed`` process group: t
 uncompressed skip the shards and average each block with all_reduce on the group as backward
 completes it (``frontends/uncompressed.py``), so where compression does not pay the optimizer costs what
 DDP costs; every rank applies auto mode's decisions at the same step, so every rank takes the
-same path (``frontend.uncompressed_path``, shared with the DDP hook).
+same path (``route.py``, shared with the DDP hook).
 
 For gradient clipping after synchronization (Horovod style)::
 
