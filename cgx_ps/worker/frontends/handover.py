@@ -14,7 +14,7 @@ Auto mode's uncompressed steps (DDP's own allreduce, ``ddp_hook.py``) take the s
 Python comm hook registered, DDP copies each gradient into its bucket without dividing it (its
 built-in allreduce divides while copying), so the hook had to make a pass of its own over every
 bucket to divide it, on the training thread, as torch's ``allreduce_hook`` does (4-9 ms per step
-for mlp17m's 68 MB on the 2-core benchmark machine, BENCHMARKS.md). The hand-over instead divides
+for mlp17m's 68 MB on a 2-core machine, ``benchmarks/hook_overhead.py``). The hand-over instead divides
 each gradient by the group's size straight into its place in DDP's bucket (one pass, as DDP's
 copy is) and the hook divides only what did not come that way (``early_action``).
 
