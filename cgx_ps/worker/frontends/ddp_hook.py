@@ -150,14 +150,27 @@ class DDPHookState(FrontEndView):
 
     @property
     def module(self) -> torch.nn.Module:
-        """The module given (the DDP wrapper is held weakly: gone once the caller drops it)."""
+        """The module given (the DDP wrapper is held weakly: gone once the caller drops it).
+
+        Raises:
+            CgxPsError: the DDP model given has been deleted.
+        """
         return _alive(self._module)
 
     # ---- registration ------------------------------------------------------------------------
 
     def open(self) -> StepDriver:
         """Register with the shards (done by the first backward; call it earlier to fail early).
-        Every state of the process not yet registered registers with it, as one session."""
+        Every state of the process not yet registered registers with it, as one session.
+
+        Returns:
+            This state's step driver (the same on later calls).
+
+        Raises:
+            ConfigError: the module has no trainable parameters, or ``init()`` was not called.
+            CgxPsError: registering with the shards failed (``ShardUnavailableError``,
+                ``ShardRejectedError``).
+        """
         if self._driver is not None:
             return self._driver
         with _waiting_lock:
@@ -201,7 +214,19 @@ class DDPHookState(FrontEndView):
     # ---- one bucket --------------------------------------------------------------------------
 
     def communicate(self, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """What ``ddp_comm_hook`` does: start the bucket's blocks, return its future."""
+        """What ``ddp_comm_hook`` does: start the bucket's blocks, return its future.
+
+        Args:
+            bucket: the bucket DDP hands over.
+
+        Returns:
+            A future that completes with the bucket's buffer, averaged in place.
+
+        Raises:
+            CgxPsError: a gradient of a parameter the state does not know (the wrong module),
+                or the step failed; the future carries the errors of the blocks (a shard's,
+                ``StepAbandoned``).
+        """
         if bucket.is_last():  # every gradient of this backward has arrived: DDP's reducer is done
             self._early.disarm()
         driver = self.open()
@@ -293,12 +318,26 @@ class DDPHookState(FrontEndView):
     def state_dict(self) -> dict:
         """What cgx-ps adds to a checkpoint for this model (counters, codec settings, this rank's
         error-feedback residuals, the tuner's state): save it next to the model's and the
-        optimizer's state, e.g. ``{"model": ..., "optimizer": ..., "cgx_ps": state.state_dict()}``."""
+        optimizer's state, e.g. ``{"model": ..., "optimizer": ..., "cgx_ps": state.state_dict()}``.
+
+        Returns:
+            Plain data and tensors (``torch.save`` keeps them).
+
+        Raises:
+            CgxPsError: the state has not registered yet (no backward, no ``open()``).
+        """
         return self._opened().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``'s output, before the first step (registers with the
-        shards now if the first backward has not yet); CheckpointError if it does not fit."""
+        shards now if the first backward has not yet).
+
+        Args:
+            state: what ``state_dict()`` returned (on this rank, for the same model).
+
+        Raises:
+            CheckpointError: it does not fit this model's layout.
+        """
         self.open().load_state_dict(state)
 
     # ---- what it shows -----------------------------------------------------------------------
@@ -331,7 +370,21 @@ def _process_group_of(module_ref: Callable[[], torch.nn.Module | None]) -> Calla
 
 def ddp_comm_hook(state: DDPHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: ``ddp.register_comm_hook(DDPHookState(ddp), ddp_comm_hook)``.
-    Averages the bucket's gradients across all workers through the cgx-ps shards, compressed."""
+
+    Averages the bucket's gradients across all workers through the cgx-ps shards, compressed
+    (or, on auto mode's uncompressed steps, through DDP's allreduce).
+
+    Args:
+        state: this DDP model's ``DDPHookState``.
+        bucket: the bucket DDP hands over.
+
+    Returns:
+        A future that completes with the bucket's buffer, averaged in place.
+
+    Raises:
+        ConfigError: ``state`` is not a ``DDPHookState``.
+        CgxPsError: as ``DDPHookState.communicate``.
+    """
     if not isinstance(state, DDPHookState):
         raise ConfigError(f"ddp_comm_hook needs a DDPHookState as its state, got {type(state).__name__}")
     return state.communicate(bucket)

@@ -72,7 +72,21 @@ class DistributedMixin(FrontEndView):
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad)
                            for p in self._cgx_params.values() if p.requires_grad]
 
-    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - torch's, refusing unsynchronized tensors
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group, as torch's does, for tensors the optimizer already synchronizes
+        or that do not train.
+
+        The blocks are fixed when the optimizer is wrapped, so a new trainable tensor would train
+        on this rank's gradient alone; put every parameter in the optimizer before wrapping it
+        (e.g. in a group with lr=0 until it is needed). Frozen tensors may be added, and must
+        stay without gradients.
+
+        Args:
+            param_group: torch's parameter group: ``{"params": tensors, **options}``.
+
+        Raises:
+            ConfigError: the group holds a trainable tensor not in ``named_parameters``.
+        """
         if not hasattr(self, "_cgx_name_of"):  # torch's own __init__ (never: we wrap a built optimizer)
             return super().add_param_group(param_group)
         params = param_group["params"]
@@ -124,7 +138,20 @@ class DistributedMixin(FrontEndView):
             param.grad = torch.zeros_like(param)
         return param.grad
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - torch's, after abandoning a step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's does; between a backward and its ``step()``, first
+        abandon that step on every rank (a backward that failed part way: see
+        ``DistributedOptimizer``).
+
+        Args:
+            set_to_none: as torch's: set ``.grad`` to None instead of zeroing it.
+
+        Raises:
+            CgxPsError: the step cannot be abandoned (nothing changes): every gradient was
+                already pushed (call ``step()``: the other ranks apply it), several local ranks
+                per node, or auto mode's step over the process group; or a shard failed while
+                the step's results were waited for.
+        """
         self._cgx_abandon_step()
         super().zero_grad(set_to_none)
 
@@ -152,8 +179,18 @@ class DistributedMixin(FrontEndView):
     # ---- synchronize / step ---------------------------------------------------------------------
 
     def synchronize(self) -> None:
-        """Finish communication for this step: submit blocks whose parameters got no gradient,
-        wait for every block, and write the averaged gradients into ``.grad``."""
+        """Finish communication for this step: submit the blocks whose parameters got no
+        gradient (as zeros), wait for every block, and write the averaged gradients into
+        ``.grad``. Called by ``step()``; call it yourself to read or clip the averaged gradients
+        first (then step inside ``skip_synchronize()``). A second call before the next backward
+        does nothing.
+
+        Raises:
+            StepAbandoned: another rank abandoned this step (catch it, ``zero_grad()``, go on).
+            CgxPsError: a block could not be averaged (a shard failed or timed out; without
+                ``allow_non_finite``, a NaN/Inf gradient, named), or a tensor frozen when the
+                optimizer was created has a gradient now. The step is forgotten on this rank.
+        """
         if self._cgx_synchronized:
             return
         pipe, driver = self._cgx_pipe, self._cgx_driver
@@ -179,14 +216,33 @@ class DistributedMixin(FrontEndView):
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """Inside, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        """A context in which ``step()`` does not synchronize: call ``synchronize()`` first (the
+        GradScaler and clipping loops in ``DistributedOptimizer``'s doc).
+
+        Yields:
+            None.
+        """
         self._cgx_skip = True
         try:
             yield
         finally:
             self._cgx_skip = False
 
-    def step(self, closure=None):  # noqa: D102 - same contract as torch.optim.Optimizer.step
+    def step(self, closure=None):
+        """Synchronize (unless inside ``skip_synchronize()``), then step the wrapped optimizer.
+
+        Args:
+            closure: as torch's: re-evaluates the model and returns the loss.
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns (the closure's loss, or None).
+
+        Raises:
+            StepAbandoned, CgxPsError: as ``synchronize()``.
+            CgxPsError: the averaged gradient was not finite (``allow_non_finite``, no
+                GradScaler): the step is not applied, on every rank alike; or ``step()`` inside
+                ``skip_synchronize()`` without ``synchronize()`` first.
+        """
         if not self._cgx_skip:
             synchronizing_here = not self._cgx_synchronized
             self.synchronize()
@@ -221,12 +277,27 @@ class DistributedMixin(FrontEndView):
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:  # noqa: D102 - torch's, plus what cgx-ps adds
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, plus a ``"cgx_ps"`` entry: counters, codec settings,
+        auto/adaptive state and this rank's error-feedback residuals (call it between steps).
+
+        Returns:
+            torch's state dict with the ``"cgx_ps"`` entry added.
+        """
         state = super().state_dict()
         state["cgx_ps"] = self._cgx_driver.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102 - torch's, plus what cgx-ps adds
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume from ``state_dict()``'s output before the first step, bit for bit; a plain
+        torch checkpoint (no ``"cgx_ps"`` entry) loads too, and cgx-ps starts fresh.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (on this rank, for the same model).
+
+        Raises:
+            CheckpointError: the ``"cgx_ps"`` entry does not fit this optimizer's layout.
+        """
         state = dict(state_dict)
         ours = state.pop("cgx_ps", None)  # absent in a plain torch checkpoint: cgx-ps starts fresh
         if ours is not None:

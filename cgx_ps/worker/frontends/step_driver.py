@@ -279,7 +279,9 @@ class StepDriver:
 
 
 class FrontEndView:
-    """What both front ends show of their steps, read from their driver's pipeline and tuner."""
+    """What both front ends show of their steps, read from their driver's pipeline and tuner.
+    On a ``DDPHookState`` that has not registered yet (no backward, no ``open()``), each raises
+    ``CgxPsError``."""
 
     def _cgx_step_driver(self) -> StepDriver:
         raise NotImplementedError
