@@ -9,6 +9,7 @@ import atexit
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +24,13 @@ atexit.register(shutil.rmtree, _dir, True)
 TOKEN_FILE = new_token_file(_dir)  # one job token for the test session's shards and clients
 SECURITY = ChannelSecurity(token_file=TOKEN_FILE)
 METADATA = SECURITY.metadata()  # authorization: Bearer <token>, for raw stub calls
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a server that cannot bind port 0 itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def env_for(rank: int, world: int, servers: list[str], **extra: str) -> dict[str, str]:

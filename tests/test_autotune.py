@@ -19,7 +19,6 @@ from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.tuning.tuner import Decision
 from cgx_ps.worker.tuning.auto_mode import REEXPLORE, AutoFigures, ModeChooser, keep_or_switch
 from cgx_ps.worker.broadcast.blob_format import decode_object, encode_object
-from cgx_ps.worker.frontends.step_driver import probe_problem
 from cgx_ps.worker.pipeline.blocks import Compression
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,15 +240,6 @@ class _Hopeless:
 def test_auto_never_tries_a_mode_the_model_rules_out():
     chosen = _drive(ModeChooser(), lambda mode, k: 0.100 if mode else 2.0, 3 * REEXPLORE, figures=_Hopeless())
     assert chosen == [True] * (3 * REEXPLORE)
-
-
-def test_a_front_end_without_a_probe_of_its_allreduce_cannot_run_auto_mode():
-    """One mechanism: auto's model sees the uncompressed path in every front end, so a front end
-    that may send steps past the shards must give the probe (both do)."""
-    assert "needs the front end's probe" in probe_problem(True, "allreduce", has_probe=False)
-    assert probe_problem(True, "allreduce", has_probe=True) is None
-    assert probe_problem(True, "shards", has_probe=False) is None  # the shards' probe covers it
-    assert probe_problem(False, "allreduce", has_probe=False) is None  # no auto mode, no decision
 
 
 def test_the_choosers_state_resumes_its_decisions_exactly():

@@ -1,10 +1,11 @@
 """The pure decisions behind auto mode's uncompressed steps on a process group (frontends/uncompressed.py,
-frontend.uncompressed_path) and the optimizer's options for them. The real all_reduce steps,
+frontends/route.py) and the optimizer's options for them. The real all_reduce steps,
 with two processes, gloo and real shards: tests/test_ddp_hook.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -13,18 +14,43 @@ import torch.distributed as dist
 import cgx_ps.worker as cgx
 from cgx_ps.worker import runtime
 from cgx_ps.worker.tuning.auto_mode import AutoFigures
-from cgx_ps.worker.frontends.uncompressed import collective_group, group_problem, launch_order
-from cgx_ps.worker.frontends.step_driver import uncompressed_path
+from cgx_ps.worker.frontends.route import SHARDS, Route, StepRouter, choose_route, collective_group
+from cgx_ps.worker.frontends.uncompressed import group_problem, launch_order
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 
 def test_only_auto_modes_uncompressed_steps_with_a_group_leave_the_shards():
-    assert uncompressed_path(False, "allreduce", True) == "allreduce"
-    assert uncompressed_path(True, "allreduce", True) == "shards"  # compressed steps always use the shards
-    assert uncompressed_path(False, "allreduce", False) == "shards"  # no group: the shards' fp32 path
-    assert uncompressed_path(False, "shards", True) == "shards"
+    group = object()  # choose_route only passes the group on
+    assert choose_route(False, "allreduce", group) == Route("allreduce", group)
+    assert choose_route(True, "allreduce", group) == SHARDS  # compressed steps always use the shards
+    assert choose_route(False, "allreduce", None) == SHARDS  # no group: the shards' fp32 path
+    assert choose_route(False, "shards", group) == SHARDS
+    assert SHARDS.group is None
     assert collective_group(None, "shards") is None
     assert collective_group(None, "allreduce") is None  # torch.distributed not initialized here
+
+
+def test_a_front_ends_router_sends_uncompressed_steps_to_its_group_and_probes_it(tmp_path):
+    """Both front ends route through a StepRouter: the group of their uncompressed steps, the
+    step's route from auto mode's decision (``pipe.compress``), and the probe auto mode's model
+    times that group with. The DDP hook's router (no block order) leaves the all_reduce to DDP."""
+    pipe = types.SimpleNamespace(compress=True)  # all the router reads of a pipeline without a block order
+    hook = StepRouter(pipe, "allreduce", True, lambda: None, block_order=None)
+    assert hook.group() is None and not hook.may_allreduce() and hook.probe(1024) is None  # no group yet
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert hook.group() is dist.group.WORLD and hook.may_allreduce()
+        assert hook.choose() == SHARDS  # compressed: the shards
+        pipe.compress = False
+        route = hook.choose()
+        assert route == Route("allreduce", dist.group.WORLD) and route.size == 1
+        assert hook.collective(route) is None  # the hook all-reduces its buckets itself
+        assert hook.probe(1 << 16) > 0  # bytes/s of a real all_reduce on the group
+        shards = StepRouter(pipe, "shards", True, lambda: dist.group.WORLD, block_order=None)
+        assert shards.choose() == SHARDS and shards.probe(1024) is None and not shards.may_allreduce()
+        assert not StepRouter(pipe, "allreduce", False, lambda: None, None).may_allreduce()  # not auto mode
+    finally:
+        dist.destroy_process_group()
 
 
 def test_auto_modes_model_takes_the_all_reduce_rate_for_uncompressed_steps_when_measured():

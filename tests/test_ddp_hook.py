@@ -197,13 +197,15 @@ def test_hook_in_every_ddp_configuration(cluster, tmp_path):
         for name, value in want.items():
             torch.testing.assert_close(gan["final"][model][name], value, rtol=1e-6, atol=1e-6)
 
-    # AMP: rank 1 overflows at step 1; every rank's GradScaler skips that step and halves its scale
+    # AMP with the defaults (no allow_non_finite): rank 1 overflows at step 1; every rank's
+    # GradScaler skips that step and halves its scale, and the replicas stay identical
     for front_end in ("amp_ddp", "amp_optimizer"):
         per_rank = [r[front_end] for r in results]
         for run in per_rank:
             assert run["changed"] == [True, False, True], (front_end, run["changed"])
             assert run["scales"] == [1024.0, 512.0, 512.0], (front_end, run["scales"])
             assert all(torch.isfinite(t).all() for t in run["final"].values())
+        assert_same(per_rank[0]["final"], per_rank[1]["final"], f"{front_end}: rank 0 vs rank 1")
 
     # bf16 gradients: the overflow of one rank reaches every rank as non-finite
     for r in results:

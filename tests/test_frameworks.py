@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from cgx_ps.server import LocalCluster
 from cgx_ps.cli.status_table import probe_all
-from support import SECURITY
+from support import SECURITY, free_port
 
 from test_worker import run_workers  # real worker processes with the job's environment
 
@@ -32,12 +31,6 @@ STEPS = 4
 # first step of one rank may wait for numba to compile the codec (cached afterwards) while the
 # other pushes
 CLUSTER_SETTINGS = dict(shards=2, round_timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shard_totals(cluster: LocalCluster) -> list[tuple[int, int]]:

@@ -4,7 +4,6 @@ records, and a real worker process serving them while it trains against a real s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -14,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cgx_ps.worker import StepStats
 from cgx_ps.worker.metrics import WorkerMetrics, after_step
+from support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,12 +56,6 @@ def test_off_without_the_variable(monkeypatch):
     monkeypatch.setattr(metrics, "_exporter", metrics._Exporter())  # this process's exporter stays as it was
     after_step(StepStats(), env={})  # nothing to serve, nothing raised, no runtime needed
     assert metrics._exporter.metrics is None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_training_worker_serves_its_metrics(local_cluster):

@@ -18,7 +18,8 @@ from cgx_ps.cli.status_table import probe_all
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import runtime
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
-from support import env_for
+from prometheus_client.parser import text_string_to_metric_families
+from support import env_for, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.slow
 CLUSTER_SETTINGS = dict(shards=2, round_timeout=5)  # the tests' shared shards (conftest.cluster)
 
 
-def run(cluster, scenario: str, servers: list[str] | None = None) -> dict:
-    env = env_for(0, 1, servers or cluster.addresses, CGX_PS_JOB_ID=uuid.uuid4().hex[:8], CGX_PS_CONNECT_TIMEOUT="10")
+def run(cluster, scenario: str, servers: list[str] | None = None, **env_vars: str) -> dict:
+    env = env_for(0, 1, servers or cluster.addresses, CGX_PS_JOB_ID=uuid.uuid4().hex[:8], CGX_PS_CONNECT_TIMEOUT="10",
+                  **env_vars)
     res = subprocess.run([sys.executable, str(ROOT / "tests/workers/misuse_worker.py"), scenario], env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -62,7 +64,8 @@ def test_a_nan_without_a_scaler_travels_by_default_and_is_counted_and_said_once(
     to every rank as NaN, where a GradScaler would skip the step. Without a scaler, step() applies
     nothing and says why on every rank alike (the same average), naming this rank's tensors; the log
     says so once a minute at most, however many steps are non-finite; training goes on after."""
-    out = run(cluster, "nan_by_default")
+    out = run(cluster, "nan_by_default", CGX_PS_WORKER_METRICS_PORT=str(free_port()),
+              CGX_PS_WORKER_METRICS_HOST="127.0.0.1")
     tensors, errors = out["non_finite_tensors"], out["errors"]
     assert tensors[0] == tensors[3] == [] and errors[0] == errors[3] == "", out
     for step in (1, 2):
@@ -72,6 +75,8 @@ def test_a_nan_without_a_scaler_travels_by_default_and_is_counted_and_said_once(
     lines = [line for line in out["said"] if "was not finite" in line]
     assert len(lines) == 1 and "0.weight" in lines[0] and "step 1" in lines[0], out
     assert out["weight_finite"] is True  # the non-finite steps were not applied
+    counted = {s.name: s.value for f in text_string_to_metric_families(out["metrics"]) for s in f.samples}
+    assert counted["cgx_ps_worker_non_finite_steps_total"] == 2 and counted["cgx_ps_worker_steps_total"] == 4, counted
 
 
 def _model() -> torch.nn.Module:

@@ -181,6 +181,17 @@ def to_json(reports: Sequence[ShardReport]) -> dict:
 
 
 def run_status(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """``cgx-ps status``: one line per shard (health, session, rounds, bytes/s, last error), once
+    or every ``--watch`` seconds until Ctrl-C.
+
+    Args:
+        args: the parsed flags of ``cgx-ps status`` (the shard list, ``--watch``, ``--json``, ...).
+        env: where the shard list, job token and TLS settings are read (default: ``os.environ``).
+
+    Returns:
+        The exit status: 0 when every shard is SERVING and answers, 1 otherwise, 2 for a bad
+        shard list or credential setting (said on stderr).
+    """
     env = os.environ if env is None else env
     try:
         addresses, security = resolve(args, env)

@@ -94,6 +94,18 @@ def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[tuple[str
 
 
 def run_wait_for_shards(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """``cgx-ps wait-for-shards``: poll every shard's gRPC health service until all answer
+    SERVING (no token needed), saying which are still missing.
+
+    Args:
+        args: the parsed flags of ``cgx-ps wait-for-shards`` (the shard list, ``--timeout``,
+            ``--interval``).
+        env: where the shard list and TLS settings are read (default: ``os.environ``).
+
+    Returns:
+        The exit status: 0 when all are SERVING, 1 at the timeout, 2 for a bad shard list or
+        TLS setting (said on stderr).
+    """
     env = os.environ if env is None else env
     try:
         addresses, security = resolve(args, env)

@@ -17,10 +17,10 @@ Float codecs (FP32, FP16, BF16) are decoded into an fp32 accumulator as they com
 Kept where it is: a push's (min, unit) pairs are copied into a row of ``_metas`` (8 bytes per
 bucket, aligned for the kernel), and its packed levels are read where they arrived, once the
 whole payload has been checked. Copying them into slots of their own cost the shard 6.6 ms per
-round on its event loop (4 nodes x 24 blocks of 0.53 MB; BENCHMARKS.md, "The shard's data path
-on AVX2"). Only an immutable payload (``bytes``, or a read-only view of one: what gRPC hands the
-shard) is kept by reference, since nothing can change it after its crc32 was checked; a mutable
-one (a ``bytearray``) has its levels copied.
+round on its event loop (4 nodes x 24 blocks of 0.53 MB on an AVX2 host, ``benchmarks/aggregator.py``).
+Only an immutable payload (``bytes``, or a read-only view of one: what gRPC hands the shard) is
+kept by reference, since nothing can change it after its crc32 was checked; a mutable one (a
+``bytearray``) has its levels copied.
 
 Memory: a sum holds either its kept pushes or its accumulator, not both (``held_bytes``), so a
 shard needs what the accumulator path needed (server/process/sizing.py). Pushes are kept only when one

@@ -16,8 +16,8 @@ from .errors import CodecError
 
 try:
     # ISA-L folds the CRC with carry-less multiplies: the same CRC-32 as zlib's, so the wire
-    # format is unchanged, at 7.8 GB/s against zlib 1.2's 2.2 here (BENCHMARKS.md, "One executor
-    # hop per push"). Every push is checked and every result stamped with it, on both ends.
+    # format is unchanged, at 7.8 GB/s against zlib 1.2's 2.2 on a 2-core AMD EPYC. Every push
+    # is checked and every result stamped with it, on both ends.
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # a platform without an isal wheel: zlib's, the same values, slower
     from zlib import crc32 as _crc32

@@ -10,8 +10,8 @@ byte and divides by the threads that share the work:
 - shard ingest: what a shard does with one block's pushes from 4 nodes (as ``benchmarks/server.py --nodes 4``
   measures the whole shard): receive them over TCP, keep and sum them and encode the result once
   (``kernels.EncodedSum``, the shard's own path), send the result to each node; compressed bytes in per
-  CPU-second. The shard's event loop and framing are not in it (BENCHMARKS.md's whole shard: 1081 MB/s on
-  the raw data plane, on an idle machine);
+  CPU-second. The shard's event loop and framing are not in it (the whole shard, ``benchmarks/server.py``:
+  1081 MB/s on the raw data plane, on an idle machine);
 - TCP: bytes sent plus received per CPU-second over a loopback connection.
 
 The device figures (fp16 casts, PowerSGD's matmuls) keep their defaults: they are the GPU's, not this CPU's.

@@ -108,8 +108,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Speeds:
-    """Measured speeds (``calibrate.measure`` on this machine; the defaults are BENCHMARKS.md's figures on the
-    project's 2-core AMD EPYC: section "Codecs" and "The shard on an idle machine")."""
+    """Measured speeds (``calibrate.measure`` on this machine; the defaults were measured on a 2-core
+    AMD EPYC by ``benchmarks/codec.py`` and, on an idle machine, ``benchmarks/server.py``)."""
 
     encode_eps: float = 4327e6 / 2  # elements quantized (4-bit, stochastic) per CPU-second: 4327 M/s on 2 cores
     decode_eps: float = 4497e6 / 2  # elements decoded and accumulated from wire bytes per CPU-second

@@ -193,6 +193,16 @@ def wait_for_port_file(proc: subprocess.Popen, port_file: Path, deadline: float,
 
 
 def run_cluster(args: argparse.Namespace) -> int:
+    """``cgx-ps cluster``: start ``--shards`` local shard processes, print the workers'
+    environment, and keep them running until Ctrl-C or SIGTERM (then they drain and stop).
+
+    Args:
+        args: the parsed flags of ``cgx-ps cluster`` (the shards' own flags, passed on to each).
+
+    Returns:
+        The exit status: 0 when every shard stopped cleanly, 1 when one failed to start or
+        exited on its own (the others are stopped), 130 after Ctrl-C during start-up.
+    """
     # Every shard gets the cluster's settings; LocalCluster sets the per-shard ones and the token
     # (no --token-file: a fresh random one, written where only this user can read it).
     extra = shard_flags(vars(args), skip=("token_file",))

@@ -38,6 +38,18 @@ _PORT_OR_OFF = Bounds(0, 65535, off=-1)
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """One shard's settings, checked when built: each field is a ``cgx-ps server`` flag and a
+    ``CGX_PS_*`` variable (``SETTINGS`` names both; the comments below say what each does).
+
+    Build it with ``from_env`` (a deployment's environment) or ``from_flags`` (the CLI), or
+    directly with field values (tests, an embedded shard).
+
+    Raises:
+        ValueError: a value out of its range, or settings that do not fit together (a shard
+            index past the shard count, half a TLS key pair, the raw data plane under TLS, ...),
+            naming the flag.
+    """
+
     # where to listen
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT  # 0 picks a free port (tests)
@@ -106,14 +118,35 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "ServerConfig":
-        """The environment's settings over the defaults, then ``overrides`` (field values)."""
+        """The environment's settings over the defaults, then ``overrides``.
+
+        Args:
+            env: the variables to read (default: ``os.environ``).
+            **overrides: field values that replace the environment's.
+
+        Returns:
+            The checked configuration.
+
+        Raises:
+            ValueError: a malformed variable or settings that do not fit together, named.
+        """
         values = flag_defaults(os.environ if env is None else env)
         fields = {name: _field_value(name, v) for name, v in values.items()}
         return cls(**_deployed_ports({**fields, **overrides}))
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> "ServerConfig":
-        """From the CLI's parsed flags (``vars(args)``), whose defaults came from ``flag_defaults``."""
+        """From the CLI's parsed flags.
+
+        Args:
+            flags: ``vars(args)`` of ``cgx-ps server``, whose defaults came from ``flag_defaults``.
+
+        Returns:
+            The checked configuration.
+
+        Raises:
+            ValueError: settings that do not fit together, naming the flags.
+        """
         return cls(**_deployed_ports({name: _field_value(name, flags[s.dest]) for name, s in SETTINGS.items()}))
 
 

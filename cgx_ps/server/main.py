@@ -254,6 +254,16 @@ async def _serve(config: ServerConfig, port_file: str | None) -> int:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    """``cgx-ps server``: run one parameter-server shard until SIGTERM or Ctrl-C, then drain.
+
+    Args:
+        args: the parsed flags of ``cgx-ps server`` (``cli.commands.build_parser``), with the
+            environment's defaults (``CGX_PS_*``) already applied.
+
+    Returns:
+        The exit status: 0 after a clean stop, 2 for flags that do not fit together or an
+        exposed address with neither token nor TLS (said on stderr), 1 when serving failed.
+    """
     try:
         config = ServerConfig.from_flags(vars(args))
     except ValueError as exc:  # flags that do not fit together: a usage error (argparse's exit status 2)

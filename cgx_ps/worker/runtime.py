@@ -26,7 +26,23 @@ _engine: CommEngine | None = None
 
 
 def init(config: WorkerConfig | None = None, **overrides: object) -> WorkerConfig:
-    """Read the job from the environment (or take ``config``); idempotent."""
+    """Set up this process as a worker of the job: who it is and where the shards are.
+
+    Call it once, before creating a ``DistributedOptimizer`` or a ``DDPHookState``; calling it
+    again without arguments returns the same configuration. The shards are dialled later, when
+    the first front end registers. Also starts the timeline (``CGX_PS_TIMELINE``) if asked for.
+
+    Args:
+        config: the job's configuration; default: read from the environment
+            (``WorkerConfig.from_env``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``CGX_PS_SERVERS``, ...).
+        **overrides: fields that replace what the environment says (e.g. ``servers=(...)``).
+
+    Returns:
+        The configuration now in force.
+
+    Raises:
+        ConfigError: a missing or malformed variable or credential file, named.
+    """
     global _config
     with _lock:
         if _config is None or config is not None or overrides:
@@ -95,7 +111,12 @@ def connected_engine() -> CommEngine:
 
 
 def shutdown() -> None:
-    """Close the shard connections and the intra-node mappings (also runs at interpreter exit)."""
+    """Close the shard connections and the intra-node mappings, and write the timeline's file.
+
+    Runs at interpreter exit too. Every front end of the session stops working (their next step
+    raises ``CgxPsError``); to train again, call ``init()`` and create new ones. Safe to call
+    more than once.
+    """
     global _engine
     with _lock:
         engine, _engine = _engine, None

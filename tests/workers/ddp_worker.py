@@ -517,8 +517,10 @@ def amp_run(rank: int, front_end: str, steps: int = 3, overflow_step: int = 1, u
             handle.remove()
         if front_end == "ddp":
             scaler.step(opt)
-        else:
+        else:  # the optimizer's GradScaler loop, clipping included (README)
             opt.synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e3)
             with opt.skip_synchronize():
                 scaler.step(opt)
         scaler.update()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import urllib.request
 
 import torch
 
@@ -31,8 +33,11 @@ def _nan_by_default(model: torch.nn.Module, x: torch.Tensor) -> dict:
         except cgx.CgxPsError as exc:  # not applied, on every rank alike: skip it and go on
             errors.append(str(exc))
         tensors.append(list(opt.stats.non_finite_tensors))
+    # this process's /metrics, fetched over HTTP as Prometheus would
+    port = int(os.environ["CGX_PS_WORKER_METRICS_PORT"])
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return {"non_finite_tensors": tensors, "errors": errors, "said": said, "steps": opt.stats.step,
-            "weight_finite": bool(torch.isfinite(model[0].weight).all())}
+            "weight_finite": bool(torch.isfinite(model[0].weight).all()), "metrics": metrics}
 
 
 def scenario(name: str) -> dict:

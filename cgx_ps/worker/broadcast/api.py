@@ -23,9 +23,26 @@ _counter = itertools.count()  # every rank makes the same broadcasts in the same
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, timeout_s: float | None = None) -> Any:
-    """Return root_rank's ``obj`` on every rank. ``obj`` may hold tensors, numbers, strings,
-    None, lists, tuples and dicts (a state_dict, an optimizer's state_dict). Non-root ranks wait
-    up to ``timeout_s`` (default: the shards' round timeout) for the root to publish it."""
+    """Give every rank ``root_rank``'s object, through shard 0's blob store.
+
+    Every rank calls it, in the same order as its other broadcasts.
+
+    Args:
+        obj: what to send (read on the root rank only): tensors, numbers, strings, None, lists,
+            tuples and dicts of them (a state_dict, an optimizer's state_dict); no pickles.
+        root_rank: the rank whose ``obj`` every rank receives.
+        timeout_s: how long the other ranks wait for the root to publish it (default: the
+            shards' round timeout).
+
+    Returns:
+        The root rank's object (on the root, ``obj`` itself).
+
+    Raises:
+        BroadcastError: the blob was not written by the root rank, or is not a valid broadcast.
+        ConfigError: ``init()`` was not called, or no front end has opened the shards' session
+            yet (create the ``DistributedOptimizer`` or register the DDP hook's state first).
+        CgxPsError: shard 0 could not be reached, or the root did not publish in time.
+    """
     config = current_config()
     engine = connected_engine()
     if timeout_s is None:
@@ -46,8 +63,18 @@ def broadcast_object(obj: Any, root_rank: int = 0, timeout_s: float | None = Non
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Any, root_rank: int = 0) -> None:
-    """Copy root_rank's tensors into every rank's tensors in place (a state_dict or
-    named_parameters())."""
+    """Copy ``root_rank``'s tensors into every rank's tensors, in place.
+
+    Args:
+        params: a mapping of names to tensors (``model.state_dict()``) or (name, tensor) pairs
+            (``model.named_parameters()``); entries that are not tensors are skipped.
+        root_rank: the rank whose values every rank takes.
+
+    Raises:
+        BroadcastError: the root has no tensor of that name and shape (the ranks built
+            different models), or sent something else.
+        ConfigError, CgxPsError: as for ``broadcast_object``.
+    """
     items = sorted(params.items() if isinstance(params, Mapping) else params, key=lambda kv: kv[0])
     tensors = {name: t for name, t in items if isinstance(t, torch.Tensor)}
     values = broadcast_object({n: t.detach().cpu() for n, t in tensors.items()}, root_rank)
@@ -63,8 +90,18 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Any, root_rank: in
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
-    """Give every rank root_rank's optimizer state (momentum buffers, step counts, lr...).
-    A DistributedOptimizer's own part (``"cgx_ps"``: counters, residuals) stays each rank's own."""
+    """Give every rank ``root_rank``'s optimizer state (momentum buffers, step counts, lr...).
+
+    A ``DistributedOptimizer``'s own part (``"cgx_ps"``: counters, residuals) stays each rank's own.
+
+    Args:
+        optimizer: the optimizer (a ``DistributedOptimizer`` or a plain torch one) on every rank.
+        root_rank: the rank whose state every rank loads.
+
+    Raises:
+        BroadcastError: the root's state does not fit this rank's optimizer.
+        ConfigError, CgxPsError: as for ``broadcast_object``.
+    """
     state = optimizer.state_dict()
     state.pop("cgx_ps", None)  # per rank and per node: the residuals of root's blocks are not ours
     state = broadcast_object(state, root_rank)

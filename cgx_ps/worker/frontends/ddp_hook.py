@@ -53,12 +53,13 @@ that compression does not pay the hook costs what DDP costs. DDP divides while i
 gradient into its bucket only when no comm hook is registered; with one (torch's
 ``allreduce_hook`` too) it copies undivided and the hook makes another pass to divide. With bucket
 views the early hand-over divides each gradient into its place in the bucket instead (DDP's one
-pass; ``handover.py``), so those steps cost what plain DDP's do. Which path a step takes is
-``uncompressed_path``; every rank applies auto mode's decisions at the same step boundary, so
-every rank takes the same one. ``uncompressed_via="shards"`` keeps every step on the shards.
-Auto mode's model judges that path as the optimizer's does, by timing an all_reduce on the same
-group at each decision (``collective.allreduce_rate``, every rank at the step's first gradient,
-before any bucket of the step is started).
+pass; ``handover.py``), so those steps cost what plain DDP's do. Which path a step takes is the
+step driver's route (``route.py``, shared with the optimizer); every rank applies auto mode's
+decisions at the same step boundary, so every rank takes the same one.
+``uncompressed_via="shards"`` keeps every step on the shards. Auto mode's model judges that path
+as the optimizer's does, by timing an all_reduce on the same group at each decision
+(``StepRouter.probe``, every rank at the step's first gradient, before any bucket of the step is
+started).
 """
 
 # No ``from __future__ import annotations`` here: DDP's register_comm_hook compares the hook's
@@ -71,16 +72,13 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ...v1 import ps_pb2
-from ..tuning.tuner import Decision
-from .uncompressed import allreduce_rate, collective_group
 from ..errors import CgxPsError, ConfigError
-from .step_driver import StepDriver, SyncOptions, uncompressed_path
+from .route import Route
+from .step_driver import FrontEndView, StepDriver, SyncOptions
 from .handover import EarlyHandover, StepGradients, is_ddp
 from ..pipeline.blocks import DEFAULT_BLOCK_BYTES, Compression
-from ..pipeline.block_pipeline import StepStats
 
-__all__ = ["DDPHookState", "ddp_comm_hook", "uncompressed_path"]
+__all__ = ["DDPHookState", "ddp_comm_hook"]
 
 
 # States created but not yet registered with the shards, in creation order (the same on every
@@ -91,17 +89,13 @@ _waiting: list[weakref.ref] = []
 _waiting_lock = threading.Lock()
 
 
-class DDPHookState:
+class DDPHookState(FrontEndView):
     """The state ``ddp_comm_hook`` takes: one DDP model's side of the block pipeline.
 
-    module: any ``nn.Module`` whose parameters are the DDP model's own tensors (the DDP wrapper,
-        the wrapped model, or a LightningModule); tensors are named by ``named_parameters()``.
-    compression, error_feedback, warmup_steps, block_bytes: as for ``DistributedOptimizer``.
-    allow_non_finite: NaN/Inf gradients reach every rank as NaN (default, as DDP's allreduce
-        does; a GradScaler then skips the step on every rank); False raises instead.
-    uncompressed_via: where auto mode's uncompressed steps go: "allreduce" (default: DDP's own
-        allreduce on the DDP model's process group, or the default group when ``module`` is not
-        the DDP wrapper) or "shards" (fp32 through the shards).
+    ``ddp.register_comm_hook(DDPHookState(ddp, compression="4bit"), ddp_comm_hook)``. Create the
+    states of every DDP model of the process before training starts: the first backward
+    registers them all with the shards as one session (``open()``). Shows ``stats``,
+    ``layout``, ``intranode`` and ``tuning_history`` once registered (``FrontEndView``).
 
     Fastest: give it the DDP wrapper built with ``gradient_as_bucket_view=True`` and keep torch's
     ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket, and
@@ -112,6 +106,25 @@ class DDPHookState:
     see autograd's undivided local gradient and may change it in place, as under plain DDP; on a
     parameter whose hook was registered after the first step that parameter's gradient is left
     to DDP's copy instead of being handed over early (register such hooks before training).
+
+    Args:
+        module: any ``nn.Module`` whose parameters are the DDP model's own tensors (the DDP
+            wrapper, the wrapped model, or a LightningModule); tensors are named by
+            ``named_parameters()``.
+        compression: as for ``DistributedOptimizer`` ("4bit" by default).
+        error_feedback: as for ``DistributedOptimizer``.
+        warmup_steps: as for ``DistributedOptimizer``.
+        block_bytes: as for ``DistributedOptimizer``.
+        allow_non_finite: NaN/Inf gradients reach every rank as NaN (the default, as DDP's
+            allreduce does; a GradScaler then skips the step on every rank, and the step is
+            counted and logged as for ``DistributedOptimizer``); False: the step fails on every
+            rank instead (``CgxPsError`` naming the tensors here, ``StepAbandoned`` elsewhere).
+        uncompressed_via: where auto mode's uncompressed steps go: "allreduce" (default: DDP's
+            own allreduce on the DDP model's process group, or the default group when ``module``
+            is not the DDP wrapper) or "shards" (fp32 through the shards).
+
+    Raises:
+        ConfigError: ``module`` is not an ``nn.Module``, or an option is out of range.
     """
 
     def __init__(self, module: torch.nn.Module, compression: str | Compression | None = "4bit", *,
@@ -137,17 +150,27 @@ class DDPHookState:
 
     @property
     def module(self) -> torch.nn.Module:
-        """The module given (the DDP wrapper is held weakly: gone once the caller drops it)."""
-        module = self._module()
-        if module is None:
-            raise CgxPsError("the DDP model given to this DDPHookState has been deleted")
-        return module
+        """The module given (the DDP wrapper is held weakly: gone once the caller drops it).
+
+        Raises:
+            CgxPsError: the DDP model given has been deleted.
+        """
+        return _alive(self._module)
 
     # ---- registration ------------------------------------------------------------------------
 
     def open(self) -> StepDriver:
         """Register with the shards (done by the first backward; call it earlier to fail early).
-        Every state of the process not yet registered registers with it, as one session."""
+        Every state of the process not yet registered registers with it, as one session.
+
+        Returns:
+            This state's step driver (the same on later calls).
+
+        Raises:
+            ConfigError: the module has no trainable parameters, or ``init()`` was not called.
+            CgxPsError: registering with the shards failed (``ShardUnavailableError``,
+                ``ShardRejectedError``).
+        """
         if self._driver is not None:
             return self._driver
         with _waiting_lock:
@@ -156,7 +179,8 @@ class DDPHookState:
                           if s is not None and s._driver is None and s._module() is not None]
                 named = [s._named_tensors() for s in states]
                 drivers = StepDriver.open_together(named, [s.options for s in states],
-                                                   [s._probe_allreduce for s in states])
+                                                   [_process_group_of(s._module) for s in states],
+                                                   allreduce_blocks=False)
                 for state, tensors, driver in zip(states, named, drivers):
                     state._params = dict(tensors)
                     state._name_of = {id(t): n for n, t in tensors}
@@ -190,7 +214,19 @@ class DDPHookState:
     # ---- one bucket --------------------------------------------------------------------------
 
     def communicate(self, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """What ``ddp_comm_hook`` does: start the bucket's blocks, return its future."""
+        """What ``ddp_comm_hook`` does: start the bucket's blocks, return its future.
+
+        Args:
+            bucket: the bucket DDP hands over.
+
+        Returns:
+            A future that completes with the bucket's buffer, averaged in place.
+
+        Raises:
+            CgxPsError: a gradient of a parameter the state does not know (the wrong module),
+                or the step failed; the future carries the errors of the blocks (a shard's,
+                ``StepAbandoned``).
+        """
         if bucket.is_last():  # every gradient of this backward has arrived: DDP's reducer is done
             self._early.disarm()
         driver = self.open()
@@ -201,9 +237,9 @@ class DDPHookState:
             driver.abort()
             self._early.disarm()
             raise
-        size = self._allreduce_size()
-        if size is not None:
-            return self._allreduce(bucket, driver, size)
+        route = driver.route()
+        if route.path == "allreduce":
+            return self._allreduce(bucket, driver, route)
         gradients = self._gradients
         try:
             names = self._names(bucket.parameters())
@@ -216,7 +252,7 @@ class DDPHookState:
             if last:
                 driver.submit_rest(gradients.source, gradients.target)  # tensors no bucket held: zeros
                 early = gradients.forget()
-                self._early.install_once(driver, self._params, self._allreduce_size, self._may_allreduce())
+                self._early.install_once(driver, self._params, driver.router.may_allreduce())
         except BaseException:
             driver.abort()
             gradients.forget()
@@ -238,38 +274,13 @@ class DDPHookState:
 
         return torch.futures.collect_all([pipe.future(b) for b in waiting]).then(averaged)
 
-    def _group(self) -> "dist.ProcessGroup | None":
-        """The process group of auto mode's uncompressed steps, DDP's own allreduce: the DDP
-        model's, else the default one (None: the shards)."""
-        return collective_group(self.module.process_group if is_ddp(self.module) else None, self.uncompressed_via)
-
-    def _allreduce_size(self) -> int | None:
-        """This step goes through DDP's allreduce (``uncompressed_path``, decided at its first
-        gradient): the size of the group, which divides it; else None (the shards)."""
-        group = self._group()
-        if uncompressed_path(self._opened().pipe.compress, self.uncompressed_via, group is not None) != "allreduce":
-            return None
-        return dist.get_world_size(group)
-
-    def _may_allreduce(self) -> bool:
-        """Whether any step may go through DDP's allreduce: auto mode, with a group to use."""
-        return self._opened().options.compression.auto and self._group() is not None
-
-    def _probe_allreduce(self, nbytes: int) -> float | None:
-        """For auto mode's model: the all_reduce rate on the group DDP's allreduce uses, or None
-        (uncompressed steps go through the shards). The tuner calls it on every rank at the same
-        step (a collective), at a step's first gradient, before any of that step's buckets (or,
-        on uncompressed steps, DDP allreduce calls) is started, so it never interleaves with them."""
-        group = self._group()
-        return allreduce_rate(group, nbytes) if group is not None else None
-
     def _allreduce(self, bucket: torch.distributed.GradBucket, driver: StepDriver,
-                   size: int) -> torch.futures.Future[torch.Tensor]:
-        """The bucket averaged by DDP's own allreduce, as torch's ``allreduce_hook`` does it
-        (divide, then sum; every rank gets the same bytes), except that gradients the early
-        hand-over already divided into the bucket are not divided again (``handover.py``). The
-        last bucket ends the step. ``size``: the group's (``_allreduce_size``)."""
-        group, gradients = self._group(), self._gradients
+                   route: Route) -> torch.futures.Future[torch.Tensor]:
+        """The bucket averaged by DDP's own allreduce on the route's group, as torch's
+        ``allreduce_hook`` does it (divide, then sum; every rank gets the same bytes), except that
+        gradients the early hand-over already divided into the bucket are not divided again
+        (``handover.py``). The last bucket ends the step."""
+        group, size, gradients = route.group, route.size, self._gradients
         try:
             if self._early.installed:
                 grads = dict(zip(self._names(bucket.parameters()), bucket.gradients()))  # views into the bucket
@@ -288,7 +299,7 @@ class DDPHookState:
         if not bucket.is_last():
             return future.then(lambda done: done.value()[0])
         early = gradients.forget()
-        self._early.install_once(driver, self._params, self._allreduce_size, True)  # a first step through it
+        self._early.install_once(driver, self._params, True)  # a first step through it
         waiting_since = time.perf_counter()
 
         def step_done(done: torch.futures.Future) -> torch.Tensor:
@@ -307,12 +318,26 @@ class DDPHookState:
     def state_dict(self) -> dict:
         """What cgx-ps adds to a checkpoint for this model (counters, codec settings, this rank's
         error-feedback residuals, the tuner's state): save it next to the model's and the
-        optimizer's state, e.g. ``{"model": ..., "optimizer": ..., "cgx_ps": state.state_dict()}``."""
+        optimizer's state, e.g. ``{"model": ..., "optimizer": ..., "cgx_ps": state.state_dict()}``.
+
+        Returns:
+            Plain data and tensors (``torch.save`` keeps them).
+
+        Raises:
+            CgxPsError: the state has not registered yet (no backward, no ``open()``).
+        """
         return self._opened().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``'s output, before the first step (registers with the
-        shards now if the first backward has not yet); CheckpointError if it does not fit."""
+        shards now if the first backward has not yet).
+
+        Args:
+            state: what ``state_dict()`` returned (on this rank, for the same model).
+
+        Raises:
+            CheckpointError: it does not fit this model's layout.
+        """
         self.open().load_state_dict(state)
 
     # ---- what it shows -----------------------------------------------------------------------
@@ -322,29 +347,44 @@ class DDPHookState:
             raise CgxPsError("the DDPHookState registers with the shards at the first backward (or open())")
         return self._driver
 
-    @property
-    def stats(self) -> StepStats:
-        """The last finished step: bytes pushed, exposed communication (from the last bucket
-        handed over to the last block decoded), backward and transfer windows."""
-        return self._opened().stats
+    _cgx_step_driver = _opened
 
-    @property
-    def layout(self) -> ps_pb2.Layout:
-        return self._opened().layout
 
-    @property
-    def intranode(self) -> str | None:
-        """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
-        return self._opened().intranode
+def _alive(module_ref: Callable[[], torch.nn.Module | None]) -> torch.nn.Module:
+    module = module_ref()
+    if module is None:
+        raise CgxPsError("the DDP model given to this DDPHookState has been deleted")
+    return module
 
-    @property
-    def tuning_history(self) -> list[Decision]:
-        return self._opened().tuning_history
+
+def _process_group_of(module_ref: Callable[[], torch.nn.Module | None]) -> Callable[[], "dist.ProcessGroup | None"]:
+    """The group of auto mode's uncompressed steps, DDP's own allreduce: the DDP model's (None:
+    the default group, ``route.collective_group``). Holds the module as the state does (the DDP
+    wrapper weakly), never the state: its driver holds this."""
+    def group_of() -> "dist.ProcessGroup | None":
+        module = _alive(module_ref)
+        return module.process_group if is_ddp(module) else None
+
+    return group_of
 
 
 def ddp_comm_hook(state: DDPHookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: ``ddp.register_comm_hook(DDPHookState(ddp), ddp_comm_hook)``.
-    Averages the bucket's gradients across all workers through the cgx-ps shards, compressed."""
+
+    Averages the bucket's gradients across all workers through the cgx-ps shards, compressed
+    (or, on auto mode's uncompressed steps, through DDP's allreduce).
+
+    Args:
+        state: this DDP model's ``DDPHookState``.
+        bucket: the bucket DDP hands over.
+
+    Returns:
+        A future that completes with the bucket's buffer, averaged in place.
+
+    Raises:
+        ConfigError: ``state`` is not a ``DDPHookState``.
+        CgxPsError: as ``DDPHookState.communicate``.
+    """
     if not isinstance(state, DDPHookState):
         raise ConfigError(f"ddp_comm_hook needs a DDPHookState as its state, got {type(state).__name__}")
     return state.communicate(bucket)

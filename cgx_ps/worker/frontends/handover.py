@@ -14,7 +14,7 @@ Auto mode's uncompressed steps (DDP's own allreduce, ``ddp_hook.py``) take the s
 Python comm hook registered, DDP copies each gradient into its bucket without dividing it (its
 built-in allreduce divides while copying), so the hook had to make a pass of its own over every
 bucket to divide it, on the training thread, as torch's ``allreduce_hook`` does (4-9 ms per step
-for mlp17m's 68 MB on the 2-core benchmark machine, BENCHMARKS.md). The hand-over instead divides
+for mlp17m's 68 MB on a 2-core machine, ``benchmarks/hook_overhead.py``). The hand-over instead divides
 each gradient by the group's size straight into its place in DDP's bucket (one pass, as DDP's
 copy is) and the hook divides only what did not come that way (``early_action``).
 
@@ -185,7 +185,6 @@ class EarlyHandover:
         self._driver: StepDriver | None = None
         self._name_of: Callable[[torch.Tensor], str | None] = lambda _: None
         self._hook_ids: dict[str, int] = {}  # each parameter's hook of the hand-over, by handle id (runs_last)
-        self._allreduce_size: Callable[[], int | None] = lambda: None  # install_once
         self._armed = False  # the last DDP forward armed DDP's reducer, and its backward is not over
         self._session_open = True
 
@@ -200,11 +199,10 @@ class EarlyHandover:
         if self._handles and module is not None and buckets_settled(module):
             self._views.update(grads)
 
-    def install_once(self, driver: StepDriver, params: dict[str, torch.Tensor],
-                     allreduce_size: Callable[[], int | None], may_allreduce: bool) -> None:
+    def install_once(self, driver: StepDriver, params: dict[str, torch.Tensor], may_allreduce: bool) -> None:
         """At the end of the first step: hook every parameter if ``early_handover`` allows it.
-        ``allreduce_size()``: once a step's first gradient has arrived, the size of the group if
-        DDP's allreduce averages that step, else None; ``may_allreduce``: whether any step may."""
+        ``may_allreduce``: whether any step may go through DDP's allreduce (``driver.route()``
+        then says which do)."""
         if self._handles is not None:
             return
         ddp = self._module()
@@ -214,7 +212,7 @@ class EarlyHandover:
                                              getattr(ddp, "static_graph", True), driver.in_place.allowed,
                                              may_allreduce):
             return
-        self._driver, self._allreduce_size = driver, allreduce_size
+        self._driver = driver
         name_of = {id(t): n for n, t in params.items()}
         self._name_of = lambda p: name_of.get(id(p))
         gradient_done = _weakly(self._gradient_done)
@@ -260,10 +258,10 @@ class EarlyHandover:
         driver, gradients = self._driver, self.gradients
         try:
             driver.gradient_arrived()  # the step's first gradient: auto mode's decision applies now
-            size = self._allreduce_size()
-            action = early_action(size is not None, driver.in_place.allowed, grad.requires_grad)
+            route = driver.route()
+            action = early_action(route.path == "allreduce", driver.in_place.allowed, grad.requires_grad)
             if action == "scale":
-                torch.div(grad, size, out=view)  # what DDP's copy and the hook's division would give
+                torch.div(grad, route.size, out=view)  # what DDP's copy and the hook's division would give
                 gradients.scaled(name)
                 param.grad = view
             elif action == "submit":

@@ -23,7 +23,7 @@ Auto mode (``compression="auto"``) with a ``torch.distributed`` process group: t
 uncompressed skip the shards and average each block with all_reduce on the group as backward
 completes it (``frontends/uncompressed.py``), so where compression does not pay the optimizer costs what
 DDP costs; every rank applies auto mode's decisions at the same step, so every rank takes the
-same path (``frontend.uncompressed_path``, shared with the DDP hook).
+same path (``route.py``, shared with the DDP hook).
 
 For gradient clipping after synchronization (Horovod style)::
 
@@ -64,41 +64,15 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     """Wrap ``optimizer`` so that ``step()`` averages gradients across all workers through the
     shards, compressed.
 
-    compression: "4bit" (default), "Nbit" for N in 1..8, "fp16", "bf16", "fp32", "adaptive"
-        (bits per tensor re-chosen every 100 steps: fewer bytes at the error of uniform 4 bits),
-        "auto" (compress only when it measurably pays: a link-and-codec model makes the first
-        choice, then measured step times of both modes decide), or a
-        ``Compression`` with name-pattern exclusions and per-tensor overrides. 1-D tensors and
-        tensors under 1024 elements always travel uncompressed.
-    backward_passes_per_step: gradients accumulate over this many backward passes per step.
-    error_feedback: carry each block's compression error into the next step (worker side).
-    warmup_steps: the first steps travel uncompressed.
-    block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
-    allow_non_finite: a NaN/Inf gradient on any rank reaches every rank as NaN (the default, as
-        with DDP and Horovod), so a ``torch.amp.GradScaler`` skips the same step everywhere with no
-        flag; such steps are counted (``cgx_ps_worker_non_finite_steps``, ``StepStats.non_finite_tensors``)
-        and logged once a minute at most, naming the tensors. ``False``: that rank's ``step()``
-        raises ``CgxPsError`` naming the tensors and pushes the block as an abandoned step's marker:
-        every other rank's ``step()`` raises ``StepAbandoned`` at once (a loop that catches both
-        and calls ``zero_grad()`` skips the step on every rank). Synchronize before the scaler
-        looks at the gradients::
+    With mixed precision, synchronize before the scaler looks at the gradients (every rank's
+    scaler then sees the same averaged gradients and skips the same steps)::
 
-            scaler.scale(loss).backward()
-            opt.synchronize()
-            scaler.unscale_(opt)              # optional: clip here
-            with opt.skip_synchronize():
-                scaler.step(opt)
-            scaler.update()
-
-    uncompressed_via: where the steps auto mode sends uncompressed go: "allreduce" (default:
-        ``torch.distributed`` all_reduce on ``process_group``, or on the default group once
-        ``torch.distributed`` is initialized, block by block as backward completes them, so a link
-        fast enough that compression does not pay costs what DDP costs; without a group, the
-        shards) or "shards" (fp32 through the shards). The group must hold every worker of the
-        job (local ranks too: such a step skips the node's shared-memory reduction); its size is
-        checked here, the rest (which ranks, one session) at the first such step. Other
-        compression modes never use it.
-    process_group: the group for those steps (default: the default group).
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)              # optional: clip here
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
 
     A backward that fails part way (an error in the loss's graph, an out-of-memory, a caught
     ``KeyboardInterrupt``): catch it, call ``zero_grad()`` and go on with the next batch.
@@ -108,13 +82,58 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     applied. Every other rank's ``step()`` raises ``StepAbandoned`` at once; catching it and
     calling ``zero_grad()`` skips the same step there, so the ranks stay in step and the
     replicas equal. With ``allow_non_finite`` the other ranks see a non-finite step, which their
-    GradScaler skips, and it counts as a step on every rank, this one too. ``zero_grad()`` raises ``CgxPsError`` where a step cannot be abandoned:
-    every gradient was already pushed (call ``step()``: the other ranks apply it), several local
-    ranks per node, or auto mode's step over the process group (README, "Troubleshooting").
+    GradScaler skips, and it counts as a step on every rank, this one too.
 
     ``state_dict()`` adds a ``"cgx_ps"`` entry to the wrapped optimizer's state (counters, codec
     settings, auto/adaptive state, this rank's error-feedback residuals); ``load_state_dict()``
     before the first step resumes bit for bit (``cgx.Checkpoints``, docs/deploy.md).
+
+    Args:
+        optimizer: a built ``torch.optim.Optimizer`` holding every parameter to train.
+        named_parameters: (name, tensor) pairs of those parameters, e.g.
+            ``model.named_parameters()``: the names key the blocks, the same on every rank
+            (default: ``param.0``, ``param.1``, ... in the optimizer's order).
+        compression: "4bit" (default), "Nbit" for N in 1..8, "fp16", "bf16", "fp32", "adaptive"
+            (bits per tensor re-chosen every 100 steps: fewer bytes at the error of uniform 4
+            bits), "auto" (compress only when it measurably pays: a link-and-codec model makes the
+            first choice, then measured step times of both modes decide), or a ``Compression``
+            with name-pattern exclusions and per-tensor overrides. 1-D tensors and tensors under
+            1024 elements always travel uncompressed.
+        backward_passes_per_step: gradients accumulate over this many backward passes per step.
+        error_feedback: carry each block's compression error into the next step (worker side).
+        warmup_steps: the first steps travel uncompressed.
+        block_bytes: fp32 bytes per block (1-4 MB balances pipelining against per-RPC cost).
+        allow_non_finite: a NaN/Inf gradient on any rank reaches every rank as NaN (the
+            default, as with DDP and Horovod), so a ``torch.amp.GradScaler`` skips the same step
+            everywhere with no flag; such steps are counted (``cgx_ps_worker_non_finite_steps``,
+            ``StepStats.non_finite_tensors``) and logged once a minute at most, naming the
+            tensors, and ``step()`` without a scaler applies nothing and raises ``CgxPsError``.
+            ``False``: that rank's ``step()`` raises ``CgxPsError`` naming the tensors and pushes
+            the block as an abandoned step's marker: every other rank's ``step()`` raises
+            ``StepAbandoned`` at once (a loop that catches both and calls ``zero_grad()`` skips
+            the step on every rank).
+        uncompressed_via: where the steps auto mode sends uncompressed go: "allreduce" (default:
+            ``torch.distributed`` all_reduce on ``process_group``, or on the default group once
+            ``torch.distributed`` is initialized, block by block as backward completes them, so a
+            link fast enough that compression does not pay costs what DDP costs; without a group,
+            the shards) or "shards" (fp32 through the shards). The group must hold every worker
+            of the job (local ranks too: such a step skips the node's shared-memory reduction);
+            its size is checked here, the rest (which ranks, one session) at the first such
+            step. Other compression modes never use it.
+        process_group: the group for those steps (default: the default group).
+
+    Returns:
+        The same optimizer as an instance of a subclass of its class (``DistributedSGD`` for an
+        ``SGD``: LR schedulers and ``isinstance`` keep working), sharing its ``param_groups``
+        and state, with ``synchronize()``, ``skip_synchronize()``, ``stats``, ``layout``,
+        ``intranode`` and ``tuning_history`` added. It registers with the shards here.
+
+    Raises:
+        ConfigError: an option out of range, parameters named twice or missing from
+            ``named_parameters``, a ``process_group`` smaller than the job, ``init()`` not
+            called, or another ``DistributedOptimizer`` in this process.
+        CgxPsError: registering with the shards failed (a ``ShardUnavailableError`` names the
+            unreachable shard; a ``ShardRejectedError`` what the shard refused).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -1,7 +1,7 @@
 """What a wrapped optimizer does (``DistributedOptimizer`` in optimizer.py builds it): a hook per
 parameter hands final gradients to the block pipeline, ``synchronize()`` waits for the step's blocks
-and writes the averages into ``.grad``, ``step()`` steps the wrapped optimizer, and the step's route
-(the shards, or auto mode's all_reduce on a process group) is chosen once per step."""
+and writes the averages into ``.grad``, and ``step()`` steps the wrapped optimizer. The step's route
+(the shards, or auto mode's all_reduce on a process group) is the step driver's (``route.py``)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,25 @@ import torch
 import torch.distributed as dist
 
 from ... import timeline
-from ...v1 import ps_pb2
-from ..tuning.tuner import Decision
-from .uncompressed import BlockAllreduce, allreduce_rate, collective_group, group_size_problem
+from .uncompressed import group_size_problem
 from ..errors import CgxPsError, ConfigError
-from .step_driver import StepDriver, SyncOptions, uncompressed_path
-from ..pipeline.block_pipeline import StepStats
+from .route import collective_group
+from .step_driver import FrontEndView, StepDriver, SyncOptions
 from ..runtime import current_config
 
 __all__ = ["DistributedMixin"]
 
 
-class DistributedMixin:
-    """Mixed into a dynamic subclass of the wrapped optimizer's class (so LR schedulers and
-    ``isinstance(opt, torch.optim.SGD)`` keep working). The front end of the block pipeline:
-    it knows the parameters, their hooks and ``.grad``; the pipeline knows blocks."""
+class DistributedMixin(FrontEndView):
+    """A ``DistributedOptimizer``: the wrapped optimizer's own methods, with gradients averaged
+    across all workers before its ``step()``.
+
+    Mixed into a dynamic subclass of the wrapped optimizer's class (so LR schedulers and
+    ``isinstance(opt, torch.optim.SGD)`` keep working); ``DistributedOptimizer`` (optimizer.py)
+    builds it and documents its options. The front end of the block pipeline: it knows the
+    parameters, their hooks and ``.grad``; the pipeline knows blocks. Also shows ``stats``,
+    ``layout``, ``intranode`` and ``tuning_history`` (``FrontEndView``).
+    """
 
     def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], options: SyncOptions,
                    backward_passes_per_step: int, uncompressed_via: str,
@@ -55,24 +59,34 @@ class DistributedMixin:
         self._cgx_params = dict(named_parameters)
         self._cgx_name_of = {id(p): n for n, p in named_parameters}
         # auto mode's uncompressed steps: all_reduce on this group when there is one (the given
-        # one, else the default group), per block in the order of registration (frontends/uncompressed.py);
-        # auto mode's model measures that all_reduce
-        self._cgx_uncompressed_via, self._cgx_process_group = uncompressed_via, process_group
+        # one, else the default group), per block in the order of registration (frontends/uncompressed.py)
         _check_group_size(options, process_group)
-        self._cgx_driver = StepDriver.open_together([named_parameters], [options], [self._cgx_probe_allreduce])[0]
+        self._cgx_driver = StepDriver.open_together([named_parameters], [options], [lambda: process_group],
+                                                    allreduce_blocks=True)[0]
         self._cgx_pipe = self._cgx_driver.pipe
         self._cgx_backward_passes = backward_passes_per_step
         self._cgx_lock = threading.Lock()
         self._cgx_synchronized = False
         self._cgx_skip = False
         self._cgx_passes: dict[int, int] = {}  # backward passes seen this step, per parameter
-        self._cgx_allreduce: BlockAllreduce | None = None  # opened at the first step that uses it
-        self._cgx_routed = False  # this step's route is chosen (at its first gradient)
-        self._cgx_route: BlockAllreduce | None = None  # and it is: this collective, or None (the shards)
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad)
                            for p in self._cgx_params.values() if p.requires_grad]
 
-    def add_param_group(self, param_group: dict) -> None:  # noqa: D102 - torch's, refusing unsynchronized tensors
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group, as torch's does, for tensors the optimizer already synchronizes
+        or that do not train.
+
+        The blocks are fixed when the optimizer is wrapped, so a new trainable tensor would train
+        on this rank's gradient alone; put every parameter in the optimizer before wrapping it
+        (e.g. in a group with lr=0 until it is needed). Frozen tensors may be added, and must
+        stay without gradients.
+
+        Args:
+            param_group: torch's parameter group: ``{"params": tensors, **options}``.
+
+        Raises:
+            ConfigError: the group holds a trainable tensor not in ``named_parameters``.
+        """
         if not hasattr(self, "_cgx_name_of"):  # torch's own __init__ (never: we wrap a built optimizer)
             return super().add_param_group(param_group)
         params = param_group["params"]
@@ -111,7 +125,7 @@ class DistributedMixin:
                              f"Or an earlier backward failed part way: call zero_grad() after it, which abandons "
                              f"the step it began on every rank")
         if passes == self._cgx_backward_passes:  # else accumulating: communicate after the last pass
-            self._cgx_driver.submit_ready([name], self._cgx_grad_of, collective=self._cgx_collective())
+            self._cgx_driver.submit_ready([name], self._cgx_grad_of)
 
     def _cgx_grad_of(self, name: str) -> torch.Tensor | None:
         return self._cgx_params[name].grad
@@ -124,7 +138,20 @@ class DistributedMixin:
             param.grad = torch.zeros_like(param)
         return param.grad
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - torch's, after abandoning a step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's does; between a backward and its ``step()``, first
+        abandon that step on every rank (a backward that failed part way: see
+        ``DistributedOptimizer``).
+
+        Args:
+            set_to_none: as torch's: set ``.grad`` to None instead of zeroing it.
+
+        Raises:
+            CgxPsError: the step cannot be abandoned (nothing changes): every gradient was
+                already pushed (call ``step()``: the other ranks apply it), several local ranks
+                per node, or auto mode's step over the process group; or a shard failed while
+                the step's results were waited for.
+        """
         self._cgx_abandon_step()
         super().zero_grad(set_to_none)
 
@@ -132,16 +159,12 @@ class DistributedMixin:
         """zero_grad() between a backward and its step(): the backward failed part way (or the
         loop gave the batch up), and the step it began is abandoned on every rank (the
         factory's doc); nothing to do between steps. Where it cannot be, CgxPsError and nothing
-        changes (``BlockPipeline.why_not_abandon``)."""
+        changes (``StepDriver.why_not_abandon``)."""
         with self._cgx_lock:
-            began, route = bool(self._cgx_passes), self._cgx_route
+            began = bool(self._cgx_passes)
         if not began:
             return
-        problem = self._cgx_pipe.why_not_abandon() if route is None else (
-            # gloo pairs all_reduces by their order: this rank's next ones would pair with this step's
-            f"rank {self._cgx_pipe.rank}: a step that auto mode sends over the process group's all_reduce cannot be "
-            f"abandoned (the other ranks' all_reduce waits for this rank's): stop every rank and restart from a "
-            f"checkpoint")
+        problem = self._cgx_driver.why_not_abandon()
         if problem is not None:
             raise CgxPsError(problem)
         try:
@@ -152,41 +175,22 @@ class DistributedMixin:
     def _cgx_next_step(self) -> None:
         with self._cgx_lock:
             self._cgx_passes = {}
-            self._cgx_routed, self._cgx_route = False, None
-
-    def _cgx_collective(self) -> BlockAllreduce | None:
-        """Where this step's blocks go: a process group's all_reduce (auto mode sends this step
-        uncompressed and a group is there) or None, the shards. Chosen once per step, at its
-        first gradient, after auto mode's decision was applied (at the same step on every rank)."""
-        with self._cgx_lock:
-            if not self._cgx_routed:
-                self._cgx_route = self._cgx_open_route()
-                self._cgx_routed = True
-            return self._cgx_route
-
-    def _cgx_probe_allreduce(self, nbytes: int) -> float | None:
-        """The all_reduce rate of auto mode's uncompressed steps, or None: they use the shards."""
-        group = collective_group(self._cgx_process_group, self._cgx_uncompressed_via)
-        return allreduce_rate(self._cgx_allreduce_on(group).group, nbytes) if group is not None else None
-
-    def _cgx_open_route(self) -> BlockAllreduce | None:
-        pipe, via = self._cgx_pipe, self._cgx_uncompressed_via
-        group = None if pipe.compress else collective_group(self._cgx_process_group, via)
-        if uncompressed_path(pipe.compress, via, group is not None) != "allreduce":
-            return None
-        return self._cgx_allreduce_on(group)
-
-    def _cgx_allreduce_on(self, group: "dist.ProcessGroup") -> BlockAllreduce:
-        """The collective on ``group``, opened (the group checked) at its first use."""
-        if self._cgx_allreduce is None or self._cgx_allreduce.group is not group:
-            self._cgx_allreduce = BlockAllreduce.open(self._cgx_pipe, group, list(self._cgx_params))
-        return self._cgx_allreduce
 
     # ---- synchronize / step ---------------------------------------------------------------------
 
     def synchronize(self) -> None:
-        """Finish communication for this step: submit blocks whose parameters got no gradient,
-        wait for every block, and write the averaged gradients into ``.grad``."""
+        """Finish communication for this step: submit the blocks whose parameters got no
+        gradient (as zeros), wait for every block, and write the averaged gradients into
+        ``.grad``. Called by ``step()``; call it yourself to read or clip the averaged gradients
+        first (then step inside ``skip_synchronize()``). A second call before the next backward
+        does nothing.
+
+        Raises:
+            StepAbandoned: another rank abandoned this step (catch it, ``zero_grad()``, go on).
+            CgxPsError: a block could not be averaged (a shard failed or timed out; without
+                ``allow_non_finite``, a NaN/Inf gradient, named), or a tensor frozen when the
+                optimizer was created has a gradient now. The step is forgotten on this rank.
+        """
         if self._cgx_synchronized:
             return
         pipe, driver = self._cgx_pipe, self._cgx_driver
@@ -198,13 +202,11 @@ class DistributedMixin:
                              f"DistributedOptimizer was created (or add_param_group gave them) but have gradients now; "
                              f"ranks would update them "
                              f"apart: create the DistributedOptimizer after unfreezing")
-        collective = None
         try:
-            collective = self._cgx_collective()
-            driver.submit_rest(self._cgx_grad_of, collective=collective)
-            driver.finish(collective=collective)
+            driver.submit_rest(self._cgx_grad_of)
+            driver.finish()
         except BaseException:
-            driver.abort(collective)
+            driver.abort()
             self._cgx_next_step()
             raise
         for block in range(pipe.num_blocks):
@@ -214,14 +216,33 @@ class DistributedMixin:
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """Inside, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        """A context in which ``step()`` does not synchronize: call ``synchronize()`` first (the
+        GradScaler and clipping loops in ``DistributedOptimizer``'s doc).
+
+        Yields:
+            None.
+        """
         self._cgx_skip = True
         try:
             yield
         finally:
             self._cgx_skip = False
 
-    def step(self, closure=None):  # noqa: D102 - same contract as torch.optim.Optimizer.step
+    def step(self, closure=None):
+        """Synchronize (unless inside ``skip_synchronize()``), then step the wrapped optimizer.
+
+        Args:
+            closure: as torch's: re-evaluates the model and returns the loss.
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns (the closure's loss, or None).
+
+        Raises:
+            StepAbandoned, CgxPsError: as ``synchronize()``.
+            CgxPsError: the averaged gradient was not finite (``allow_non_finite``, no
+                GradScaler): the step is not applied, on every rank alike; or ``step()`` inside
+                ``skip_synchronize()`` without ``synchronize()`` first.
+        """
         if not self._cgx_skip:
             synchronizing_here = not self._cgx_synchronized
             self.synchronize()
@@ -256,36 +277,35 @@ class DistributedMixin:
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:  # noqa: D102 - torch's, plus what cgx-ps adds
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, plus a ``"cgx_ps"`` entry: counters, codec settings,
+        auto/adaptive state and this rank's error-feedback residuals (call it between steps).
+
+        Returns:
+            torch's state dict with the ``"cgx_ps"`` entry added.
+        """
         state = super().state_dict()
         state["cgx_ps"] = self._cgx_driver.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102 - torch's, plus what cgx-ps adds
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume from ``state_dict()``'s output before the first step, bit for bit; a plain
+        torch checkpoint (no ``"cgx_ps"`` entry) loads too, and cgx-ps starts fresh.
+
+        Args:
+            state_dict: what ``state_dict()`` returned (on this rank, for the same model).
+
+        Raises:
+            CheckpointError: the ``"cgx_ps"`` entry does not fit this optimizer's layout.
+        """
         state = dict(state_dict)
         ours = state.pop("cgx_ps", None)  # absent in a plain torch checkpoint: cgx-ps starts fresh
         if ours is not None:
             self._cgx_driver.load_state_dict(ours)
         super().load_state_dict(state)
 
-    @property
-    def stats(self) -> StepStats:
-        return self._cgx_driver.stats
-
-    @property
-    def layout(self) -> ps_pb2.Layout:
-        return self._cgx_driver.layout
-
-    @property
-    def intranode(self) -> str | None:
-        """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
-        return self._cgx_driver.intranode
-
-    @property
-    def tuning_history(self) -> list[Decision]:
-        """The decisions of adaptive bits and auto mode so far, oldest first (empty otherwise);
-        ``Decision.as_dict()`` gives each as plain data."""
-        return self._cgx_driver.tuning_history
+    def _cgx_step_driver(self) -> StepDriver:
+        return self._cgx_driver
 
 
 def _check_group_size(options: SyncOptions, process_group: "dist.ProcessGroup | None") -> None:

@@ -1,5 +1,5 @@
-"""What both front ends share around the block pipeline: their options, the step's timing,
-and the work after a step (the tuner, metrics).
+"""What both front ends share around the block pipeline: their options, the step's timing and
+route, the work after a step (the tuner, metrics), and what they show of their steps.
 
 ``DistributedOptimizer`` (a hook per parameter, ``.grad``) and the DDP communication hook (a
 future per DDP bucket) differ only in where gradients come from and go to. Each holds a
@@ -7,6 +7,7 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
 
     driver.gradient_arrived()                # each hook call: the step's timing; the last
                                              # step's after-work if nobody ran it yet
+    driver.route()                           # the step's route (route.py), chosen once per step
     driver.submit_ready(names, grad_of[, out_of])  # these tensors are final: start their full
                                              # blocks (in place on grad_of's memory where it allows:
                                              # leave those tensors alone until the block is done;
@@ -18,12 +19,12 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
     driver.abandon()                         # or: give the step up on every rank (a failed
                                              # backward; BlockPipeline.abandon_step)
 
-On auto mode's uncompressed steps, ``uncompressed_path`` sends a step past the shards when a
-process group is there: the DDP hook averages its buckets with DDP's allreduce (then
-``finish_elsewhere``); the optimizer passes a ``collective.BlockAllreduce`` as ``collective`` to
-``submit_ready``, ``submit_rest``, ``finish`` and ``abort``, and its blocks go there instead.
-Either way the front end gives the driver a probe of that path (``collective.allreduce_rate`` on
-the same group), so auto mode's model sees both of its choices in both front ends.
+On auto mode's uncompressed steps the route (``route.choose_route``) may send a step past the
+shards, to an all_reduce on a process group: the DDP hook averages its buckets with DDP's
+allreduce on ``route().group`` (then ``finish_elsewhere``); for the optimizer the driver sends
+the blocks to ``uncompressed.BlockAllreduce`` in ``submit_ready``, ``submit_rest``, ``finish``
+and ``abort``. Either way auto mode's model probes that path (``StepRouter.probe``), so it sees
+both of its choices in both front ends.
 
 ``after_step`` runs once per finished step: from ``DistributedOptimizer.step()``, or, when no one
 called it (DDP has no step; a GradScaler that skipped ``step()``), at the next step's first
@@ -37,49 +38,31 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
+
+import torch.distributed as dist
 
 from ...rate_limited_log import RateLimitedLog
 from ...v1 import ps_pb2
 from ..tuning.tuner import Decision, Tuner
 from ..pipeline.buffers import TensorOf
-from ..errors import CheckpointError, ConfigError
+from ..errors import CgxPsError, CheckpointError, ConfigError
 from ..pipeline.blocks import DEFAULT_BLOCK_BYTES, Compression
 from ..metrics import after_step as export_step_metrics
 from ..pipeline.block_pipeline import BlockPipeline, PipelineSpec, StepStats
+from .route import Route, StepRouter
+from .uncompressed import BlockAllreduce
 
 log = logging.getLogger(__name__)
 # one line a minute at most: a diverged run has non-finite gradients every step, a GradScaler's
 # overflows come in runs at the start; the metric counts every one of them
 _NON_FINITE_LOG = RateLimitedLog(log, burst=1, window_s=60.0)
 
-if TYPE_CHECKING:
-    from .uncompressed import BlockAllreduce
-
-__all__ = ["StepDriver", "SyncOptions", "UNCOMPRESSED_VIA", "probe_problem", "uncompressed_path"]
+__all__ = ["FrontEndView", "StepDriver", "SyncOptions", "UNCOMPRESSED_VIA"]
 
 # where auto mode's uncompressed steps go: a native allreduce on a process group (when there is
 # one), or the shards' fp32 path
 UNCOMPRESSED_VIA = ("allreduce", "shards")
-
-
-def uncompressed_path(compress: bool, via: str, group_available: bool) -> str:
-    """How this step's gradients are averaged: "shards" (the block pipeline, compressed or not) or
-    "allreduce" (auto mode's uncompressed steps, when a process group is there: DDP's own for the
-    hook, ``collective.BlockAllreduce`` for the optimizer). Every rank applies auto mode's decision
-    (``compress``) at the same step boundary, so every rank takes the same path."""
-    return "allreduce" if not compress and via == "allreduce" and group_available else "shards"
-
-
-def probe_problem(auto: bool, via: str, has_probe: bool) -> str | None:
-    """Why a front end cannot run auto mode as configured, or None. Auto mode's model judges the
-    uncompressed path by a probe of it; a front end whose uncompressed steps may skip the shards
-    (``via="allreduce"``) and gives no probe would leave the model blind to the path it takes, so
-    there is no such front end: one mechanism for every front end (``automode``'s module doc)."""
-    if auto and via == "allreduce" and not has_probe:
-        return ("auto mode with uncompressed_via='allreduce' needs the front end's probe of that all_reduce "
-                "(a front end without one must use uncompressed_via='shards')")
-    return None
 
 
 @dataclass(frozen=True)
@@ -117,14 +100,12 @@ class SyncOptions:
 class StepDriver:
     """One front end's pipeline and the bookkeeping of its steps (see the module doc)."""
 
-    def __init__(self, pipe: BlockPipeline, options: SyncOptions,
-                 uncompressed_probe: Callable[[int], float | None] | None = None) -> None:
-        """``uncompressed_probe``: for auto mode, the all_reduce rate of the path the front end's
-        uncompressed steps take, or None when they go through the shards (``autotune.Tuner``);
-        every front end that may send them past the shards gives one (``open_together`` checks)."""
-        self.pipe, self.options = pipe, options
+    def __init__(self, pipe: BlockPipeline, options: SyncOptions, router: StepRouter) -> None:
+        """``router``: the front end's routes (``route.py``); auto mode's model probes the
+        all_reduce path through it."""
+        self.pipe, self.options, self.router = pipe, options, router
         compression = options.compression
-        self.tuner = Tuner(pipe, compression, uncompressed_probe) if compression.adaptive or compression.auto else None
+        self.tuner = Tuner(pipe, compression, router.probe) if compression.adaptive or compression.auto else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block
         # buffers, unless the node reduces through its buffers or adaptive bits' tuner reads them
@@ -134,18 +115,22 @@ class StepDriver:
         self._first: float | None = None  # this step's first gradient
         self._last = 0.0  # and its latest
         self._after_pending = False  # a step finished and its after-work has not run
+        # this step's route, chosen at its first use and kept to its end, and its executor
+        self._route: Route | None = None
+        self._collective: BlockAllreduce | None = None
 
     @classmethod
     def open_together(cls, named_tensors_per_model: list, options: list[SyncOptions],
-                      uncompressed_probes: Sequence[Callable[[int], float | None] | None] | None = None
+                      groups_of: Sequence[Callable[[], "dist.ProcessGroup | None"]], allreduce_blocks: bool
                       ) -> list["StepDriver"]:
-        probes = uncompressed_probes or [None] * len(options)
-        for o, probe in zip(options, probes):  # before registering with the shards
-            problem = probe_problem(o.compression.auto, o.uncompressed_via, probe is not None)
-            if problem is not None:
-                raise ConfigError(problem)
+        """One driver per model, registered with the shards as one session. ``groups_of``: each
+        model's process group for auto mode's uncompressed steps (``StepRouter``); with
+        ``allreduce_blocks`` the driver all-reduces those steps' blocks itself (the optimizer),
+        else the front end all-reduces its own tensors on ``route().group`` (the DDP hook)."""
         pipes = BlockPipeline.open_together([o.spec(t) for t, o in zip(named_tensors_per_model, options)])
-        return [cls(p, o, probe) for p, o, probe in zip(pipes, options, probes)]
+        return [cls(pipe, o, StepRouter(pipe, o.uncompressed_via, o.compression.auto, group_of,
+                                        [n for n, _ in named] if allreduce_blocks else None))
+                for pipe, o, group_of, named in zip(pipes, options, groups_of, named_tensors_per_model)]
 
     # ---- a step ------------------------------------------------------------------------------
 
@@ -166,15 +151,35 @@ class StepDriver:
     def last_gradient_at(self) -> float:
         return self._last
 
-    def submit_ready(self, names, grad_of: TensorOf, out_of: TensorOf | None = None,
-                     collective: BlockAllreduce | None = None) -> list[int]:
+    def route(self) -> Route:
+        """This step's route (``route.choose_route``): chosen at its first use in the step, after
+        auto mode's decision was applied (at the same step on every rank), kept to the step's
+        end. An "allreduce" route whose blocks the driver all-reduces opens its collective now."""
+        return self._step_route()[0]
+
+    def _step_route(self) -> tuple[Route, BlockAllreduce | None]:
+        with self._lock:
+            if self._route is None:
+                route = self.router.choose()
+                self._collective = self.router.collective(route)
+                self._route = route
+            return self._route, self._collective
+
+    def _forget_route(self) -> BlockAllreduce | None:
+        with self._lock:
+            collective, self._route, self._collective = self._collective, None, None
+            self._first = None
+        return collective
+
+    def submit_ready(self, names, grad_of: TensorOf, out_of: TensorOf | None = None) -> list[int]:
         """Start the blocks these tensors complete; returns them."""
+        collective = self._step_route()[1]
         blocks = self.pipe.tensors_ready(names)
         self._start(blocks, grad_of, out_of, collective)
         return blocks
 
-    def submit_rest(self, grad_of: TensorOf, out_of: TensorOf | None = None,
-                    collective: BlockAllreduce | None = None) -> None:
+    def submit_rest(self, grad_of: TensorOf, out_of: TensorOf | None = None) -> None:
+        collective = self._step_route()[1]
         self._start(self.pipe.take_unsubmitted(), grad_of, out_of, collective)
 
     def _start(self, blocks: list[int], grad_of: TensorOf, out_of: TensorOf | None,
@@ -185,8 +190,9 @@ class StepDriver:
         for block in blocks:
             self.pipe.submit(block, grad_of, self.in_place.allowed, out_of)
 
-    def finish(self, waiting_since: float | None = None, collective: BlockAllreduce | None = None) -> StepStats:
+    def finish(self, waiting_since: float | None = None) -> StepStats:
         """Wait for every block (raises the first error, the step aborted), end the step."""
+        collective = self._step_route()[1]
         if collective is None:
             return self._end_step(lambda backward_s: self.pipe.finish_step(backward_s, waiting_since))
         since = time.perf_counter() if waiting_since is None else waiting_since
@@ -200,32 +206,48 @@ class StepDriver:
     def _end_step(self, end) -> StepStats:
         with self._lock:
             backward_s = self._last - self._first if self._first is not None else 0.0
-            self._first = None
+        self._forget_route()
         stats = end(backward_s)
         with self._lock:
             self._after_pending = True
         return stats
 
+    def why_not_abandon(self) -> str | None:
+        """Why the step under way cannot be abandoned, or None (nothing changes then)."""
+        with self._lock:
+            route = self._route
+        if route is not None and route.path == "allreduce":
+            # gloo pairs all_reduces by their order: this rank's next ones would pair with this step's
+            return (f"rank {self.pipe.rank}: a step that auto mode sends over the process group's all_reduce cannot "
+                    f"be abandoned (the other ranks' all_reduce waits for this rank's): stop every rank and restart "
+                    f"from a checkpoint")
+        return self.pipe.why_not_abandon()
+
     def abandon(self) -> None:
         """This rank gives up the step under way: every rank's step fails with StepAbandoned,
         this one's quietly (``BlockPipeline.abandon_step``); the next gradient starts a new one.
-        Where the other ranks count the step (``allow_non_finite``), the tuner sees it here too."""
+        Where the other ranks count the step (``allow_non_finite``), the tuner sees it here too.
+        Raises CgxPsError, changing nothing, where ``why_not_abandon`` says why."""
+        problem = self.why_not_abandon()
+        if problem is not None:
+            raise CgxPsError(problem)
         try:
             counted = self.pipe.abandon_step() is not None
         finally:
-            with self._lock:
-                self._first = None
+            self._forget_route()
         if counted:
             with self._lock:
                 self._after_pending = True
 
-    def abort(self, collective: BlockAllreduce | None = None) -> None:
-        """Forget this step (after an error): the next gradient starts a new one."""
-        if collective is not None:
-            collective.abort()
-        self.pipe.abort_step()
-        with self._lock:
-            self._first = None
+    def abort(self) -> None:
+        """Forget this step (after an error): the next gradient starts a new one. What the
+        step's collective has in flight is waited for first (``BlockAllreduce.abort``)."""
+        collective = self._forget_route()
+        try:
+            if collective is not None:
+                collective.abort()
+        finally:
+            self.pipe.abort_step()
 
     def after_step(self) -> None:
         """The tuner (a collective over the shards: every rank runs it after the same step) and
@@ -254,23 +276,38 @@ class StepDriver:
         if self.tuner is not None and state.get("tuner") is not None:
             self.tuner.load_state_dict(state["tuner"])
 
-    # ---- what the front ends show ------------------------------------------------------------
+
+
+class FrontEndView:
+    """What both front ends show of their steps, read from their driver's pipeline and tuner.
+    On a ``DDPHookState`` that has not registered yet (no backward, no ``open()``), each raises
+    ``CgxPsError``."""
+
+    def _cgx_step_driver(self) -> StepDriver:
+        raise NotImplementedError
 
     @property
     def stats(self) -> StepStats:
-        return self.pipe.stats
+        """The last finished step: bytes pushed, exposed communication, backward and transfer
+        windows, non-finite tensors, the path it took (``StepStats``)."""
+        return self._cgx_step_driver().pipe.stats
 
     @property
     def layout(self) -> ps_pb2.Layout:
-        return self.pipe.layout
+        """The blocks and tensors registered with the shards (the same on every rank)."""
+        return self._cgx_step_driver().pipe.layout
 
     @property
     def intranode(self) -> str | None:
-        return self.pipe.intranode
+        """How this node's local ranks reduce: "shm", "cuda", or None (alone on the node)."""
+        return self._cgx_step_driver().pipe.intranode
 
     @property
     def tuning_history(self) -> list[Decision]:
-        return list(self.tuner.history) if self.tuner is not None else []
+        """The decisions of adaptive bits and auto mode so far, oldest first (empty otherwise);
+        ``Decision.as_dict()`` gives each as plain data."""
+        tuner = self._cgx_step_driver().tuner
+        return list(tuner.history) if tuner is not None else []
 
 
 def report_non_finite(stats: StepStats, rank: int) -> None:

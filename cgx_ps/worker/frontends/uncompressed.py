@@ -60,18 +60,8 @@ from ..pipeline.buffers import TensorOf
 from ..errors import CgxPsError, CollectiveStalledError, ConfigError
 from ..pipeline.block_pipeline import BlockPipeline
 
-__all__ = ["BlockAllreduce", "WaitOutcome", "allreduce_rate", "collective_group", "group_problem",
+__all__ = ["BlockAllreduce", "WaitOutcome", "allreduce_rate", "group_problem",
            "group_size_problem", "launch_order"]
-
-
-def collective_group(process_group: "dist.ProcessGroup | None", via: str) -> "dist.ProcessGroup | None":
-    """The group auto mode's uncompressed steps all_reduce on: the one given, else the default
-    group once ``torch.distributed`` is initialized; None (the shards) for ``via="shards"``."""
-    if via != "allreduce":
-        return None
-    if process_group is not None:
-        return process_group
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def allreduce_rate(group: "dist.ProcessGroup", nbytes: int) -> float:

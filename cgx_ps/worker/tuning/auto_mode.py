@@ -4,8 +4,8 @@ The first choice comes from a model: after step 0, measure the upload throughput
 and the codec's cost on this device, and predict the communication each choice leaves exposed
 after overlapping with backward (``AutoFigures``). Where the uncompressed steps skip the shards
 (an all_reduce on a process group: the optimizer's ``frontends/uncompressed.py``, the DDP hook's DDP
-allreduce), the probe of the shards says nothing about them, so every front end hands the tuner
-a probe of its own uncompressed path (``AutoFigures.uncompressed_bps``: ``collective.allreduce_rate``
+allreduce), the probe of the shards says nothing about them, so every front end's step driver
+hands the tuner a probe of its uncompressed path (``AutoFigures.uncompressed_bps``: ``StepRouter.probe``
 on that group, every rank at the same step): the model sees both paths in every front end, and
 does not rule out, on a fast link, the path that is as fast as DDP (through gRPC it once predicted
 2.3 s for a step DDP's allreduce took 0.38 s).

@@ -106,8 +106,8 @@ class Tuner:
                  uncompressed_probe: Callable[[int], float | None] | None = None) -> None:
         """``uncompressed_probe(nbytes)``: the front end's all_reduce rate (bytes/s) on the path its
         uncompressed steps take, or None when they go through the shards; a collective, called
-        on every rank at each auto-mode decision. Without one, every uncompressed step must go
-        through the shards (``StepDriver`` checks that)."""
+        on every rank at each auto-mode decision (the step driver's ``StepRouter.probe``; without
+        one, as in the tuner's own tests, the model sees the shards' path alone)."""
         self.target = target
         self.compression = compression
         self.uncompressed_probe = uncompressed_probe
