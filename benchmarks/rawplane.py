@@ -70,8 +70,9 @@ from cgx_ps.server.rpc.raw_listener import DataPlane, presented_token
 from cgx_ps.server.errors import BadRequest, ProtocolError, TimedOut, Unauthenticated
 from cgx_ps.server.rpc.gate import Gate, grpc_status
 from cgx_ps.server.rpc.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
-from cgx_ps.v1 import ps_pb2
+from cgx_ps.worker.errors import StreamEnded
 from cgx_ps.worker.shards.client import ShardClient, read_result
+from cgx_ps.worker.shards.connection import ShardConnection
 
 __all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
 
@@ -352,14 +353,13 @@ async def _serve(argv: list[str]) -> int:
 
 # ---- the node's side -------------------------------------------------------------------------------
 
-def _unavailable(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
 class RawCall:
-    """One Exchange stream over a raw connection, shaped as the grpc.aio call ShardClient uses:
-    ``write``, ``cancel`` and async iteration over the read results, ending with an AioRpcError
-    carrying the shard's status (as gRPC's trailers would)."""
+    """One Exchange stream over a raw connection, an ExchangeCall (cgx_ps/worker/shards/exchange_call.py)
+    as the shipped plane's: ``write``, ``cancel`` and async iteration over the read results, ending
+    with StreamEnded carrying the shard's status (as gRPC's trailers would), UNAVAILABLE when the
+    connection breaks."""
+
+    plane = "raw"
 
     def __init__(self, frames: FrameSocket) -> None:
         self.frames = frames
@@ -377,7 +377,7 @@ class RawCall:
                 await frames.handshake()
         except (OSError, ssl.SSLError) as exc:
             sock.close()
-            raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
+            raise StreamEnded("UNAVAILABLE", f"raw data plane {host}:{port}: {exc}") from None
         call = cls(frames)
         try:  # the handshake (cgx_ps/net/raw_frames.py): the opening, the shard's challenge, the proof
             await frames.write(opening())
@@ -388,14 +388,14 @@ class RawCall:
             await frames.write(preface(proof(token, nonce)))
         except (OSError, ssl.SSLError) as exc:
             frames.close()
-            raise _unavailable(f"raw data plane {host}:{port}: {exc}") from None
+            raise StreamEnded("UNAVAILABLE", f"raw data plane {host}:{port}: {exc}") from None
         return call
 
     async def write(self, frame: bytes | memoryview) -> None:
         try:
             await self.frames.write(frame)
         except OSError as exc:
-            raise _unavailable(f"stream closed: {exc}") from None
+            raise StreamEnded("UNAVAILABLE", f"stream closed: {exc}") from None
 
     def cancel(self) -> None:
         self.frames.close()
@@ -411,40 +411,40 @@ class RawCall:
                     name, details = parse_status(body)
                     if name == "OK":  # the shipped listener's clean end
                         return
-                    code = grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
-                    raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+                    raise StreamEnded(name if name in grpc.StatusCode.__members__ else "UNKNOWN", details)
                 yield read_result(body)
         except (OSError, ssl.SSLError, BadRequest) as exc:
-            raise _unavailable(f"stream broke: {exc}") from None
+            raise StreamEnded("UNAVAILABLE", f"stream broke: {exc}") from None
+
+
+class _RawPlaneConnection(ShardConnection):
+    """ShardConnection (Register and everything else over gRPC) whose Exchange streams go over
+    the raw data plane at ``raw_port``, with the gRPC channel's TLS settings (``tls``)."""
+
+    raw_port = 0
+    token = b""  # the job token the gRPC calls carry in their metadata
+    tls: ssl.SSLContext | None = None
+
+    async def open_exchange(self) -> RawCall:
+        return await RawCall.open(self.address.rsplit(":", 1)[0], self.raw_port, self.token, self.tls)
 
 
 class RawShardClient(ShardClient):
-    """ShardClient (Register and everything else over gRPC, its pushes, results, recovery and
-    futures unchanged) whose Exchange streams go over the raw data plane at ``raw_port``."""
+    """ShardClient (its pushes, results, recovery and futures unchanged) whose Exchange streams go
+    over the raw data plane at ``raw_port``."""
+
+    connection_type = _RawPlaneConnection
 
     def __init__(self, *args, raw_port: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.raw_port = raw_port
-        meta = dict(self._metadata)
-        self._token = meta["authorization"][len("Bearer "):].encode() if "authorization" in meta else b""
-        sec = self.security
-        self._tls = None
+        self.connection.raw_port = raw_port
+        meta = dict(self.connection.metadata)
+        self.connection.token = meta["authorization"][len("Bearer "):].encode() if "authorization" in meta else b""
+        sec = self.connection.security
         if sec.tls_ca:  # the gRPC channel's settings (security.py): the CA, a client certificate
-            self._tls = ssl.create_default_context(cafile=sec.tls_ca)
+            self.connection.tls = ssl.create_default_context(cafile=sec.tls_ca)
             if sec.tls_cert:
-                self._tls.load_cert_chain(sec.tls_cert, sec.tls_key)
-
-    async def _open_stream(self) -> None:
-        # ShardClient._open_stream with the call made over the raw connection
-        self._generation += 1
-        self._incoming.clear()
-        host = self.address.rsplit(":", 1)[0]
-        self._call = call = await RawCall.open(host, self.raw_port, self._token, self._tls)
-        await call.write(ps_pb2.ExchangeRequest(
-            hello=ps_pb2.Hello(node_id=self.node_id, layout_hash=self.layout_hash, member=self.member,
-                               session_id=self.session_id)).SerializeToString())
-        self._reader = asyncio.create_task(self._read_results(call, self._generation))
-        self._ready.set()
+                self.connection.tls.load_cert_chain(sec.tls_cert, sec.tls_key)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from cgx_ps.kernels import Codec, encode
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.shards.client import ShardClient
+from cgx_ps.worker.shards.exchange_stream import ExchangeStream
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,9 +100,9 @@ def resume(args: argparse.Namespace, shard_ef: bool) -> dict:
 
 # ---- 2. bookkeeping cost ------------------------------------------------------------------------
 
-class _Switchable(ShardClient):
-    """The client, with its recovery bookkeeping switchable per step (``bookkeeping = False``:
-    pushes and results are handled as by the client before recovery existed)."""
+class _SwitchableStream(ExchangeStream):
+    """The exchange stream, with its recovery bookkeeping switchable per step (``bookkeeping =
+    False``: pushes and results are handled as by the client before recovery existed)."""
 
     bookkeeping = True
 
@@ -127,6 +128,10 @@ class _Switchable(ShardClient):
                 future.set_result(data)
 
 
+class _Switchable(ShardClient):
+    stream_type = _SwitchableStream
+
+
 async def _ab(address: str, token_env: dict, pairs: int) -> dict:
     from cgx_ps.net.security import ChannelSecurity
     tensors = [TensorInfo(f"layer{i}.weight", (1024, 1024)) for i in range(4)]
@@ -140,7 +145,7 @@ async def _ab(address: str, token_env: dict, pairs: int) -> dict:
     try:
         await client.connect()
         for i in range(2 * (pairs + 2)):
-            client.bookkeeping = on = (i % 4) in (0, 3)  # ABBA: neither goes first more often
+            client.stream.bookkeeping = on = (i % 4) in (0, 3)  # ABBA: neither goes first more often
             t0 = time.perf_counter()
             await asyncio.gather(*[client.exchange(b, round_, p) for b, p in payloads.items()])
             if i >= 4:  # the first steps warm the shard's kernels and the connection

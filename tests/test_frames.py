@@ -118,8 +118,8 @@ def test_a_client_refuses_frames_made_for_another_block_or_round() -> None:
             asyncio.run(client.push(block_id, round_, chunkframes.PushFrames.of(0, 2, b"payload")))
         with pytest.raises(CgxPsError, match="frames of block 0 round 2 pushed as block"):
             asyncio.run(client.exchange(block_id, round_, chunkframes.PushFrames.of(0, 2, b"payload")))
-    assert not client._unanswered  # refused before it was kept for a re-push
-    assert not client._waiting  # nor is a result awaited for it (it would fail unheard with the connection)
+    assert not client.stream._unanswered  # refused before it was kept for a re-push
+    assert not client.stream._waiting  # nor is a result awaited for it (it would fail unheard with the connection)
 
 
 pulls = st.builds(ps_pb2.PullChunk, round=u64, block_id=u32, total_bytes=u64, offset=u64, data=st.binary(max_size=300))

@@ -448,9 +448,9 @@ async def test_a_control_call_failing_after_the_connection_was_replaced_does_not
     attempts: list[int] = []
 
     async def fails_once_after_a_replacement() -> float:
-        attempts.append(client._generation)
+        attempts.append(client.stream.generation)
         if len(attempts) == 1:
-            client._generation += 2  # what a supervisor's drop-and-reopen did meanwhile
+            await client.reopen()  # what a supervisor's drop-and-reopen did meanwhile
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        "Socket closed")
         return 1.5
@@ -460,7 +460,7 @@ async def test_a_control_call_failing_after_the_connection_was_replaced_does_not
         assert await asyncio.wait_for(client._control("Probe", fails_once_after_a_replacement), 10) == 1.5
         assert attempts[1] == attempts[0] + 2  # the retry ran on the replacement, at once
         await asyncio.sleep(0.3)  # a wrongly set break would have started a recovery by now
-        assert not client._broken.is_set() and client.recoveries == 0 and client.error is None
+        assert await client.stream.wait_broken(0.01) is None and client.recoveries == 0 and client.error is None
     finally:
         await client.close()
 
@@ -524,14 +524,14 @@ def test_a_stream_that_ended_under_our_write_is_recovered_and_a_shard_error_is_f
     connection broke (recover, and retry a reconnect); a shard's own INTERNAL is final."""
     from cgx_ps.worker.shards.recovery import WRITE_FAILED_DETAILS, Fail, Recover, after_stream_end, connect_failure
 
-    assert isinstance(after_stream_end(grpc.StatusCode.INTERNAL, WRITE_FAILED_DETAILS, False), Recover)
-    assert connect_failure("s:1", grpc.StatusCode.INTERNAL, WRITE_FAILED_DETAILS) is None
+    assert isinstance(after_stream_end("INTERNAL", WRITE_FAILED_DETAILS, False), Recover)
+    assert connect_failure("s:1", "INTERNAL", WRITE_FAILED_DETAILS) is None
     shard_error = "shard error in Exchange: KeyError"
-    assert after_stream_end(grpc.StatusCode.INTERNAL, shard_error, False) == Fail(grpc.StatusCode.INTERNAL, shard_error)
-    assert connect_failure("s:1", grpc.StatusCode.INTERNAL, shard_error) is not None
+    assert after_stream_end("INTERNAL", shard_error, False) == Fail("INTERNAL", shard_error)
+    assert connect_failure("s:1", "INTERNAL", shard_error) is not None
     # a failed TLS handshake is final; a name lookup of a host called mtls-... is not a handshake
     handshake = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.7:7070: Ssl handshake " \
                 "failed: SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED"
-    assert connect_failure("s:1", grpc.StatusCode.UNAVAILABLE, handshake, tls=True) is not None
+    assert connect_failure("s:1", "UNAVAILABLE", handshake, tls=True) is not None
     lookup = "DNS resolution failed for mtls-shard-0.cgx-ps:7070: C-ares status is not ARES_SUCCESS"
-    assert connect_failure("s:1", grpc.StatusCode.UNAVAILABLE, lookup, tls=True) is None
+    assert connect_failure("s:1", "UNAVAILABLE", lookup, tls=True) is None

@@ -34,6 +34,7 @@ from cgx_ps.server.main import exposure_problem, exposure_warning
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker.shards.client import ShardClient
+from cgx_ps.worker.shards.exchange_stream import ExchangeStream
 from cgx_ps.worker.errors import ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from support import METADATA, SECURITY, TOKEN_FILE
@@ -714,11 +715,16 @@ def test_cgx_ps_cluster_makes_a_private_token(tmp_path):
 
 
 class _ScriptedResults:
-    """A shard's result stream reduced to what ShardClient reads from it: these chunks, then its end."""
+    """A shard's result stream reduced to what an ExchangeStream reads from it: these chunks, then its end."""
+
+    plane = "scripted"
 
     def __init__(self, chunks: list) -> None:
         self.chunks = chunks
         self.cancelled = False
+
+    async def write(self, frame: bytes) -> None:
+        pass  # the Hello: this shard reads nothing
 
     def __aiter__(self):
         return self._chunks()
@@ -756,10 +762,10 @@ async def test_a_shards_results_cannot_make_a_worker_hold_more_than_its_block(ch
     from cgx_ps.worker.errors import CgxPsError
 
     layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
-    client = ShardClient("127.0.0.1:1", "node-0", 1, layout, security=SECURITY)
+    client = ExchangeStream("127.0.0.1:1", layout, keep_results=False)
     result = client.expect(0, 1)
-    stream = client._call = _ScriptedResults(chunks)
-    await client._read_results(stream, client._generation)
+    stream = _ScriptedResults(chunks)
+    await client.attach(stream, b"hello")
     if problem is None:
         assert bytes(await asyncio.wait_for(result, 5)) == b"abcdefgh"
         return
@@ -772,7 +778,7 @@ async def test_results_nobody_waits_for_are_not_kept() -> None:
     """A result for a (block, round) this worker neither pushed nor expects (a shard's second
     copy after a repair, or junk) is dropped at once, not buffered until the stream ends."""
     layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=512))
-    client = ShardClient("127.0.0.1:1", "node-0", 1, layout, security=SECURITY)
+    client = ExchangeStream("127.0.0.1:1", layout, keep_results=False)
     result = client.expect(0, 1)
     kept = []
 
@@ -783,7 +789,7 @@ async def test_results_nobody_waits_for_are_not_kept() -> None:
                 kept.append(dict(client._incoming))
 
     stream = Watching([_chunk(round_, 8, 0, b"ab") for round_ in range(2, 50)] + [_chunk(1, 2, 0, b"ok")])
-    await client._read_results(stream, client._generation)
+    await client.attach(stream, b"hello")
     assert bytes(await asyncio.wait_for(result, 5)) == b"ok" and all(not incoming for incoming in kept)
 
 

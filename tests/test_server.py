@@ -268,7 +268,7 @@ async def test_reconnect_mid_round_gets_the_result_on_the_new_stream(shard: Shar
         while not shard.service.rounds_in_flight() or shard.service.pending_pushes:
             await asyncio.sleep(0.01)
         if shard_sees_the_drop_first:
-            a._call.cancel()
+            a.stream.drop()
             while ("node-0", 0) in shard.service.session.streams:
                 await asyncio.sleep(0.01)
         await a.reopen()

@@ -24,7 +24,7 @@ from cgx_ps.net.channel_options import CHUNK_BYTES
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker.shards.client import ShardClient, read_result
 from cgx_ps.worker.shards.raw_call import RawCall
-from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError
+from cgx_ps.worker.errors import RoundFailedError, ShardRejectedError, ShardUnavailableError, StreamEnded
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from support import METADATA, SECURITY, TOKEN_FILE, connect, until
 
@@ -94,6 +94,8 @@ async def final_status(call, timeout: float = 10) -> tuple[str, str]:
             return "OK", ""
         except grpc.aio.AioRpcError as e:
             return e.code().name, e.details()
+        except StreamEnded as e:  # the raw data plane's end
+            return e.code, e.details
     return await asyncio.wait_for(read_all(), timeout)
 
 

@@ -15,7 +15,7 @@ bytes equal ``SerializeToString``'s (tests/test_frames.py checks both messages).
 
 ``read_chunk`` reads them back without protobuf's copies (a parse copies the data once, and
 every read of ``chunk.data`` once more): the chunk's data is a view into the received bytes. The
-shard reads pushes with it (server/rpc/push_frames.py), a worker its results (worker/shards/client.py). It
+shard reads pushes with it (server/rpc/push_frames.py), a worker its results (worker/shards/exchange_call.py). It
 accepts only the shape our ends send (the outer message holding one chunk, each field at most
 once with its declared wire type) and leaves anything else (another kind of message, unknown or
 repeated fields, truncation, a varint of more than 10 bytes) to protobuf's parser, whose answer,

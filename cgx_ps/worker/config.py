@@ -43,7 +43,7 @@ from .errors import ConfigError
 __all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "SETTINGS", "dataplane_problem", "node_name"]
 
 INTRANODE_TRANSPORTS = ("auto", "shm", "cuda")
-DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/shards/raw_call.py decides with it)
+DATAPLANES = ("auto", "grpc", "raw")  # CGX_PS_DATAPLANE (worker/shards/dataplane.py decides with it)
 
 
 # Every number read from the environment, checked where it is read (envparse.Bounds), so the
@@ -106,7 +106,7 @@ class WorkerConfig:
     codec_threads: int = 0
     # how to reach the shards: job token, TLS (docs/security.md)
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
-    # the Exchange stream's transport: "auto", "grpc" or "raw" (worker/shards/raw_call.py)
+    # the Exchange stream's transport: "auto", "grpc" or "raw" (worker/shards/dataplane.py)
     dataplane: str = "auto"
 
     def __post_init__(self) -> None:

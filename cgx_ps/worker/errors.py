@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["CgxPsError", "ShardUnavailableError", "ShardRejectedError", "RoundFailedError",
            "ConfigError", "CollectiveStalledError", "IntraNodeError", "BroadcastError", "BlobFormatError",
-           "CheckpointError", "StepAbandoned"]
+           "CheckpointError", "StepAbandoned", "StreamEnded"]
 
 
 class CgxPsError(RuntimeError):
@@ -33,6 +33,18 @@ class RoundFailedError(CgxPsError):
     def __init__(self, address: str, message: str, missing_nodes: tuple[str, ...] = ()) -> None:
         super().__init__(f"round failed on shard {address}: {message}")
         self.address, self.missing_nodes = address, missing_nodes
+
+
+class StreamEnded(CgxPsError):
+    """An Exchange stream ended, on either data plane (worker/shards/exchange_call.py): ``code`` is
+    the name of a ``grpc.StatusCode`` (the shard's status, UNAVAILABLE when the connection broke,
+    CANCELLED when the worker cancelled the stream), ``details`` its words. The connection's
+    supervisor decides from it whether to repair the stream (recovery.py); it does not reach
+    training code, which sees the error that ends the job instead."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code, self.details = code, details
 
 
 class CollectiveStalledError(CgxPsError):

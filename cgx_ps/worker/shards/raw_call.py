@@ -1,82 +1,33 @@
 """A worker's side of the raw data plane (the shard's: server/rpc/raw_listener.py; the wire:
-cgx_ps/net/raw_frames.py): which transport a shard's Exchange stream takes, and the stream itself.
+cgx_ps/net/raw_frames.py): ``RawCall``, one Exchange stream over a data plane connection, an
+``ExchangeCall`` (exchange_call.py) as the gRPC stream is. Which of the two a shard's stream
+takes: dataplane.py.
 
-* ``decide_dataplane``: the raw plane when the shard advertises a data port (RegisterResponse)
-  and the worker does not use TLS (the plane is plaintext, and under TLS it saves nothing), else
-  gRPC. A pure function of its inputs, as ``gpu_setup.decide_transport``.
-* ``falls_back_to_grpc``: under auto, whether a data port that cannot be reached sends the
-  stream to gRPC (the shard has just answered Register: the network's doing) or is the shard's
-  failure (a stream that broke mid-run: recovery's), also a pure function.
-* ``RawCall``: one Exchange stream over a data plane connection, shaped as the grpc.aio call
-  ``ShardClient`` uses (``write``, ``cancel``, async iteration over the results). Its end is an
-  ``AioRpcError`` with the shard's status, and a connection that breaks (reset, EOF without a
-  status) is UNAVAILABLE, so recovery.py's decisions apply to it as they are.
+A connection that breaks (a reset, EOF without a status) ends the stream with StreamEnded
+UNAVAILABLE, as gRPC's transport does; the shard's status frame, with the shard's code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
 from ...net.addresses import host_port
 from ...net.raw_frames import (MAX_CHALLENGE, MAX_FRAME, Frame, FrameReader, FrameTooLarge, frame_header, opening,
                                parse_challenge, parse_status, preface, proof, set_stream_options)
-from ..config import DATAPLANES, dataplane_problem
-from ..errors import ConfigError
+from ..errors import StreamEnded
 
-__all__ = ["DATAPLANES", "DataplaneChoice", "RawCall", "decide_dataplane", "falls_back_to_grpc"]
+__all__ = ["CONNECT_TIMEOUT_S", "RawCall"]
 
 CONNECT_TIMEOUT_S = 5.0  # a data port that does not answer by then is unreachable (auto: gRPC instead)
 
 
-@dataclass(frozen=True)
-class DataplaneChoice:
-    """How a shard's Exchange stream travels, and what to tell the user about it."""
-
-    plane: str  # "grpc" or "raw"
-    warning: str = ""  # one log line when the choice is not what might be expected
-
-
-def decide_dataplane(requested: str, advertised_port: int, tls: bool, shard: str = "") -> DataplaneChoice:
-    """The transport for the Exchange stream to ``shard``; ``requested``: CGX_PS_DATAPLANE,
-    ``advertised_port``: the shard's RegisterResponse.data_port (0: none), ``tls``: this worker
-    reaches the shards over TLS. Raises ConfigError where ``raw`` cannot be had."""
-    problem = dataplane_problem(requested, tls)
-    if problem is not None:
-        raise ConfigError(f"{problem} (shard {shard})")
-    if requested == "grpc":
-        return DataplaneChoice("grpc")
-    if requested == "raw" and not advertised_port:
-        raise ConfigError(f"CGX_PS_DATAPLANE=raw, but shard {shard} advertises no data port: start it with "
-                          f"--data-port (CGX_PS_DATA_PORT), or use CGX_PS_DATAPLANE=auto")
-    if not advertised_port:
-        return DataplaneChoice("grpc")
-    if tls:
-        return DataplaneChoice("grpc", f"shard {shard} advertises a plaintext data port, but this worker uses "
-                                       f"TLS: its Exchange stream stays on gRPC")
-    return DataplaneChoice("raw")
-
-
-def falls_back_to_grpc(requested: str, just_registered: bool) -> bool:
-    """Under CGX_PS_DATAPLANE=``requested``, does a raw data plane connection that failed send the
-    stream to gRPC? Only under auto, and only right after the shard answered Register (a first
-    connect, or a rejoin of a restarted shard, which may listen on a new port): a port that cannot
-    be reached then is a firewall, a NetworkPolicy or a port-forward of the gRPC port alone. On a
-    stream repaired without a new Register (the plane worked for this registration), it is the
-    shard's failure, which recovery retries; under raw, it always is."""
-    return requested == "auto" and just_registered
-
-
-def _unavailable(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-
-
 class _FrameSocket:
-    """Frames on a non-blocking socket, through the running loop's sock_* calls."""
+    """Frames on a non-blocking socket, through the running loop's sock_* calls; received in
+    place by the raw plane's one decoder (net/raw_frames.py's FrameReader), as the shard reads them."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -110,17 +61,17 @@ class _FrameSocket:
                 self.sock.close()
 
     async def read(self, limit: int = MAX_FRAME) -> Frame | None:
-        """The next frame (the shared sans-IO reader's); None at EOF between frames."""
-        reader = self._reader
-        reader.limit = limit  # a shard sends none larger: refused on its header, before it is allocated
+        """The next frame; None at EOF between frames. A frame over ``limit`` (a shard sends none)
+        is refused on its header, before it is allocated."""
+        self._reader.limit = limit
         while True:
-            n = await self._io(self.loop.sock_recv_into(self.sock, reader.buffer()))
+            n = await self._io(self.loop.sock_recv_into(self.sock, self._reader.buffer()))
             if n == 0:
-                if reader.started:
+                if self._reader.started:
                     raise ConnectionResetError("connection closed inside a frame")
                 return None
             try:
-                frame = reader.advance(n)
+                frame = self._reader.advance(n)
             except FrameTooLarge as exc:
                 raise ConnectionResetError(f"{exc}, from the shard") from None
             if frame is not None:
@@ -166,31 +117,33 @@ def _connect_problem(error: OSError, timeout_s: float, connected: bool) -> str:
     return str(error) or type(error).__name__
 
 
-def _shard_status(body: bytes | memoryview) -> grpc.aio.AioRpcError:
-    """A status frame as the error of a gRPC call that ended with it."""
+def _shard_status(body: bytes | memoryview) -> StreamEnded:
+    """A status frame as the end of the stream it ends."""
     name, details = parse_status(body)
-    code = grpc.StatusCode.__members__.get(name)
-    if code is None:  # no status a shard writes: say what came, not an empty UNKNOWN
-        code, details = grpc.StatusCode.UNKNOWN, f"malformed status from the shard: {name[:40]!r} {details}"
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    if name not in grpc.StatusCode.__members__:  # no status a shard writes: say what came, not an empty UNKNOWN
+        name, details = "UNKNOWN", f"malformed status from the shard: {name[:40]!r} {details}"
+    return StreamEnded(name, details)
 
 
 class RawCall:
-    """One Exchange stream over a data plane connection, as ShardClient uses a grpc.aio call."""
+    """One Exchange stream over a data plane connection (an ExchangeCall: exchange_call.py)."""
 
-    def __init__(self, frames: _FrameSocket, read_message: Any) -> None:
+    plane = "raw"
+
+    def __init__(self, frames: _FrameSocket, read_message: Callable[[bytes | memoryview], Any]) -> None:
         self._frames = frames
         self._read_message = read_message
+        self._end: tuple[str, str] | None = None  # how the stream ended, once it has: later writes raise it
 
     @classmethod
-    async def open(cls, host: str, port: int, token: bytes, read_message: Any,
+    async def open(cls, host: str, port: int, token: bytes, read_message: Callable[[bytes | memoryview], Any],
                    connect_timeout_s: float = CONNECT_TIMEOUT_S) -> "RawCall":
         """Connect and do the handshake (net/raw_frames.py): the opening, the shard's challenge, the
         preface with the proof of ``token``; ``read_message`` reads a result frame
-        (client.read_result). Raises an UNAVAILABLE AioRpcError when the port cannot be reached,
-        or what answers is no cgx-ps shard, within ``connect_timeout_s`` (a firewall that drops
-        packets would hold a connect for minutes), before anything of the token is sent; the
-        shard's own status when it refuses the opening (another framing version)."""
+        (exchange_call.read_result). Raises StreamEnded UNAVAILABLE when the port cannot be
+        reached, or what answers is no cgx-ps shard, within ``connect_timeout_s`` (a firewall
+        that drops packets would hold a connect for minutes), before anything of the token is
+        sent; the shard's own status when it refuses the opening (another framing version)."""
         where = f"data plane {host_port(host, port)}"
         sock, call = None, None
         try:
@@ -201,14 +154,15 @@ class RawCall:
                 await call._frames.write(opening())
                 nonce = await call._challenge(where)
             await call._frames.write(preface(proof(token, nonce)))
-        except (OSError, grpc.aio.AioRpcError) as exc:  # TimeoutError among the OSErrors
+        except (OSError, StreamEnded) as exc:  # TimeoutError among the OSErrors
             if call is not None:
                 call.cancel()
             elif sock is not None:
                 sock.close()
-            if isinstance(exc, grpc.aio.AioRpcError):
+            if isinstance(exc, StreamEnded):
                 raise
-            raise _unavailable(f"{where}: {_connect_problem(exc, connect_timeout_s, call is not None)}") from None
+            raise StreamEnded("UNAVAILABLE", f"{where}: {_connect_problem(exc, connect_timeout_s, call is not None)}") \
+                from None
         return call
 
     async def _challenge(self, where: str) -> bytes:
@@ -218,33 +172,43 @@ class RawCall:
         try:
             frame = await self._frames.read(MAX_CHALLENGE)
         except ConnectionResetError as exc:
-            raise _unavailable(f"{where}: not a cgx-ps shard's challenge: {exc}") from None
+            raise StreamEnded("UNAVAILABLE", f"{where}: not a cgx-ps shard's challenge: {exc}") from None
         if frame is None:
-            raise _unavailable(f"{where}: the connection closed before the shard's challenge")
-        status, body = frame
-        if status:
-            raise _shard_status(body)
-        challenge = parse_challenge(body)
+            raise StreamEnded("UNAVAILABLE", f"{where}: the connection closed before the shard's challenge")
+        if frame.status:
+            raise _shard_status(frame.body)
+        challenge = parse_challenge(frame.body)
         if challenge.problem:
-            raise _unavailable(f"{where}: {challenge.problem}")
+            raise StreamEnded("UNAVAILABLE", f"{where}: {challenge.problem}")
         return challenge.nonce
 
-    async def write(self, frame: Any) -> None:
+    def _ended(self, code: str, details: str) -> StreamEnded:
+        """The stream's end, kept for the writes after it; the first end stays (a cancel is not
+        overwritten by the broken read it causes)."""
+        if self._end is None:
+            self._end = (code, details)
+        return StreamEnded(*self._end)
+
+    async def write(self, frame: bytes | memoryview) -> None:
+        if self._end is not None:
+            raise StreamEnded(*self._end)
         try:
             await self._frames.write(frame)
         except OSError as exc:
-            raise _unavailable(f"data plane stream closed: {exc}") from None
+            raise self._ended("UNAVAILABLE", f"data plane stream closed: {exc}") from None
 
     def cancel(self) -> None:
         """End the stream, as a grpc.aio call's cancel does: a write or read under way fails."""
+        self._ended("CANCELLED", "the worker cancelled the stream")
         self._frames.shut()
 
     def _parsed(self, body: bytes | memoryview) -> Any:
         try:
             return self._read_message(body)
-        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and kin: as a gRPC deserializer's failure
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       f"malformed message from the shard: {type(exc).__name__}") from None
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and kin: nothing after it can be read
+            ended = self._ended("INTERNAL", f"malformed message from the shard: {type(exc).__name__}")
+            self._frames.shut()
+            raise ended from None
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._results()
@@ -252,13 +216,14 @@ class RawCall:
     async def _results(self) -> AsyncIterator[Any]:
         try:
             while (frame := await self._frames.read()) is not None:
-                status, body = frame
-                if not status:
-                    yield self._parsed(body)
+                if not frame.status:
+                    yield self._parsed(frame.body)
                     continue
-                if parse_status(body)[0] == "OK":
-                    return  # the stream's clean end, as a gRPC call's OK status
-                raise _shard_status(body)
+                ended = _shard_status(frame.body)
+                if ended.code == "OK":  # the stream's clean end, as a gRPC call's OK status
+                    self._ended("UNAVAILABLE", "the shard ended the stream")
+                    return
+                raise self._ended(ended.code, ended.details)
         except OSError as exc:
-            raise _unavailable(f"data plane stream broke: {exc}") from None
-        raise _unavailable("data plane connection closed without a status")  # the shard died or was cut off
+            raise self._ended("UNAVAILABLE", f"data plane stream broke: {exc}") from None
+        raise self._ended("UNAVAILABLE", "data plane connection closed without a status")  # the shard died or was cut off

@@ -1,6 +1,8 @@
 """What a worker does when its connection to a shard breaks: the decisions, as pure functions.
 
-``ShardClient`` (client.py, supervisor.py) carries them out. The decisions, in the order they
+``ShardClient``'s supervisor (supervisor.py) and its exchange stream (exchange_stream.py) carry
+them out. They read a status as the name of a ``grpc.StatusCode``: a control call's, or the
+``StreamEnded`` of an Exchange stream on either data plane (exchange_call.py). The decisions, in the order they
 come up:
 
 0. Connecting or reconnecting fails: ``connect_failure`` says whether to try again (the shard
@@ -30,8 +32,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import grpc
-
 from ..errors import CgxPsError, ShardRejectedError
 
 __all__ = ["Backoff", "Fail", "HUNG_GRACE_S", "LIVENESS_TIMEOUT_S", "Recover", "Rejoin", "Reopen", "SLOW_LIMIT",
@@ -45,7 +45,7 @@ HUNG_GRACE_S = 5.0
 LIVENESS_TIMEOUT_S = 2.0
 SLOW_LIMIT = 3.0
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_RETRYABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
 # The status grpc.aio gives a call when one of our writes fails because the connection broke under
 # it (the shard died, the connection was reset): the write's failure replaces the transport's
 # UNAVAILABLE (grpc/grpc#34148, #36066), and the stream's reader sees this INTERNAL instead. It is
@@ -66,36 +66,37 @@ _BAD_CLIENT_KEY_MARKER = "failed to create security handshaker"
 _CLOSED_MARKER = "socket closed"
 
 
-def connect_failure(address: str, code: grpc.StatusCode, details: str, tls: bool = False) -> CgxPsError | None:
+def connect_failure(address: str, code: str, details: str, tls: bool = False) -> CgxPsError | None:
     """The error that ends connecting to a shard, or None when the failure may pass (retry);
-    ``tls``: the channel uses TLS (only then can a failure be a handshake's)."""
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return ShardRejectedError(address, code.name, f"{details} (check CGX_PS_TOKEN_FILE: the shards and "
+    ``code``: a grpc.StatusCode's name; ``tls``: the channel uses TLS (only then can a failure be
+    a handshake's)."""
+    if code == "UNAUTHENTICATED":
+        return ShardRejectedError(address, code, f"{details} (check CGX_PS_TOKEN_FILE: the shards and "
                                                       f"workers of a job must use the same token)")
     lowered = details.lower()
-    if tls and code == grpc.StatusCode.UNAVAILABLE and _WRONG_NAME_MARKER in lowered:
+    if tls and code == "UNAVAILABLE" and _WRONG_NAME_MARKER in lowered:
         return ShardRejectedError(address, "TLS", f"the shard's certificate does not name the host this worker "
                                                   f"dials: {details} (check CGX_PS_TLS_SERVER_NAME, or unset it to "
                                                   f"check the host of CGX_PS_SERVERS)")
-    if tls and code == grpc.StatusCode.UNAVAILABLE and _BAD_CLIENT_KEY_MARKER in lowered:
+    if tls and code == "UNAVAILABLE" and _BAD_CLIENT_KEY_MARKER in lowered:
         return ShardRejectedError(address, "TLS", f"this worker's TLS client credentials cannot be used: {details} "
                                                   f"(check that CGX_PS_TLS_KEY is the key of CGX_PS_TLS_CERT)")
-    if tls and code == grpc.StatusCode.UNAVAILABLE and any(m in lowered for m in _TLS_FAILURE_MARKERS):
+    if tls and code == "UNAVAILABLE" and any(m in lowered for m in _TLS_FAILURE_MARKERS):
         return ShardRejectedError(address, "TLS", f"the TLS handshake failed: {details} (check CGX_PS_TLS_CA, "
                                                   f"CGX_PS_TLS_CERT/KEY and CGX_PS_TLS_SERVER_NAME)")
     if code not in _RETRYABLE and not broke_under_write(code, details):
-        return ShardRejectedError(address, code.name, details)
+        return ShardRejectedError(address, code, details)
     return None
 
 
-def closed_while_connecting(code: grpc.StatusCode, details: str) -> bool:
+def closed_while_connecting(code: str, details: str) -> bool:
     """Did the shard close the connection before HTTP/2 began (worth a TLS probe, shards/tls_probe.py)?"""
-    return code == grpc.StatusCode.UNAVAILABLE and details.lower().endswith(_CLOSED_MARKER)
+    return code == "UNAVAILABLE" and details.lower().endswith(_CLOSED_MARKER)
 
 
-def broke_under_write(code: grpc.StatusCode | None, details: str) -> bool:
+def broke_under_write(code: str | None, details: str) -> bool:
     """Did a call end because the connection broke while we wrote to it (not by the shard's word)?"""
-    return code == grpc.StatusCode.INTERNAL and details == WRITE_FAILED_DETAILS
+    return code == "INTERNAL" and details == WRITE_FAILED_DETAILS
 
 
 @dataclass(frozen=True)
@@ -105,23 +106,23 @@ class Recover:
 
 @dataclass(frozen=True)
 class Fail:
-    code: grpc.StatusCode
+    code: str  # a grpc.StatusCode's name
     details: str
 
 
-def after_stream_end(code: grpc.StatusCode | None, details: str, closing: bool) -> Recover | Fail | None:
-    """What a stream's end means. ``code`` None: it ended without a status (clean EOF);
-    ``closing``: we are closing it ourselves (then None: nothing to do)."""
+def after_stream_end(code: str | None, details: str, closing: bool) -> Recover | Fail | None:
+    """What a stream's end means. ``code``: its StreamEnded's, None when it ended without an
+    error (the shard's clean end); ``closing``: we are closing it ourselves (then None: nothing to do)."""
     if closing:
         return None
     if code is None:
         return Recover("the shard closed the stream")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+    if code in ("UNAVAILABLE", "CANCELLED"):
         # UNAVAILABLE: the shard died, drains for a restart, or the connection dropped. CANCELLED
         # without our asking: the transport gave up on the call (a reset connection).
-        return Recover(f"{code.name}: {details}")
+        return Recover(f"{code}: {details}")
     if broke_under_write(code, details):
-        return Recover(f"the connection broke while pushing ({code.name}: {details})")
+        return Recover(f"the connection broke while pushing ({code}: {details})")
     return Fail(code, details)  # ABORTED (a failed round, a reset session) and refusals are final
 
 
