@@ -37,7 +37,9 @@ from cgx_ps.net.raw_frames import (MAX_FRAME, MAX_HELLO, challenge, frame_header
                               parse_status, preface, proof, split_header)
 from cgx_ps.net.security import ChannelSecurity, read_token
 from cgx_ps.server import ShardServer
-from cgx_ps.server.rpc.raw_listener import DataPlane, peer_name, presented_token
+from cgx_ps.server.rpc.raw_connection import peer_name
+from cgx_ps.server.rpc.raw_listener import DataPlane
+from cgx_ps.server.rpc.raw_stream import presented_token
 from cgx_ps.server.rpc.gate import MAX_DETAILS_CHARS, STATUS_CODES
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.shards.client import ShardClient, read_result

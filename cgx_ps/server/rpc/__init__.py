@@ -1,2 +1,3 @@
-"""A shard's wire: the gate on every call (token, parsing, status codes), the ParameterServer servicer,
-the Status RPC, the raw data plane's listener and server TLS."""
+"""A shard's wire: the gate on every call (token, parsing, status codes), the ParameterServer servicer
+and the stream context both planes hand it, the Status RPC, the raw data plane (its listener, a
+connection's frames, a stream's handshake and context) and server TLS."""

@@ -30,6 +30,7 @@ from ...v1 import ps_pb2
 from ...rate_limited_log import RateLimitedLog
 from ..errors import (AlreadyExists, BadRequest, Busy, Conflict, Forbidden, InternalError, LimitExceeded, NotMember,
                       ProtocolError, SessionEnded, ShuttingDown, StreamAborted, TimedOut, Unauthenticated, WrongRound)
+from .stream_context import GrpcContext, StreamContext, StreamEnded
 
 __all__ = ["MAX_DETAILS_CHARS", "SERVICE_NAME", "STATUS_CODES", "Gate", "add_parameter_server",
            "add_wrong_port_answer", "clip", "grpc_status", "read_message", "parse_message"]
@@ -89,7 +90,7 @@ def parse_message(cls: type[M], raw: bytes) -> M:
     return message
 
 
-async def read_message(context: grpc.aio.ServicerContext, cls: type[M]) -> M | Any:
+async def read_message(context: StreamContext, cls: type[M]) -> M | Any:
     """The next message of a client stream, parsed (or grpc.aio.EOF)."""
     raw = await context.read()
     if raw is grpc.aio.EOF:
@@ -97,7 +98,7 @@ async def read_message(context: grpc.aio.ServicerContext, cls: type[M]) -> M | A
     return parse_message(cls, raw)
 
 
-async def discard_rest(context: grpc.aio.ServicerContext, timeout_s: float) -> None:
+async def discard_rest(context: StreamContext, timeout_s: float) -> None:
     """Read and drop what is left of a client stream, until its end or ``timeout_s``, before a
     refusal: a grpc.aio client still writing when the call ends is told INTERNAL "Internal error
     from Core" instead of the refusal (grpc/grpc#36066). Raw messages, one at a time: nothing is
@@ -120,24 +121,23 @@ Handler = Callable[..., Awaitable[Any]]
 
 class Gate:
     """Token, draining and error mapping around every method of the service (and around the raw
-    data plane's Exchange streams: server/rpc/raw_listener.py passes them through ``run`` too)."""
+    data plane's Exchange streams: server/rpc/raw_stream.py passes them through ``run`` too)."""
 
     def __init__(self, service: Any, token: bytes | None) -> None:
         self.service = service
         self.token = token
         self.log = RateLimitedLog(log)
 
-    def refusal(self, method: str, context: grpc.aio.ServicerContext) -> ProtocolError | None:
+    def refusal(self, method: str, context: StreamContext) -> ProtocolError | None:
         """Why a call may not proceed (before its body is read), or None."""
         if self.token is not None and not bearer_matches(context.invocation_metadata(), self.token):
-            # named as the caller presents it: a raw data plane stream proves it (dataplane.py)
-            how = getattr(context, "token_presented_as", "authorization: Bearer ...")
-            return Unauthenticated(f"missing or wrong job token ({how})")
+            # named as the caller presents it: a raw data plane stream proves it (raw_stream.py)
+            return Unauthenticated(f"missing or wrong job token ({context.token_presented_as})")
         if self.service.draining and method not in ("Exchange", "Status"):
             return ShuttingDown("shard is shutting down")
         return None
 
-    async def run(self, method: str, context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[Any]]) -> Any:
+    async def run(self, method: str, context: StreamContext, call: Callable[[], Awaitable[Any]]) -> Any:
         refused = self.refusal(method, context)
         if refused is not None:
             self.log.warning(f"refused:{method}", "%s refused from %s: %s", method, context.peer(), refused.message)
@@ -150,7 +150,7 @@ class Gate:
         except ProtocolError as exc:
             code, message = grpc_status(exc)
             self.log.warning(f"rejected:{method}", "%s from %s: %s: %s", method, context.peer(), code.name, message)
-        except (asyncio.CancelledError, grpc.aio.AbortError, _ExecuteBatchError):
+        except (asyncio.CancelledError, grpc.aio.AbortError, StreamEnded, _ExecuteBatchError):
             # the client went away, or the service aborted with its own status; an abort that
             # failed because the client is gone must not be answered by a second abort (gRPC
             # logs "Abort already called!" with a traceback for that)
@@ -177,7 +177,8 @@ def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | N
         return message if isinstance(message, bytes) else message.SerializeToString()
 
     def unary(method: str, request_cls: type[Message], target: Any = service) -> Handler:
-        async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def handler(raw: bytes, servicer_context: grpc.aio.ServicerContext) -> Any:
+            context = GrpcContext(servicer_context)
             return await gate.run(method, context,
                                   lambda: getattr(target, method)(parse_message(request_cls, raw), context))
         return handler
@@ -185,7 +186,8 @@ def add_parameter_server(server: grpc.aio.Server, service: Any, token: bytes | N
     def streaming(method: str) -> Handler:
         # The service reads its own messages (read_message), so a stream can be refused
         # before its first message is read.
-        async def handler(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def handler(request_iterator: Any, servicer_context: grpc.aio.ServicerContext) -> Any:
+            context = GrpcContext(servicer_context)
             return await gate.run(method, context, lambda: getattr(service, method)(context))
         return handler
 

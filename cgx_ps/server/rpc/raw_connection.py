@@ -1,6 +1,15 @@
-"""One raw data plane connection, as the shard's asyncio BufferedProtocol: its frames (read in
-place by the shared ``FrameReader``, one at a time, each within the frame timeout), its writes
-and its close. The listener (raw_listener.py) admits it and serves its stream."""
+"""One data plane connection on the shard: an asyncio BufferedProtocol that the transport fills
+with frames (``FrameReader``, net/raw_frames.py, decodes them in place: no copy in Python), and
+the ``FrameStream`` (raw_stream.py) its handler reads and writes. The listener (raw_listener.py)
+admits it, serves it, and forgets it when it closes.
+
+What it adds to the framing, against a hostile network (raw_listener.py's docstring lists the
+rest): reading pauses after each whole frame until the handler asks for the next, so a stream
+holds at most one unread frame and the push budget's backpressure reaches TCP; a frame, once its
+first byte is in, must be whole within the listener's ``frame_timeout_s``; a stream's status
+frame never waits for its peer to read, and a closed connection whose peer does not take its last
+bytes is aborted ``linger_s`` later; a peer that goes away cancels its handler.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +18,25 @@ import ipaddress
 from typing import TYPE_CHECKING, Any
 
 from ...net.addresses import host_port
-from ...net.raw_frames import MAX_PREFACE, FrameReader, FrameTooLarge, frame_header, set_stream_options
+from ...net.raw_frames import MAX_PREFACE, Frame, FrameReader, FrameTooLarge, frame_header, set_stream_options
 from ..errors import BadRequest, TimedOut
 
 if TYPE_CHECKING:
     from .raw_listener import DataPlane
 
-__all__ = ["Connection", "peer_name"]
+__all__ = ["FrameConnection", "peer_name"]
 
 
-class Connection(asyncio.BufferedProtocol):
-    """One connection's frames. The transport fills the frame's own buffer (no copy in Python);
-    reading pauses after each whole frame until ``read`` asks for the next. Complete frames,
-    EOF (None) or an error wait in ``_frames`` for the handler."""
+class FrameConnection(asyncio.BufferedProtocol):
+    """One connection's frames. Complete frames, EOF (None) or an error wait in ``_frames`` for
+    the handler (``read``)."""
 
     def __init__(self, plane: "DataPlane") -> None:
         self.plane = plane
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
         self.task: asyncio.Task | None = None
-        self._reader = FrameReader(MAX_PREFACE)  # the handshake's limit until the handler asks for more
+        self._reader = FrameReader(MAX_PREFACE)
         self._deadline: asyncio.TimerHandle | None = None  # the frame under way must be whole by then
         self._failed: Exception | None = None  # what broke the framing: every later read raises it
         self._frames: asyncio.Queue = asyncio.Queue()
@@ -66,7 +74,7 @@ class Connection(asyncio.BufferedProtocol):
         if frame is not None:
             self._deliver(frame)
 
-    def _deliver(self, item: Any) -> None:
+    def _deliver(self, item: Frame | Exception | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -82,10 +90,9 @@ class Connection(asyncio.BufferedProtocol):
         self._deliver(TimedOut(f"a frame was not complete {self.plane.frame_timeout_s:g}s after its first byte"))
 
     def eof_received(self) -> bool:
-        partial = self._reader.started
         # the client's fault, as a malformed message is (a ConnectionResetError would reach the gate
         # as an unexpected error: INTERNAL, and a log line saying so)
-        self._deliver(BadRequest("the connection closed inside a frame") if partial else None)
+        self._deliver(BadRequest("the connection closed inside a frame") if self._reader.started else None)
         return True  # half-closed: results due may still be written
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -107,9 +114,9 @@ class Connection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._writable.set()
 
-    # ---- the handler's side ----------------------------------------------------------------------
+    # ---- the handler's side (raw_stream.FrameStream) ---------------------------------------------
 
-    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
+    async def read(self, limit: int) -> Frame | None:
         """(is a status frame, body) of the next frame; None at EOF between frames."""
         if self._frames.empty() and self._failed is not None:
             raise self._failed

@@ -8,7 +8,9 @@ session (session.py), the blob store (blobs.py) or the codec schedule (aggregato
     PutBlob, GetBlob, SetCodecs, Probe
 
 A bad push ends only that member's stream, with the status errors.py and rpc.STATUS_CODES give
-it; nothing it sent has touched any accumulator.
+it; nothing it sent has touched any accumulator. Every call comes through a ``StreamContext``
+(stream_context.py): an Exchange stream from the gRPC port or the raw data plane is served by the
+same code.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import logging
 import secrets
 import time
 from concurrent.futures import Executor
-
-import grpc
 
 from ... import __version__
 from ...net.channel_options import chunks
@@ -37,6 +37,7 @@ from ...rate_limited_log import RateLimitedLog
 from .gate import discard_rest, grpc_status, read_message
 from ..session.job_session import Session
 from ..session.outbound import NodeStream
+from .stream_context import EOF, StreamContext
 
 __all__ = ["ParameterServerService"]
 
@@ -74,7 +75,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     # ---- Register -------------------------------------------------------------------------------
 
-    async def Register(self, request: ps_pb2.RegisterRequest, context: grpc.aio.ServicerContext
+    async def Register(self, request: ps_pb2.RegisterRequest, context: StreamContext
                        ) -> ps_pb2.RegisterResponse:
         digest = check_registration(request, self.config)
         match admit(self.session, request, in_flight=self.rounds_in_flight(), now=time.monotonic(),
@@ -110,22 +111,22 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     # ---- Exchange -------------------------------------------------------------------------------
 
-    async def Exchange(self, context: grpc.aio.ServicerContext, plane: str = "grpc") -> None:  # noqa: N802
-        """One node's stream; ``plane``: how it came (metrics.PLANES: the gRPC port, or the raw data plane)."""
+    async def Exchange(self, context: StreamContext) -> None:  # noqa: N802
+        """One node's stream, from the gRPC port or the raw data plane (``context.plane``)."""
         first = await _first_message(context, ps_pb2.ExchangeRequest)
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "hello":
+        if first is EOF or first.WhichOneof("kind") != "hello":
             raise BadRequest("the first message must be a Hello")
         session = self._session_of(first.hello)
         stream = session.open_stream(first.hello.node_id, first.hello.member)
         self.metrics.connected_nodes.inc()
-        self.metrics.exchange_streams[plane].inc()
+        self.metrics.exchange_streams[context.plane].inc()
         reader = asyncio.create_task(self._read_pushes(context, session, stream))
         try:
             await stream.write_results(context.write, self.config.round_timeout_s)
         finally:
             reader.cancel()
             self.metrics.connected_nodes.dec()
-            self.metrics.exchange_streams[plane].dec()
+            self.metrics.exchange_streams[context.plane].dec()
             session.close_stream(stream)
         if stream.error is not None:
             await context.abort(*grpc_status(stream.error))
@@ -147,7 +148,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise SessionEnded(f"session failed: {session.failed.message}")
         return session
 
-    async def _read_pushes(self, context: grpc.aio.ServicerContext, session: Session, stream: NodeStream) -> None:
+    async def _read_pushes(self, context: StreamContext, session: Session, stream: NodeStream) -> None:
         assembler = PushAssembler(self.inflight, self.config.round_timeout_s,
                                   track=f"{stream.node_id}/{stream.member} receive")
         cancelled = False
@@ -159,14 +160,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise
         except ProtocolError as exc:
             stream.fail(self._rejected(stream, exc))  # the first cause ("replaced by a newer stream") stands
-        except grpc.aio.AioRpcError:
-            pass  # the client went away; nothing to tell it
         except ConnectionError as exc:
-            # the raw data plane's peer is gone (reset, keepalive timeout, ...: dataplane.py gives
-            # every way one ConnectionResetError): an event of the network, not of the shard, and
-            # nothing can reach the client any more. gRPC's own reads never raise it: a lost gRPC
-            # call ends as a cancellation. (Not OSError: a TimeoutError is one.)
-            self.lost_log.warning("lost:Exchange", "node %s: data plane connection lost: %s", stream.node_id,
+            # the client is gone and the context's read noticed first (stream_context.py: on the
+            # raw data plane, every way a peer goes is one ConnectionResetError): an event of the
+            # network, not of the shard, and nothing can reach the client any more. (Not OSError:
+            # a TimeoutError is one.)
+            self.lost_log.warning("lost:Exchange", "node %s: %s lost: %s", stream.node_id, context.lost_as,
                                   exc.strerror or exc)
         except Exception as exc:  # noqa: BLE001 - never leave the writer waiting forever
             log.exception("node %s: unexpected error reading pushes", stream.node_id)
@@ -181,7 +180,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             # a client half-closes only when it has everything it waits for)
             stream.stop()
 
-    async def _read_push(self, context: grpc.aio.ServicerContext, session: Session, stream: NodeStream,
+    async def _read_push(self, context: StreamContext, session: Session, stream: NodeStream,
                          assembler: PushAssembler) -> bool:
         """Read the stream's next message and act on it; False at the stream's end.
 
@@ -191,7 +190,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         next message, which may come a whole step later: per idle stream up to a block and a
         message outside the push budget, whose bytes the push task had already given back."""
         raw = await assembler.next_message(context.read)
-        if raw is grpc.aio.EOF:
+        if raw is EOF:
             return False
         chunk = read_push(raw)
         self._check_push(session, chunk)
@@ -246,9 +245,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                             f"session (register first; a session's blobs and settings are its members' alone)")
         return session
 
-    async def PutBlob(self, context: grpc.aio.ServicerContext) -> ps_pb2.PutBlobResponse:
+    async def PutBlob(self, context: StreamContext) -> ps_pb2.PutBlobResponse:
         first = await _first_message(context, ps_pb2.BlobChunk)
-        if first is grpc.aio.EOF:
+        if first is EOF:
             raise BadRequest("PutBlob stream carried no chunk")
         refused = await self._put_blob_or_refusal(first, context)
         del first  # up to one message: nothing of the upload is held while the rest is drained
@@ -262,7 +261,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             await discard_rest(context, self.config.round_timeout_s)
         raise refused
 
-    async def _put_blob_or_refusal(self, first: ps_pb2.BlobChunk, context: grpc.aio.ServicerContext
+    async def _put_blob_or_refusal(self, first: ps_pb2.BlobChunk, context: StreamContext
                                    ) -> ProtocolError | None:
         """Store the blob, or say why not. The refusal comes without its traceback: that would
         keep the frames of the failed upload, and so its buffer (up to the store's capacity,
@@ -273,12 +272,12 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         except ProtocolError as exc:
             return without_tracebacks(exc)
 
-    async def _put_blob(self, first: ps_pb2.BlobChunk, context: grpc.aio.ServicerContext) -> None:
+    async def _put_blob(self, first: ps_pb2.BlobChunk, context: StreamContext) -> None:
         session = self._blob_writer(first.node_id, first.member, first.session_id)
 
         async def next_chunk() -> ps_pb2.BlobChunk | None:
             chunk = await read_message(context, ps_pb2.BlobChunk)
-            return None if chunk is grpc.aio.EOF else chunk
+            return None if chunk is EOF else chunk
 
         # Room in the store first (refused when full: uploads and stored blobs share one
         # capacity, so blobs never hold more than it, and gradient traffic never waits on them).
@@ -293,7 +292,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
         finally:
             self.blobs.release(reserved)
 
-    async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: grpc.aio.ServicerContext) -> None:
+    async def GetBlob(self, request: ps_pb2.GetBlobRequest, context: StreamContext) -> None:
         if self.session is None or not self.session.proves(request.session_id):
             raise Forbidden("not a member of this shard's current session (register first)")
         data, (node, member) = await self.blobs.get(request.key, request.timeout_s or 60.0)
@@ -311,7 +310,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
 
     # ---- adaptive compression and link probe -----------------------------------------------------
 
-    async def SetCodecs(self, request: ps_pb2.SetCodecsRequest, context: grpc.aio.ServicerContext
+    async def SetCodecs(self, request: ps_pb2.SetCodecsRequest, context: StreamContext
                         ) -> ps_pb2.SetCodecsResponse:
         session = self.session
         if session is None or request.node_id not in session.nodes or not session.proves(request.session_id):
@@ -334,10 +333,10 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
                      request.node_id)
         return ps_pb2.SetCodecsResponse()
 
-    async def Probe(self, context: grpc.aio.ServicerContext) -> ps_pb2.ProbeResponse:
+    async def Probe(self, context: StreamContext) -> ps_pb2.ProbeResponse:
         total = 0
         chunk = await _first_message(context, ps_pb2.ProbeChunk)
-        while chunk is not grpc.aio.EOF:  # read and dropped: memory stays one chunk
+        while chunk is not EOF:  # read and dropped: memory stays one chunk
             total += len(chunk.data)
             if total > MAX_PROBE_BYTES:
                 raise BadRequest(f"a link probe sends at most {MAX_PROBE_BYTES} bytes")
@@ -360,7 +359,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self._last_ended = self.session
 
 
-async def _first_message(context: grpc.aio.ServicerContext, cls: type):
+async def _first_message(context: StreamContext, cls: type):
     """A stream's first message, which must come soon: an idle stream holds a call slot."""
     try:
         return await asyncio.wait_for(read_message(context, cls), FIRST_MESSAGE_TIMEOUT_S)

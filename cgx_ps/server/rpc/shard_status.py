@@ -17,13 +17,13 @@ import logging
 import time
 from typing import Iterator
 
-import grpc
 from prometheus_client.core import GaugeMetricFamily
 
 from ... import __version__
 from ...v1 import ps_pb2
 from ..errors import WITHHELD
 from .service import ParameterServerService
+from .stream_context import StreamContext
 
 __all__ = ["ShardStatus"]
 
@@ -60,7 +60,7 @@ class ShardStatus:
     def close(self) -> None:
         self._logger.removeHandler(self._errors)
 
-    async def Status(self, request: ps_pb2.StatusRequest, context: grpc.aio.ServicerContext  # noqa: N802
+    async def Status(self, request: ps_pb2.StatusRequest, context: StreamContext  # noqa: N802
                      ) -> ps_pb2.StatusResponse:
         return self.snapshot()
 
