@@ -22,6 +22,7 @@ DEPLOY = REPO / "deploy"
 OVERLAYS = sorted(p.parent.name for p in (DEPLOY / "overlays").glob("*/kustomization.yaml"))
 RENDER_DIRS = ["base", *(f"overlays/{o}" for o in OVERLAYS)]
 TLS_COMPONENT = "optional/tls"
+DATA_PLANE_COMPONENT = "optional/data-plane"
 
 # Oldest Kubernetes the manifests support: the StatefulSet pod-index label that gives a
 # shard its index is on by default from 1.28 (native gRPC probes: 1.27, Indexed Jobs: 1.24).
@@ -116,6 +117,8 @@ def uses_component(rel: str, component: str) -> bool:
 
 
 TLS_DIRS = [rel for rel in RENDER_DIRS if uses_component(rel, TLS_COMPONENT)]
+# the renders with the raw data plane on (optional/data-plane); off in every other one
+DATA_PLANE_DIRS = [rel for rel in RENDER_DIRS if uses_component(rel, DATA_PLANE_COMPONENT)]
 
 
 def objects(rel: str, kind: str) -> list[dict]:

@@ -12,8 +12,8 @@ from cgx_ps.examples import train as example_train  # the Job's training script 
 
 from .dockerfiles import dockerfile_entrypoint, dockerfile_instructions
 from .kubelet import container_env, expanded_args, init_args, parse_quantity, secret_file, shard_command
-from .manifests import (DEPLOY, JOB_ID_FIELD, NODE_RANK_FIELD, RENDER_DIRS, REPO, SHARD_INDEX_FIELD, TLS_DIRS,
-                        all_containers, config, container, one, shard_sts, worker_job)
+from .manifests import (DATA_PLANE_DIRS, DEPLOY, JOB_ID_FIELD, NODE_RANK_FIELD, RENDER_DIRS, REPO, SHARD_INDEX_FIELD,
+                        TLS_DIRS, all_containers, config, container, one, shard_sts, worker_job)
 
 
 # ---------------------------------------------------------------------------------------
@@ -34,9 +34,10 @@ def test_counts_and_ports_agree_with_the_configmap(rel):
     expected = {"grpc": port, "metrics": metrics_port}
     if rel in TLS_DIRS:   # the kubelet probes a plaintext health-only port (test_tls_probes_...)
         expected["health"] = int(cfg["CGX_PS_HEALTH_PORT"])
-        assert cfg["CGX_PS_DATA_PORT"] == "-1"   # no raw data plane under TLS
-    else:
+    if rel in DATA_PLANE_DIRS:  # the raw data plane, opt-in: off by default (gRPC)
         expected["data"] = int(cfg["CGX_PS_DATA_PORT"])
+    else:
+        assert cfg["CGX_PS_DATA_PORT"] == "-1"
     assert ports == expected
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe_port = c[probe]["grpc"]["port"]
@@ -109,14 +110,16 @@ def test_shard_command_parses_with_the_cli(rel):
             env["CGX_PS_TLS_CERT"], env["CGX_PS_TLS_KEY"], env["CGX_PS_TLS_CLIENT_CA"])
         assert args.health_port == int(cfg["CGX_PS_HEALTH_PORT"]) > 0
         assert args.health_port not in (args.port, args.metrics_port)
-        # the raw data plane is plaintext: off under TLS (a shard given both refuses to start)
-        assert args.data_port == server_config.data_port == -1
     else:
         assert not (args.tls_cert or args.tls_key or args.tls_client_ca)
         assert args.health_port == -1
+    if rel in DATA_PLANE_DIRS:
         # the raw data plane on, on its own port: the workers' auto takes it
         assert args.data_port == server_config.data_port == int(cfg["CGX_PS_DATA_PORT"]) > 0
         assert args.data_port not in (args.port, args.metrics_port)
+    else:
+        # off by default, and always under TLS (plaintext: a shard given both refuses to start)
+        assert args.data_port == server_config.data_port == -1
     assert not args.metrics_host or args.metrics_host == args.host
 
 

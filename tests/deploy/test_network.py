@@ -50,26 +50,34 @@ def assert_the_shards_listeners_are_declared_served_and_admitted(rel: str) -> di
     return listening
 
 
-def _render_with_component(component: str) -> str:
-    """cpu-local with ``optional/<component>`` added, rendered into the cache; its render dir."""
-    test_overlay = render_tree() / "overlays" / f"_test-{component}"
+def _render_with_components(*components: str) -> str:
+    """cpu-local with each ``optional/<component>`` added, rendered into the cache; its render dir."""
+    name = "_test-" + "+".join(components)
+    test_overlay = render_tree() / "overlays" / name
     test_overlay.mkdir(exist_ok=True)
-    (test_overlay / "kustomization.yaml").write_text(
-        f"resources: [../cpu-local]\ncomponents: [../../optional/{component}]\n")
-    rel = f"overlays/_test-{component}"
+    listed = ", ".join(f"../../optional/{c}" for c in components)
+    (test_overlay / "kustomization.yaml").write_text(f"resources: [../cpu-local]\ncomponents: [{listed}]\n")
+    rel = f"overlays/{name}"
     _renders[rel] = kustomize_build(test_overlay)
     return rel
 
 
-def test_no_data_plane_component_turns_the_plane_off_everywhere():
-    """optional/no-data-plane on a plaintext overlay: the shard starts without the plane, and its
-    port is gone from the pod, the Service and the policies (the tls component includes it)."""
-    rel = _render_with_component("no-data-plane")
+def test_the_raw_data_plane_is_off_by_default_and_the_data_plane_component_turns_it_on_everywhere():
+    """Without optional/data-plane a shard listens on gRPC (and metrics) alone; with it on a
+    plaintext overlay, the shard opens the plane and its port is in the pod, the Service and the
+    policies, with the workers alone admitted to it (optional/worker-egress lets them out to it)."""
+    assert set(assert_the_shards_listeners_are_declared_served_and_admitted("overlays/cpu-local")) == {"grpc",
+                                                                                                      "metrics"}
+    rel = _render_with_components("data-plane")
     for obj in render(rel):
         kubernetes_validate.validate(obj, MIN_K8S, strict=True)
-    assert set(assert_the_shards_listeners_are_declared_served_and_admitted(rel)) == {"grpc", "metrics"}
+    listening = assert_the_shards_listeners_are_declared_served_and_admitted(rel)
+    assert set(listening) == {"grpc", "metrics", "data"}
+    assert listening["data"] == int(config(rel)["CGX_PS_DATA_PORT"]) > 0
     assert_only_workers_reach_the_shards_stream_ports(rel)
-    assert config(rel)["CGX_PS_DATA_PORT"] == "-1"
+    both = _render_with_components("data-plane", "worker-egress")
+    p, ports = peers(both), shard_ports(both)
+    assert admits(both, "Egress", p["worker"], p["shard"], ports["data"])
 
 
 @pytest.mark.parametrize("rel", RENDER_DIRS)
@@ -92,7 +100,7 @@ def test_networkpolicy_denies_everything_else(rel):
 
 
 def test_worker_egress_component_allows_only_shards_and_dns():
-    rel = _render_with_component("worker-egress")
+    rel = _render_with_components("worker-egress")
     for obj in objects(rel, "NetworkPolicy"):
         kubernetes_validate.validate(obj, MIN_K8S, strict=True)
     p, ports = peers(rel), shard_ports(rel)
@@ -100,7 +108,7 @@ def test_worker_egress_component_allows_only_shards_and_dns():
     allowed = {(name, port["name"]) for name in p
                for port in (*ports.values(), DNS_PORT, {**DNS_PORT, "protocol": "TCP"}, HTTPS_PORT)
                if admits(rel, "Egress", worker, p[name], port)}
-    assert allowed == {("shard", "grpc"), ("shard", "data"), ("dns", "dns")}, allowed
+    assert allowed == {("shard", "grpc"), ("dns", "dns")}, allowed  # "data" too with optional/data-plane
     # The ingress side is the base's.
     assert_only_workers_reach_the_shards_stream_ports(rel)
 

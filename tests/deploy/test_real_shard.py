@@ -1,6 +1,7 @@
 """The real shard, started the way the StatefulSet starts it (on loopback): health, metrics and
 a clean exit within the grace period, in plaintext and with mutual TLS; and a worker configured
-as the Job configures it, streaming over the shard's raw data plane."""
+as the Job configures it, streaming over the shard's plane (gRPC, or the raw data plane with
+optional/data-plane)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from cgx_ps.worker.config import WorkerConfig
 from rounds import check_aggregate, close, encode_block, make_layout
 
 from .kubelet import container_env, expanded_args, materialize
-from .manifests import DOWNWARD, REPO, SHARD_INDEX_FIELD, TOKEN_KEY, config, container, pod_spec, shard_sts, worker_job
+from .manifests import DOWNWARD, REPO, SHARD_INDEX_FIELD, TOKEN_KEY, container, pod_spec, shard_sts, worker_job
 
 
 @contextlib.contextmanager
@@ -125,15 +126,15 @@ def _streams_by_plane(metrics_port: int) -> dict[str, float]:
             if f.name == "cgx_ps_exchange_streams" for s in f.samples}
 
 
-async def test_workers_as_the_job_configures_them_stream_over_the_data_plane(tmp_path):
-    """cpu-local's shard with its rendered arguments (its data port made free for this shared
+@pytest.mark.parametrize("rel, plane", [("overlays/cpu-local", "grpc"), ("overlays/cpu-local-data-plane", "raw")])
+async def test_workers_as_the_job_configures_them_stream_over_the_shards_plane(tmp_path, rel: str, plane: str):
+    """A shard with its rendered arguments (its data port, if any, made free for this shared
     machine) and its Job's workers, with their environment: they keep CGX_PS_DATAPLANE's default,
-    auto, and take the plane the shard advertises; their round's sums are exact; the shard's
-    metrics count their streams as raw and `cgx-ps status` shows its data port."""
-    rel = "overlays/cpu-local"
-    assert int(config(rel)["CGX_PS_DATA_PORT"]) > 0
+    auto, and take the plane the shard offers (gRPC by default, the raw data plane with
+    optional/data-plane); their round's sums are exact; the shard's metrics count their streams
+    on that plane and `cgx-ps status` shows its data port (0: none)."""
     with real_shard(tmp_path, rel, {TOKEN_KEY: TEST_TOKEN}) as (proc, ports, env, sts):
-        assert ports["data_port"] > 0, f"the rendered shard opened no data plane: {ports}"
+        assert (ports["data_port"] > 0) is (plane == "raw"), f"the rendered shard's ports: {ports}"
         worker = container(worker_job(rel), "worker")
         worker_env = materialize(container_env(rel, worker, DOWNWARD), tmp_path / "worker", {TOKEN_KEY: TEST_TOKEN})
         dataplane = WorkerConfig.from_env(worker_env).dataplane
@@ -155,10 +156,10 @@ async def test_workers_as_the_job_configures_them_stream_over_the_data_plane(tmp
             for k, result in enumerate(results):
                 block = owned[k % len(owned)]
                 check_aggregate(block, pushed[block.block_id], result)
-            assert _streams_by_plane(ports["metrics_port"]) == {"raw": nodes, "grpc": 0}
+            assert _streams_by_plane(ports["metrics_port"]) == {"grpc": 0, "raw": 0, plane: nodes}
         finally:
             await close(workers)
         report = probe(0, address, security, int(env["CGX_PS_NUM_SHARDS"]))
         assert report.ok, report.problems
-        assert report.status.data_port == ports["data_port"]
+        assert report.status.data_port == max(ports["data_port"], 0)
         stop_within_grace(proc, env, sts)

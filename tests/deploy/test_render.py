@@ -9,7 +9,8 @@ import re
 import pytest
 import yaml
 
-from .manifests import (CONFIG_NAME, DEPLOY, MIN_K8S, OVERLAYS, RENDER_DIRS, TLS_DIRS, TOKEN_SECRET, container,
+from .manifests import (CONFIG_NAME, DATA_PLANE_DIRS, DEPLOY, MIN_K8S, OVERLAYS, RENDER_DIRS, TLS_DIRS, TOKEN_SECRET,
+                        container,
                         is_custom_resource, kustomization, objects, one, pod_spec, render, shard_sts, worker_job,
                         workloads)
 
@@ -46,8 +47,9 @@ def test_objects_validate_strictly(rel, k8s):
 
 
 def test_overlays_exist():
-    assert {"cpu-local", "cpu-local-tls", "gpu"} <= set(OVERLAYS)
+    assert {"cpu-local", "cpu-local-tls", "cpu-local-data-plane", "gpu"} <= set(OVERLAYS)
     assert "overlays/cpu-local-tls" in TLS_DIRS
+    assert DATA_PLANE_DIRS == ["overlays/cpu-local-data-plane"]  # the plane is opt-in, and plaintext
 
 
 def test_replacement_blocks_are_identical_copies():
