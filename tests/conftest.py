@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from cgx_ps.server import LocalCluster, ServerConfig, ShardServer
-from support import TOKEN_FILE
+from support import PLANES, TOKEN_FILE, plane_settings
 
 # Worker processes inherit the environment, and LocalCluster's shards take the job token it
 # names.
@@ -106,10 +106,40 @@ def local_cluster() -> Iterator[LocalClusters]:
     clusters.stop()
 
 
+class PlaneClusters:
+    """A test file's shards, one LocalCluster per data plane (``clusters[plane]``, with
+    ``support.plane_settings``), each started when a test first asks for it: a file whose tests run
+    on gRPC, a few of them on the raw plane too, starts the second cluster only for those."""
+
+    def __init__(self, settings: dict) -> None:
+        self.settings = settings
+        self.started = LocalClusters()
+        self._by_plane: dict[str, LocalCluster] = {}
+
+    def __getitem__(self, plane: str) -> LocalCluster:
+        if plane not in self._by_plane:
+            self._by_plane[plane] = self.started(**self.settings, **plane_settings(plane))
+        return self._by_plane[plane]
+
+
 @pytest.fixture(scope="module")
-def cluster(request) -> Iterator[LocalCluster]:
-    """One LocalCluster for the test file, with its ``CLUSTER_SETTINGS`` (LocalClusters' arguments):
-    its tests share the shards (each runs its own job), started once."""
-    clusters = LocalClusters()
-    yield clusters(**getattr(request.module, "CLUSTER_SETTINGS", {}))
-    clusters.stop()
+def clusters(request) -> Iterator[PlaneClusters]:
+    """The test file's shards per data plane (PlaneClusters), with its ``CLUSTER_SETTINGS``
+    (LocalClusters' arguments): its tests share them (each runs its own job)."""
+    started = PlaneClusters(getattr(request.module, "CLUSTER_SETTINGS", {}))
+    yield started
+    started.started.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(clusters: PlaneClusters) -> LocalCluster:
+    """The test file's shards on the default data plane (gRPC), started once."""
+    return clusters["grpc"]
+
+
+@pytest.fixture(params=PLANES)
+def plane(request) -> str:
+    """The data plane a test's workers stream on, "grpc" then "raw" (support.PLANES): shards from
+    ``clusters[plane]`` or ``local_cluster(..., **plane_settings(plane))``, workers with
+    ``support.plane_env(plane)``. A test that takes it runs once per plane."""
+    return request.param

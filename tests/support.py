@@ -1,6 +1,6 @@
 """What many tests share: the job token their shards require, clients that carry it, a worker's
-environment, starting a process Ctrl-C can stop and stopping one, and waiting for what happens in
-the background."""
+environment, shards for either data plane, starting a process Ctrl-C can stop and stopping one, and
+waiting for what happens in the background."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from cgx_ps.net.security import ChannelSecurity, new_token_file
 from cgx_ps.worker.shards.client import ShardClient
@@ -43,15 +43,21 @@ def env_for(rank: int, world: int, servers: list[str], **extra: str) -> dict[str
     return env
 
 
-async def connect(server, layout, nodes: int, prefix: str = "node") -> list[ShardClient]:
-    """``nodes`` clients of the in-process shard ``server`` (nodes ``{prefix}-0`` ...), connected,
-    carrying the job token."""
-    clients = [ShardClient(f"127.0.0.1:{server.port}", f"{prefix}-{i}", nodes, layout, connect_timeout_s=5,
-                           security=SECURITY)
-               for i in range(nodes)]
-    for c in clients:
-        await c.connect()
-    return clients
+# The ways a worker's Exchange streams reach the shards (conftest's ``plane`` fixture): the gRPC
+# port, the shards' default, or the opt-in raw data plane (--data-port).
+PLANES = ("grpc", "raw")
+
+
+def plane_env(plane: str) -> dict[str, str]:
+    """A worker's environment for ``plane``: CGX_PS_DATAPLANE, so that on "raw" it must take the
+    data plane (it fails if a shard advertises none) and on "grpc" it never tries one."""
+    return {"CGX_PS_DATAPLANE": plane}
+
+
+def plane_settings(plane: str) -> dict[str, int]:
+    """LocalCluster's settings for shards that serve ``plane``: on "grpc" as started by default (no
+    data port), on "raw" with the raw data plane on a free port each, as ``--data-port 0`` opens it."""
+    return {"data_base_port": 0 if plane == "raw" else -1}
 
 
 def interruptible(args: list[str], **popen_kwargs) -> subprocess.Popen:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import env_for, until
+from support import env_for, plane_env, until
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/abandon_worker.py"
@@ -26,12 +26,13 @@ ROUND_TIMEOUT_S = 120  # far above a step here: a step that waited for it was no
 pytestmark = pytest.mark.slow
 
 
-CLUSTER_SETTINGS = dict(shards=2, round_timeout=ROUND_TIMEOUT_S)  # the tests' shared shards (conftest.cluster)
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=ROUND_TIMEOUT_S)  # the tests' shared shards per plane (conftest.clusters)
 
 
-def run(cluster, world: int, args_for, timeout: float = 300) -> list[dict]:
-    """``world`` ranks of abandon_worker.py, rank r with ``args_for(r)``; their JSON lines."""
-    job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}"}
+def run(cluster, world: int, args_for, timeout: float = 300, plane: str = "grpc") -> list[dict]:
+    """``world`` ranks of abandon_worker.py, rank r with ``args_for(r)``, streaming on ``plane``;
+    their JSON lines."""
+    job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}", **plane_env(plane)}
     procs = [subprocess.Popen([sys.executable, str(WORKER), *args_for(r)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env_for(r, world, cluster.addresses, **job))
              for r in range(world)]
@@ -107,14 +108,15 @@ def test_both_ranks_fail_the_same_step_and_both_go_on(cluster):
     assert_same_params(both[0], reference[0])  # as if every rank had left that batch out
 
 
-@pytest.mark.parametrize("compression", ["fp32", "4bit"])
-def test_one_rank_fails_and_the_other_is_told_at_once_then_both_go_on(cluster, compression):
+@pytest.mark.parametrize("compression, plane", [("fp32", "grpc"), ("4bit", "grpc"), ("4bit", "raw")])
+def test_one_rank_fails_and_the_other_is_told_at_once_then_both_go_on(clusters, compression, plane):
     """Rank 0's backward fails; rank 1's step() raises StepAbandoned, naming why, as soon as rank 0
     calls zero_grad() (not after the shards' round timeout); both skip the step and go on in step.
     With fp32 the result is the reference run's; at 4 bits (stochastic rounding seeded by round)
-    the replicas are bit-identical."""
+    the replicas are bit-identical, over gRPC and over the raw data plane."""
+    cluster = clusters[plane]
     one = run(cluster, 2, lambda r: ["--steps", str(STEPS), "--fail-at", str(FAIL_AT), "--compression", compression,
-                                     *(["--fail"] if r == 0 else [])])
+                                     *(["--fail"] if r == 0 else [])], plane=plane)
     assert outcome(one[0], FAIL_AT) == "BackwardFailed: backward failed at 2.weight"
     assert_rank_1_was_told_and_both_went_on(cluster, one, compression, ROUND_TIMEOUT_S,
                                             "catch StepAbandoned, call zero_grad()")

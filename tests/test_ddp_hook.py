@@ -21,6 +21,7 @@ import torch
 
 from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
+from support import plane_env
 from workers.step_worker import rank_gradient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +36,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ddp_workers(cluster: LocalCluster, out: Path, *args: str, timeout: float = 300) -> list[dict]:
+def run_ddp_workers(cluster: LocalCluster, out: Path, *args: str, timeout: float = 300,
+                    env_extra: dict[str, str] | None = None) -> list[dict]:
     port, job = str(_free_port()), f"ddp-{uuid.uuid4().hex[:8]}"
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, **cluster.worker_env(), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0",
                    LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(WORLD),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1",
-                   CGX_PS_CONNECT_TIMEOUT="20")
+                   CGX_PS_CONNECT_TIMEOUT="20", **(env_extra or {}))
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/ddp_worker.py"),
                                        "--out", str(out / f"rank{rank}.pt"), *args],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -81,7 +83,7 @@ def expected_fp32(initial: dict, steps: int, ranks_of=lambda name: range(WORLD))
     return params
 
 
-CLUSTER_SETTINGS = dict(shards=2, round_timeout=10)  # the tests' shared shards (conftest.cluster)
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=10)  # the tests' shared shards per plane (conftest.clusters)
 
 
 def check_user_hooks(results: list[dict]) -> None:
@@ -343,14 +345,15 @@ def test_hook_auto_mode_probes_ddps_allreduce_on_every_rank_at_the_same_step(clu
     assert_same(runs[0]["final"], runs[1]["final"], "hook auto: rank 0 vs rank 1")
 
 
-def test_hook_auto_mode_takes_gradients_from_autograd_on_both_paths(cluster, tmp_path):
+def test_hook_auto_mode_takes_gradients_from_autograd_on_both_paths(clusters, tmp_path, plane):
     """Auto mode with bucket views. Steps through DDP's allreduce: each gradient is divided into its
     place in DDP's bucket as autograd finishes it (DDP's fused copy), and the hook divides only what
     did not come that way; before, DDP copied every gradient into its bucket undivided and the hook
     divided the whole bucket again (a second pass per step). Compressed steps: blocks in place and
     the early hand-over, as at a fixed bit width; before, auto mode copied them through the block
-    buffers (its tuner reads no gradients, unlike adaptive bits')."""
-    results = run_ddp_workers(cluster, tmp_path, "--scenarios", "hook_auto_scaled")
+    buffers (its tuner reads no gradients, unlike adaptive bits'). On both data planes: the
+    shards' steps exact and the replicas identical over gRPC and over the raw data plane."""
+    results = run_ddp_workers(clusters[plane], tmp_path, "--scenarios", "hook_auto_scaled", env_extra=plane_env(plane))
     runs = [r["hook_auto_scaled"] for r in results]
     assert_same(runs[0]["final"], runs[1]["final"], "auto, divided early: rank 0 vs rank 1")
     params = len(runs[0]["final"])

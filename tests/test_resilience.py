@@ -2,7 +2,8 @@
 
 - shard 1 SIGKILLed mid-training and restarted on its port, and every connection to shard 0
   reset once: both workers finish with exactly the parameters of an uninterrupted run (the
-  reference replay of every step), so no step was lost or applied twice;
+  reference replay of every step), so no step was lost or applied twice; over gRPC and over the
+  raw data plane;
 - a shard that does not come back within CGX_PS_RECOVERY_TIMEOUT fails every worker, naming it;
 - a SIGSTOPped shard (connections stay up) fails every worker within its round timeout + 10 s.
 """
@@ -26,7 +27,7 @@ import pytest
 import torch
 
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
-from support import METADATA, SECURITY, until
+from support import METADATA, SECURITY, plane_env, plane_settings, until
 from test_worker import env_for, expected_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +124,15 @@ def start_workers(servers: list[str], tmp_path: Path, steps: int, **env: str) ->
             for r in range(2)]
 
 
+def established(port: int) -> int:
+    """Established TCP connections whose local end is ``port`` on this host (the shard's side)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        count += int(local.rsplit(":", 1)[1], 16) == port and state == "01"
+    return count
+
+
 def finish_with_shard_stopped(cluster, shard: int, workers: list[subprocess.Popen],
                               timeout_s: float) -> tuple[list[tuple[int, str, float]], float]:
     """``finish`` while shard ``shard`` is SIGSTOPped (alive to TCP and keepalive, answering
@@ -163,20 +173,33 @@ def finish(workers: list[subprocess.Popen], timeout_s: float) -> list[tuple[int,
 
 
 @pytest.mark.slow
-def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path, local_cluster) -> None:
+def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path, plane: str, local_cluster) -> None:
+    """On the raw data plane the streams do not pass the proxy (a worker dials the data port its
+    shard advertises): its cut resets their gRPC channels to shard 0 alone, and the SIGKILL breaks
+    their streams to shard 1, whose restarted instance opens another data port that the rejoin
+    must find."""
     steps = 24
-    cluster = local_cluster(2, round_timeout=30)
+    cluster = local_cluster(2, round_timeout=30, **plane_settings(plane))
     proxy = CuttableProxy(cluster.ports[0])
     try:
         workers = start_workers([f"127.0.0.1:{proxy.port}", cluster.addresses[1]], tmp_path, steps,
-                                CGX_PS_RECOVERY_TIMEOUT="30")
+                                CGX_PS_RECOVERY_TIMEOUT="30", **plane_env(plane))
         wait_for_rounds(cluster.addresses[0], 6, workers)
+        if plane == "raw":  # a stream per worker and shard, on the plane
+            assert [established(port) for port in cluster.data_ports] == [2, 2]
         assert proxy.cut() >= 4  # both workers' connections to shard 0, both directions
         wait_for_rounds(cluster.addresses[1], 12, workers)
         cluster.procs[1].kill()  # SIGKILL: no drain, rounds in flight are lost with it
         cluster.procs[1].wait()
         time.sleep(1.0)
         cluster.restart(1)  # same port, new instance: a new session must be resumed
+        if plane == "raw":  # each worker's rejoin finds the new data port (in its own time)
+            wait_for_rounds(cluster.addresses[1], 3, workers)
+            deadline = time.monotonic() + 30
+            while established(cluster.data_ports[1]) < 2 and time.monotonic() < deadline:
+                assert all(p.poll() is None for p in workers), "a worker exited before its rejoin"
+                time.sleep(0.05)
+            assert established(cluster.data_ports[1]) == 2
         results = finish(workers, timeout_s=120)
     except AssertionError:
         for p in workers:  # say why a worker stopped
@@ -189,7 +212,7 @@ def test_shard_restart_and_reset_connections_are_survived_exactly(tmp_path: Path
     for code, err, _ in results:
         assert code == 0, everything
         assert "rejoined the restarted shard" in err, err[-3000:]
-        assert "reopened the stream" in err, err[-3000:]
+        assert plane == "raw" or "reopened the stream" in err, err[-3000:]  # the cut streams, on gRPC
     saved = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     expected = expected_params(saved[0], 2, steps, 1, torch.float32)
     for name, value in expected.items():
@@ -305,22 +328,24 @@ async def test_a_connection_broken_under_a_push_is_recovered_not_taken_for_a_ref
 # ---- a job restarted with a replaced node: launchers' counts differ per node --------------------
 
 @pytest.mark.parametrize("replaced_first", [True, False])
-async def test_a_replaced_node_counting_from_zero_joins_its_restarted_job(start_shard, replaced_first: bool) -> None:
+async def test_a_replaced_node_counting_from_zero_joins_its_restarted_job(start_shard, replaced_first: bool,
+                                                                          plane: str) -> None:
     """torchrun counts restarts per agent and a replaced pod's counts from 0: after a restart
     node-0 says 3 and the new node-1 says 0. Both must join one new session, in either order,
-    and get the same incarnation from the shard; a process of the earlier start may not rejoin."""
+    and get the same incarnation from the shard; a process of the earlier start may not rejoin.
+    On both planes: the stream of the ended session is refused over the raw data plane too."""
     from cgx_ps.kernels import Codec, dequantize, encode
     from cgx_ps.worker.shards.client import ShardClient
     from cgx_ps.worker.errors import CgxPsError
     from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 
-    shard = await start_shard()
+    shard = await start_shard(data_port=0 if plane == "raw" else -1)
     layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=None))
     job = f"replaced-{uuid.uuid4().hex[:6]}"
 
     def client(node: str, count: int) -> ShardClient:
         return ShardClient(f"127.0.0.1:{shard.port}", node, 2, layout, connect_timeout_s=10, security=SECURITY,
-                           job_id=job, incarnation=count, recovery_timeout_s=5)
+                           job_id=job, incarnation=count, recovery_timeout_s=5, dataplane=plane)
 
     async def train_round(clients: list[ShardClient], round_: int) -> None:
         values = [torch.full((4096,), float(i + 1)) for i in range(len(clients))]
@@ -334,6 +359,8 @@ async def test_a_replaced_node_counting_from_zero_joins_its_restarted_job(start_
         await c.connect()
     await train_round(first, 0)
     assert [c.registration.incarnation for c in first] == [2, 2]
+    streams = shard.metrics.registry.get_sample_value("cgx_ps_exchange_streams", {"shard": "0", "plane": plane})
+    assert streams == 2  # both nodes' streams on the plane under test
     await first[1].close()  # node-1's pod is gone; node-0's old process lingers (a stale one)
 
     restarted = [client("node-0", 3), client("node-1", 0)]  # the replaced pod counts from 0

@@ -20,7 +20,7 @@ from cgx_ps.server.rounds.aggregator import result_seed
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker.pipeline.codec_threads import plan_threads
-from support import env_for
+from support import env_for, plane_env
 from workers.step_worker import rank_gradient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-CLUSTER_SETTINGS = dict(shards=2, round_timeout=8)  # the tests' shared shards (conftest.cluster)
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=8)  # the tests' shared shards per plane (conftest.clusters)
 
 
 def run_workers(script: Path, world: int, servers: list[str], args_for, timeout: float = 240,
@@ -96,23 +96,25 @@ def expected_params(saved: dict, world: int, steps: int, accumulate: int, dtype:
     return params
 
 
-@pytest.mark.parametrize("compression, dtype, accumulate, steps", [
-    ("4bit", "float32", 1, 3),
-    ("2bit+ef", "float32", 1, 3),  # worker-side error feedback
-    ("2bit", "float32", 2, 2),   # gradient accumulation over two backward passes
-    ("fp32", "float32", 1, 2),
-    ("4bit", "float16", 1, 2),   # half-precision gradients
-    ("8bit", "bfloat16", 1, 1),
+@pytest.mark.parametrize("compression, dtype, accumulate, steps, plane", [
+    ("4bit", "float32", 1, 3, "grpc"),
+    ("4bit", "float32", 1, 3, "raw"),  # the same pushes and results over the raw data plane
+    ("2bit+ef", "float32", 1, 3, "grpc"),  # worker-side error feedback
+    ("2bit", "float32", 2, 2, "grpc"),   # gradient accumulation over two backward passes
+    ("fp32", "float32", 1, 2, "grpc"),
+    ("4bit", "float16", 1, 2, "grpc"),   # half-precision gradients
+    ("8bit", "bfloat16", 1, 1, "grpc"),
 ])
-def test_update_matches_reference_and_replicas_identical(cluster, tmp_path, compression, dtype, accumulate, steps):
-    world = 2
+def test_update_matches_reference_and_replicas_identical(clusters, tmp_path, compression, dtype, accumulate, steps,
+                                                         plane):
+    cluster, world = clusters[plane], 2
     outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
     ef = compression.endswith("+ef")
     compression = compression.removesuffix("+ef")
     results = run_workers(ROOT / "tests/workers/step_worker.py", world, cluster.addresses,
                           lambda r: ["--compression", compression, "--dtype", dtype, "--steps", str(steps),
                                      "--accumulate", str(accumulate), "--out", str(outs[r]),
-                                     *(["--error-feedback"] if ef else [])])
+                                     *(["--error-feedback"] if ef else [])], env_extra=plane_env(plane))
     for r, res in enumerate(results):
         assert res.returncode == 0, f"rank {r}:\n{res.stderr[-3000:]}"
     saved = [torch.load(o, weights_only=False) for o in outs]
