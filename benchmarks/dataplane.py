@@ -9,17 +9,18 @@ Each run starts a shard process per path, with the same flags and the job token:
 
     A  ``cgx-ps server`` (LocalCluster), the nodes' ShardClients on gRPC: the shipped path;
     B  the same ShardServer (gRPC for Register) plus ``benchmarks/rawplane.py``'s listener, the
-       nodes' RawShardClients sending the same serialized Exchange messages over one plain TCP
-       connection each, length-prefixed, received into buffers of their announced size;
+       nodes' ShardClients on CGX_PS_DATAPLANE=raw sending the same serialized Exchange messages
+       over one plain TCP connection each, length-prefixed, received into buffers of their
+       announced size;
     C, D  with ``--tls``: A and B over TLS (the raw plane through Python's ssl on memory BIOs);
     E     with ``--protocol``: B with the shard receiving through a BufferedProtocol.
 
 In B the frames go into the service's own Exchange handler, so the shard does the same work on
 them as in A (PushAssembler's size, budget and deadline checks, the aggregator's header, crc and
 meta checks, the fused kernel, the result encode, the NodeStream writer); only the bytes' way in
-and out differs. What the raw plane leaves out compared with gRPC (TLS, HTTP/2 flow control,
-keepalive, the per-call gate's log) is listed in rawplane.py's docstring; the token is checked
-once per connection there, per call in A.
+and out differs; the stream goes through the shipped gate and stream context. What B's listener
+leaves out compared with the shipped one (E's: its cap, frame timeout, keepalive) is listed in
+rawplane.py's docstring; the token is checked once per connection there, per call in A.
 
 Rounds alternate between the paths (the order rotated every round), so load on the shared
 machine drifts on all alike. Per run and per path: the shard's CPU per timed round (from /proc, from the first
@@ -54,7 +55,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/dataplane.p
 from benchmarks.loopprofile import main as loop_profile  # noqa: E402
 from benchmarks.argtypes import at_least, bits, fp32_megabytes  # noqa: E402
 from benchmarks.procstat import CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, thread_cpu_seconds  # noqa: E402
-from benchmarks.rawplane import IO_ENV, RawShardClient  # noqa: E402
+from benchmarks.rawplane import IO_ENV, raw_plane_client  # noqa: E402
 from benchmarks.server import make_credentials, shard_cpu_seconds, shard_workload  # noqa: E402
 from cgx_ps.net.security import ChannelSecurity  # noqa: E402
 from cgx_ps.server import LocalCluster  # noqa: E402
@@ -77,8 +78,7 @@ class Target:
     def client(self, node: int, nodes: int, layout) -> ShardClient:
         if self.raw_port is None:
             return ShardClient(self.address, f"node-{node}", nodes, layout, security=self.security)
-        return RawShardClient(self.address, f"node-{node}", nodes, layout, security=self.security,
-                              raw_port=self.raw_port)
+        return raw_plane_client(self.address, f"node-{node}", nodes, layout, self.security, self.raw_port)
 
 
 def loop_system_seconds(pid: int) -> float:

@@ -1,52 +1,37 @@
 """The raw data plane's measured prototype, kept for its variants (benchmarks/dataplane.py drives
 it): what Python gRPC costs the shard, and what TLS costs a plane written in Python. The shipped
-plane is cgx_ps/server/rpc/raw_listener.py (the listener) and cgx_ps/worker/shards/raw_call.py (a worker's
-stream), over the one framing in cgx_ps/net/raw_frames.py, which this module speaks too; its
-"protocol" receive path *is* the shipped listener.
+plane is cgx_ps/server/rpc/raw_listener.py (the listener), cgx_ps/server/rpc/raw_stream.py (a
+stream's handshake, context and serving through the gate) and cgx_ps/worker/shards/raw_call.py (a
+worker's stream), over the one framing in cgx_ps/net/raw_frames.py. This module adds only the
+variants' I/O: everything else is the shipped code.
 
     python -m benchmarks.rawplane server FLAGS...   # `cgx-ps server FLAGS...` plus a raw listener
 
 The shard process is the real one (``ShardServer``: gRPC for Register and everything else, the
 same ``ParameterServerService``, session, aggregator, kernels and executor); beside it, on a
 second port, an asyncio listener on uvloop takes Exchange streams over plain TCP, one connection
-per stream, and hands each to the service's own ``Exchange`` handler through a context object
-with the three calls it uses (``read``, ``write``, ``abort``). So every pushed chunk goes through
-the same ``read_push``, ``PushAssembler`` (sizes, budget, deadlines), ``_check_push`` and
-aggregator (header/crc/meta checks, the fused kernel, the result's encode) as over gRPC, and each
-result through the same ``NodeStream`` writer (its cap and write timeout); only the bytes' way in
-and out differs.
-
-The wire (cgx_ps/net/raw_frames.py): frames of a 4-byte little-endian length and that many bytes. A
-connection starts with the handshake (the worker's opening, the shard's challenge of a fresh
-nonce, the worker's preface with an HMAC of it keyed by the job token: checked once,
-``hmac.compare_digest``; the token itself never travels), then the Exchange stream's
-messages exactly as gRPC carries them (a serialized Hello, then ``chunkframes`` pushes; results
-are ``frames.result_frames``' bytes, built once and sent to every node as they are, by
-``sock_sendall`` on the same object: no per-node copy). The shard receives each frame into a
-buffer of its announced size (``sock_recv_into``), refusing one over gRPC's 8 MiB message limit
-before it allocates. A stream's end carries a status frame (the length's top bit set:
-"CODE\\ndetails"), standing in for gRPC's trailers.
+per stream, and serves each with the shipped ``raw_stream.serve_exchange``: the handshake, the
+gate (token, draining, error table, refusal log), the plane's ``StreamContext`` and the service's
+own ``Exchange``. The shard advertises that port at Register, as it advertises its own data port
+(in plaintext: the shipped client keeps TLS streams on gRPC).
+So every pushed chunk goes through the same ``read_push``, ``PushAssembler`` (sizes, budget,
+deadlines), ``_check_push`` and aggregator (header/crc/meta checks, the fused kernel, the
+result's encode) as over gRPC, and each result through the same ``NodeStream`` writer (its cap and
+write timeout); only the bytes' way in and out differs.
 
 The shard has two receive paths (``serve_raw``'s ``io``; the shard process reads IO_ENV):
-``FrameSocket`` awaits ``sock_recv_into`` per receive; "protocol" is the shipped listener
-(``cgx_ps.server.rpc.raw_listener.DataPlane``, a BufferedProtocol that uvloop fills from its own
-callback: no coroutine per receive). The nodes always use FrameSocket.
+``FrameSocket`` awaits ``sock_recv_into`` per receive, decoding with the shipped ``FrameReader``;
+"protocol" is the shipped listener (``cgx_ps.server.rpc.raw_listener.DataPlane``, a
+BufferedProtocol that uvloop fills from its own callback: no coroutine per receive).
 
-With ``--tls-cert`` (and ``--tls-client-ca``) the listener speaks TLS with the same files, through
-Python's ``ssl`` on memory BIOs (``TlsFrameSocket``): what TLS costs a data plane written in
-Python; a native one would use its TLS library (or kernel TLS) directly.
-
-What the "sock" and TLS variants leave out, compared with gRPC (the shipped listener adds them):
-- certificate reloading (tls.py) and ALPN;
-- HTTP/2 flow control and multiplexing: a slow reader is held up by TCP's window and the
-  NodeStream's write timeout only, and each stream is a connection of its own;
-- keepalive pings (a dead peer is noticed by TCP or the round timeout only);
-- gRPC's connection management on the client (reconnect backoff, wait-for-ready, name
-  resolution): the client below connects once per stream;
-- the per-call gate's draining rule and rate-limited refusal log (rpc.py): Exchange streams pass
-  a draining shard's gate anyway; a refusal here is one status frame and no log line;
-- ``maximum_concurrent_rpcs``: connections are not counted or capped (the first frame's 30 s
-  timeout is kept).
+The nodes are the shipped ``ShardClient`` with CGX_PS_DATAPLANE=raw (``raw_plane_client``), whose
+stream is the worker's ``RawCall``. With ``--tls-cert`` (and ``--tls-client-ca``) the listener
+speaks TLS with the same files, through Python's ``ssl`` on memory BIOs (``TlsFrameSocket``), and
+the nodes' streams (``TlsShardClient``) too: what TLS costs a data plane written in Python; a
+native one would use its TLS library (or kernel TLS) directly. What the "sock" and TLS variants
+leave out, compared with the shipped listener: its connection cap and pending-connection
+eviction, the frame timeout, keepalive, and pausing reads between frames (a slow service lets
+the kernel's buffer fill, not TCP's window); and with TLS, certificate reloading (tls.py) and ALPN.
 """
 
 from __future__ import annotations
@@ -59,69 +44,66 @@ import socket
 import ssl
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
-import numpy as np
 
-from cgx_ps.net.raw_frames import (HEADER, MAX_CHALLENGE, MAX_FRAME, MAX_PREFACE, challenge, frame_header, new_nonce,
-                              opening, parse_challenge, parse_preface, parse_status, preface, proof, split_header,
-                              status_body)
-from cgx_ps.server.rpc.raw_listener import DataPlane, presented_token
-from cgx_ps.server.errors import BadRequest, ProtocolError, TimedOut, Unauthenticated
-from cgx_ps.server.rpc.gate import Gate, grpc_status
+from cgx_ps.net.raw_frames import (MAX_CHALLENGE, MAX_FRAME, Frame, FrameReader, FrameTooLarge, frame_header, opening,
+                                   parse_challenge, parse_status, preface, proof, set_stream_options)
+from cgx_ps.server.errors import BadRequest
+from cgx_ps.server.rpc.gate import Gate
+from cgx_ps.server.rpc.raw_listener import DataPlane
+from cgx_ps.server.rpc.raw_stream import serve_exchange
 from cgx_ps.server.rpc.service import FIRST_MESSAGE_TIMEOUT_S, ParameterServerService
 from cgx_ps.worker.errors import StreamEnded
 from cgx_ps.worker.shards.client import ShardClient, read_result
 from cgx_ps.worker.shards.connection import ShardConnection
 
-__all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "RawCall", "RawShardClient", "TlsFrameSocket", "serve_raw"]
+__all__ = ["IO_ENV", "MAX_FRAME", "FrameSocket", "TlsCall", "TlsFrameSocket", "TlsShardClient", "raw_plane_client",
+           "serve_raw"]
 
 IO_ENV = "CGX_PS_BENCH_RAW_IO"  # "sock" (default) or "protocol": serve_raw's io, for the shard process
-_SMALL = 1 << 16  # frames below this are handed on as bytes (a Hello, a status), larger ones as read
 
 
 class FrameSocket:
-    """Length-prefixed frames on a non-blocking socket, through the running loop's sock_* calls."""
+    """Frames on a non-blocking socket, through the running loop's sock_* calls, decoded in place
+    by the shipped ``FrameReader``: the shard's side of the "sock" variant (raw_stream.FrameStream)
+    and both sides of the TLS one."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: str = "unknown") -> None:
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_stream_options(sock)
         self.sock = sock
+        self.peer = peer
         self.loop = asyncio.get_running_loop()
-        self._header = bytearray(HEADER.size)
+        self._reader = FrameReader()
 
-    async def _fill(self, view: memoryview) -> int:
-        """Receive into all of ``view``; the bytes received (fewer only at the peer's EOF)."""
-        got = 0
-        while got < len(view):
-            n = await self.loop.sock_recv_into(self.sock, view[got:])
+    async def _recv_into(self, view: memoryview) -> int:
+        """Receive into ``view``: the bytes received, 0 at the peer's EOF."""
+        return await self.loop.sock_recv_into(self.sock, view)
+
+    async def read(self, limit: int = MAX_FRAME) -> Frame | None:
+        """The next frame; None at a clean EOF between frames. A frame over ``limit`` is refused
+        on its header (BadRequest), EOF inside a frame is a ConnectionResetError."""
+        self._reader.limit = limit
+        while True:
+            n = await self._recv_into(self._reader.buffer())
             if n == 0:
-                return got
-            got += n
-        return got
+                if self._reader.started:
+                    raise ConnectionResetError("connection closed inside a frame")
+                return None
+            try:
+                frame = self._reader.advance(n)
+            except FrameTooLarge as exc:
+                raise BadRequest(str(exc)) from None
+            if frame is not None:
+                return frame
 
-    async def read(self, limit: int) -> tuple[bool, bytes | memoryview] | None:
-        """(is_status, body) of the next frame; None at a clean EOF between frames. A frame over
-        ``limit`` is refused before anything is allocated for it; EOF inside a frame is an error."""
-        got = await self._fill(memoryview(self._header))
-        if got == 0:
-            return None
-        if got < HEADER.size:
-            raise ConnectionResetError("connection closed inside a frame header")
-        size, status = split_header(self._header)
-        if size > limit:
-            raise BadRequest(f"frame of {size} bytes; at most {limit}")
-        # Not zeroed (a bytearray would be, a memset of every byte the socket then overwrites):
-        # numpy's empty is malloc's memory as it is.
-        body = memoryview(np.empty(size, np.uint8))
-        if await self._fill(body) < size:
-            raise ConnectionResetError(f"connection closed inside a frame of {size} bytes")
-        return status, body.tobytes() if size < _SMALL else body
-
-    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
+    async def write(self, data: Any, status: bool = False) -> None:
         """One frame; ``data`` is sent as it is (the kernel copies it, Python does not)."""
-        await self.loop.sock_sendall(self.sock, frame_header(len(data), status))
-        await self.loop.sock_sendall(self.sock, data)
+        view = memoryview(data)
+        await self.loop.sock_sendall(self.sock, frame_header(view.nbytes, status))
+        await self.loop.sock_sendall(self.sock, view)
 
     def close(self) -> None:
         self.sock.close()
@@ -136,8 +118,8 @@ class TlsFrameSocket(FrameSocket):
     _CIPHER_BUFFER = 1 << 18
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
-                 server_hostname: str | None = None) -> None:
-        super().__init__(sock)
+                 server_hostname: str | None = None, peer: str = "unknown") -> None:
+        super().__init__(sock, peer)
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = context.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
         self._cipher = bytearray(self._CIPHER_BUFFER)
@@ -167,26 +149,21 @@ class TlsFrameSocket(FrameSocket):
         self._in.write(memoryview(self._cipher)[:n])
         return True
 
-    async def _fill(self, view: memoryview) -> int:
-        got = 0
-        while got < len(view):
+    async def _recv_into(self, view: memoryview) -> int:
+        while True:
             try:
-                n = self.tls.read(len(view) - got, view[got:])
+                return self.tls.read(len(view), view)
             except ssl.SSLWantReadError:
                 await self._flush()  # a TLS 1.3 key update or ticket may want an answer
                 if not await self._feed():
-                    return got
-                continue
+                    return 0
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                return got
-            if n == 0:
-                return got
-            got += n
-        return got
+                return 0
 
-    async def write(self, data: bytes | bytearray | memoryview, status: bool = False) -> None:
-        self.tls.write(frame_header(len(data), status))
-        self.tls.write(data)
+    async def write(self, data: Any, status: bool = False) -> None:
+        view = memoryview(data)
+        self.tls.write(frame_header(view.nbytes, status))
+        self.tls.write(view)
         await self._flush()
 
 
@@ -204,69 +181,15 @@ def _server_tls(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
 
 # ---- the shard's side ------------------------------------------------------------------------------
 
-class _Aborted(Exception):
-    """The handler ended the stream with a status (as grpc.aio's AbortError does)."""
-
-
-class _RawContext:
-    """What ``ParameterServerService.Exchange`` needs of a grpc.aio ServicerContext."""
-
-    def __init__(self, frames: FrameSocket, peer: str) -> None:
-        self.frames = frames
-        self._peer = peer
-
-    async def read(self):
-        frame = await self.frames.read(MAX_FRAME)
-        if frame is None:
-            return grpc.aio.EOF
-        if frame[0]:
-            raise BadRequest("a client sends no status frames")
-        return frame[1]
-
-    async def write(self, message: bytes) -> None:
-        await self.frames.write(message)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        await self.frames.write(status_body(code.name, details), status=True)
-        raise _Aborted(code.name)
-
-    def peer(self) -> str:
-        return self._peer
-
-
-async def _handshake(frames: FrameSocket, token: bytes | None) -> bool:
-    """The shard's side of the handshake (cgx_ps/net/raw_frames.py): does the worker prove ``token``?"""
-    first = await frames.read(MAX_PREFACE)
-    if first is None or first[0] or parse_preface(first[1]).problem:
-        return False
-    nonce = new_nonce()
-    await frames.write(challenge(nonce))
-    presented = await frames.read(MAX_PREFACE)
-    if presented is None or presented[0] or parse_preface(presented[1]).problem:
-        return False
-    return token is None or presented_token(parse_preface(presented[1]).rest, nonce, token) == token
-
-
-async def _serve_connection(service: ParameterServerService, token: bytes | None,
-                            frames: FrameSocket, peer: str) -> None:
-    context = _RawContext(frames, peer)
+async def _serve_connection(gate: Gate, frames: FrameSocket) -> None:
+    """One connection, served as the shipped listener serves one (raw_stream.serve_exchange), after
+    the TLS handshake of a TLS variant."""
     try:
-        try:
-            if isinstance(frames, TlsFrameSocket):
-                await asyncio.wait_for(frames.handshake(), FIRST_MESSAGE_TIMEOUT_S)
-            proven = await asyncio.wait_for(_handshake(frames, token), FIRST_MESSAGE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise TimedOut(f"no token within {FIRST_MESSAGE_TIMEOUT_S:g}s of connecting") from None
-        if not proven:
-            raise Unauthenticated("missing or wrong job token")
-        await service.Exchange(context)
-    except ProtocolError as exc:  # as rpc.py's gate maps a refusal to a status
-        try:
-            await context.abort(*grpc_status(exc))
-        except (_Aborted, OSError, ssl.SSLError):
-            pass
-    except (_Aborted, OSError, ssl.SSLError):
-        pass  # the handler's own status went out, or the client is gone (or failed the handshake)
+        if isinstance(frames, TlsFrameSocket):
+            await asyncio.wait_for(frames.handshake(), FIRST_MESSAGE_TIMEOUT_S)
+        await serve_exchange(frames, gate, FIRST_MESSAGE_TIMEOUT_S)
+    except (asyncio.TimeoutError, OSError):  # ssl.SSLError is one: a failed TLS handshake
+        pass
     finally:
         frames.close()
 
@@ -276,10 +199,11 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
     """Listen on ``host``, a free port; (the port, the task serving it: cancel it to stop).
     ``io``: "sock" (FrameSocket, or TlsFrameSocket with ``tls``) or "protocol" (the shipped
     listener, server/rpc/raw_listener.py; plaintext only)."""
+    gate = Gate(service, token)  # the gRPC port's own checks, as the shipped listener shares them
     if io == "protocol":
         if tls is not None:
             raise ValueError("the protocol variant is plaintext only")
-        return await _serve_protocol(service, token, host)
+        return await _serve_protocol(service, gate, host)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, 0))
@@ -292,8 +216,9 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
         try:
             while True:
                 sock, addr = await loop.sock_accept(listener)
-                frames = FrameSocket(sock) if tls is None else TlsFrameSocket(sock, tls, server_side=True)
-                task = asyncio.create_task(_serve_connection(service, token, frames, f"ipv4:{addr[0]}:{addr[1]}"))
+                peer = f"ipv4:{addr[0]}:{addr[1]}"
+                frames = FrameSocket(sock, peer) if tls is None else TlsFrameSocket(sock, tls, True, peer=peer)
+                task = asyncio.create_task(_serve_connection(gate, frames))
                 connections.add(task)
                 task.add_done_callback(connections.discard)
         finally:
@@ -304,10 +229,9 @@ async def serve_raw(service: ParameterServerService, token: bytes | None, host: 
     return listener.getsockname()[1], asyncio.create_task(accept())
 
 
-async def _serve_protocol(service: ParameterServerService, token: bytes | None, host: str
-                          ) -> tuple[int, asyncio.Task]:
+async def _serve_protocol(service: ParameterServerService, gate: Gate, host: str) -> tuple[int, asyncio.Task]:
     """The shipped listener (its gate, cap, timeouts) on a free port; cancel the task to close it."""
-    plane = DataPlane(service, Gate(service, token), max_connections=1024)
+    plane = DataPlane(service, gate, max_connections=1024)
     port = await plane.start(host, 0)
 
     async def serve() -> None:
@@ -317,7 +241,6 @@ async def _serve_protocol(service: ParameterServerService, token: bytes | None, 
             await plane.close(grace_s=0)
 
     return port, asyncio.create_task(serve())
-
 
 async def _serve(argv: list[str]) -> int:
     """``cgx-ps server`` (main.py's ShardServer), plus the raw listener; the port file also
@@ -335,6 +258,8 @@ async def _serve(argv: list[str]) -> int:
     # the benchmark's variant of the listener's I/O (benchmarks/dataplane.py sets it)
     io = os.environ.get(IO_ENV, "sock")
     raw_port, acceptor = await serve_raw(server.service, server.token, config.host, tls, io)
+    if tls is None:  # advertised at Register: the nodes' ShardClient finds it there (TlsShardClient is told)
+        server.service.data_port = raw_port
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -353,45 +278,48 @@ async def _serve(argv: list[str]) -> int:
 
 # ---- the node's side -------------------------------------------------------------------------------
 
-class RawCall:
-    """One Exchange stream over a raw connection, an ExchangeCall (cgx_ps/worker/shards/exchange_call.py)
-    as the shipped plane's: ``write``, ``cancel`` and async iteration over the read results, ending
-    with StreamEnded carrying the shard's status (as gRPC's trailers would), UNAVAILABLE when the
-    connection breaks."""
+def raw_plane_client(address: str, node_id: str, nodes: int, layout: Any, security: Any, raw_port: int) -> ShardClient:
+    """A node whose Exchange streams go over the raw listener at ``raw_port``: the shipped
+    ShardClient on CGX_PS_DATAPLANE=raw (the shard advertises the port) in plaintext; under TLS,
+    which the shipped plane refuses, ``TlsShardClient``."""
+    if security.tls_ca:
+        return TlsShardClient(address, node_id, nodes, layout, security=security, raw_port=raw_port)
+    return ShardClient(address, node_id, nodes, layout, security=security, dataplane="raw")
+
+
+class TlsCall:
+    """One Exchange stream over a TLS connection to the listener, an ExchangeCall
+    (cgx_ps/worker/shards/exchange_call.py) as the worker's RawCall is, which is plaintext only:
+    the handshake of the framing, ``write``, ``cancel`` and async iteration over the results,
+    ending with StreamEnded carrying the shard's status (as gRPC's trailers would), UNAVAILABLE
+    when the connection breaks."""
 
     plane = "raw"
 
-    def __init__(self, frames: FrameSocket) -> None:
+    def __init__(self, frames: TlsFrameSocket) -> None:
         self.frames = frames
 
     @classmethod
-    async def open(cls, host: str, port: int, token: bytes, tls: ssl.SSLContext | None = None) -> "RawCall":
+    async def open(cls, host: str, port: int, token: bytes, tls: ssl.SSLContext) -> "TlsCall":
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
+        frames = None
         try:
             await asyncio.get_running_loop().sock_connect(sock, (host, port))
-            if tls is None:
-                frames = FrameSocket(sock)
-            else:
-                frames = TlsFrameSocket(sock, tls, server_side=False, server_hostname=host)
-                await frames.handshake()
-        except (OSError, ssl.SSLError) as exc:
-            sock.close()
-            raise StreamEnded("UNAVAILABLE", f"raw data plane {host}:{port}: {exc}") from None
-        call = cls(frames)
-        try:  # the handshake (cgx_ps/net/raw_frames.py): the opening, the shard's challenge, the proof
-            await frames.write(opening())
+            frames = TlsFrameSocket(sock, tls, server_side=False, server_hostname=host)
+            await frames.handshake()
+            await frames.write(opening())  # the handshake (cgx_ps/net/raw_frames.py): the proof of the token
             answer = await frames.read(MAX_CHALLENGE)
             nonce = parse_challenge(answer[1]).nonce if answer is not None and not answer[0] else b""
             if not nonce:
                 raise ConnectionResetError(f"no challenge from the shard: {answer!r:.200}")
             await frames.write(preface(proof(token, nonce)))
-        except (OSError, ssl.SSLError) as exc:
-            frames.close()
+        except (OSError, BadRequest) as exc:  # ssl.SSLError is an OSError
+            (frames or sock).close()
             raise StreamEnded("UNAVAILABLE", f"raw data plane {host}:{port}: {exc}") from None
-        return call
+        return cls(frames)
 
-    async def write(self, frame: bytes | memoryview) -> None:
+    async def write(self, frame: Any) -> None:
         try:
             await self.frames.write(frame)
         except OSError as exc:
@@ -405,46 +333,42 @@ class RawCall:
 
     async def _results(self):
         try:
-            while (frame := await self.frames.read(MAX_FRAME)) is not None:
+            while (frame := await self.frames.read()) is not None:
                 status, body = frame
                 if status:
                     name, details = parse_status(body)
-                    if name == "OK":  # the shipped listener's clean end
+                    if name == "OK":  # the listener's clean end
                         return
                     raise StreamEnded(name if name in grpc.StatusCode.__members__ else "UNKNOWN", details)
                 yield read_result(body)
-        except (OSError, ssl.SSLError, BadRequest) as exc:
+        except (OSError, BadRequest) as exc:
             raise StreamEnded("UNAVAILABLE", f"stream broke: {exc}") from None
 
 
-class _RawPlaneConnection(ShardConnection):
-    """ShardConnection (Register and everything else over gRPC) whose Exchange streams go over
-    the raw data plane at ``raw_port``, with the gRPC channel's TLS settings (``tls``)."""
+class _TlsPlaneConnection(ShardConnection):
+    """ShardConnection (Register and everything else over gRPC with TLS) whose Exchange streams go
+    over the TLS listener at ``raw_port``, with the gRPC channel's TLS files (security.py)."""
 
     raw_port = 0
-    token = b""  # the job token the gRPC calls carry in their metadata
     tls: ssl.SSLContext | None = None
 
-    async def open_exchange(self) -> RawCall:
-        return await RawCall.open(self.address.rsplit(":", 1)[0], self.raw_port, self.token, self.tls)
+    async def open_exchange(self) -> TlsCall:
+        if self.tls is None:  # the CA, a client certificate
+            self.tls = ssl.create_default_context(cafile=self.security.tls_ca)
+            if self.security.tls_cert:
+                self.tls.load_cert_chain(self.security.tls_cert, self.security.tls_key)
+        return await TlsCall.open(self.address.rsplit(":", 1)[0], self.raw_port, self._token, self.tls)
 
 
-class RawShardClient(ShardClient):
+class TlsShardClient(ShardClient):
     """ShardClient (its pushes, results, recovery and futures unchanged) whose Exchange streams go
-    over the raw data plane at ``raw_port``."""
+    over the TLS listener at ``raw_port``."""
 
-    connection_type = _RawPlaneConnection
+    connection_type = _TlsPlaneConnection
 
-    def __init__(self, *args, raw_port: int, **kwargs) -> None:
+    def __init__(self, *args: Any, raw_port: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection.raw_port = raw_port
-        meta = dict(self.connection.metadata)
-        self.connection.token = meta["authorization"][len("Bearer "):].encode() if "authorization" in meta else b""
-        sec = self.connection.security
-        if sec.tls_ca:  # the gRPC channel's settings (security.py): the CA, a client certificate
-            self.connection.tls = ssl.create_default_context(cafile=sec.tls_ca)
-            if sec.tls_cert:
-                self.connection.tls.load_cert_chain(sec.tls_cert, sec.tls_key)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from cgx_ps.net.security import ChannelSecurity, new_token_file
-from cgx_ps.worker.shards.client import ShardClient
 
 _dir = tempfile.mkdtemp(prefix="cgx-ps-test-token-")
 atexit.register(shutil.rmtree, _dir, True)

@@ -1,8 +1,10 @@
 """benchmarks/rawplane.py, the raw data plane benchmarks/dataplane.py measures gRPC against: its
 figures are honest only if it does the shard's own work. Over it, a round gives the shard's exact
-sum, and what the gRPC shard refuses (a wrong token, a corrupt push, an oversized message) is
-refused too, with the same status. A real in-process shard (gRPC for Register) and the raw
-listener beside it, on port 0."""
+sum to the shipped clients (ShardClient on CGX_PS_DATAPLANE=raw, the port advertised at Register
+as the benchmark's shard advertises it), and what the gRPC shard refuses (a wrong token, a corrupt
+push, an oversized message) is refused too, with the same status. A real in-process shard (gRPC
+for Register) and the raw listener beside it, on port 0; the refusals on connections driven by
+hand (test_stream_context.RawClient)."""
 
 from __future__ import annotations
 
@@ -10,18 +12,18 @@ import asyncio
 import contextlib
 import struct
 
-import grpc
 import pytest
 import torch
 
-from benchmarks.rawplane import MAX_FRAME, RawCall, RawShardClient, serve_raw
+from benchmarks.rawplane import MAX_FRAME, raw_plane_client, serve_raw
 from cgx_ps.model_layout import layout_hash
 from cgx_ps.server import ShardServer
 from cgx_ps.v1 import ps_pb2
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo
-from cgx_ps.worker.errors import StreamEnded
+from cgx_ps.worker.shards.client import ShardClient
 from rounds import check_aggregate, close, encode_block, make_layout
 from support import SECURITY
+from test_stream_context import TOKEN, WRONG, RawClient
 
 SHARD_SETTINGS = dict(round_timeout_s=5.0)
 LAYOUT = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_size=512))
@@ -30,15 +32,15 @@ LAYOUT = make_layout([TensorInfo("w", (64, 64))], Compression(bits=4, bucket_siz
 @pytest.fixture(params=["sock", "protocol"])  # the shard's two receive paths (rawplane.serve_raw)
 async def raw(shard: ShardServer, request):
     port, acceptor = await serve_raw(shard.service, shard.token, "127.0.0.1", io=request.param)
+    shard.service.data_port = port  # advertised at Register, as the benchmark's shard process does
     yield shard, port
     acceptor.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await acceptor
 
 
-async def _members(shard: ShardServer, port: int, n: int) -> list[RawShardClient]:
-    clients = [RawShardClient(f"127.0.0.1:{shard.port}", f"n{i}", n, LAYOUT, security=SECURITY, raw_port=port)
-               for i in range(n)]
+async def _members(shard: ShardServer, port: int, n: int) -> list[ShardClient]:
+    clients = [raw_plane_client(f"127.0.0.1:{shard.port}", f"n{i}", n, LAYOUT, SECURITY, port) for i in range(n)]
     for c in clients:
         await c.connect()
     return clients
@@ -54,6 +56,7 @@ async def test_a_round_over_the_raw_plane_gives_every_node_the_shards_exact_sum(
                                          10)
         assert bytes(results[0]) == bytes(results[1])
         check_aggregate(block, payloads, bytes(results[0]))
+        assert shard.metrics.registry.get_sample_value("cgx_ps_exchange_streams", {"shard": "0", "plane": "raw"}) == 2
     finally:
         await close(clients)
 
@@ -69,30 +72,23 @@ def _garbage_push() -> bytes:
                                                         data=b"\x07" * size)).SerializeToString()
 
 
-async def _read_all(call: RawCall) -> None:
-    async for _ in call:
-        pass
-
-
 @pytest.mark.parametrize("case", ["wrong token", "corrupt push", "oversized frame"])
 async def test_the_raw_plane_refuses_what_the_grpc_shard_refuses(raw, case: str) -> None:
     shard, port = raw
     (member,) = await _members(shard, port, 1)
     try:
-        token = b"not-the-job-token-0123456789" if case == "wrong token" else member.connection.token
-        call = await RawCall.open("127.0.0.1", port, token)
-        await call.write(_hello(member.node_id, member.session_id))
+        call = await RawClient.open(port, WRONG if case == "wrong token" else TOKEN)
+        await call.send(_hello(member.node_id, member.session_id))
         if case == "corrupt push":
-            await call.write(_garbage_push())
-            code, match = grpc.StatusCode.INVALID_ARGUMENT, "not a cgx-ps block"
+            await call.send(_garbage_push())
+            code, match = "INVALID_ARGUMENT", "not a cgx-ps block"
         elif case == "oversized frame":  # announced only: refused before a byte of it is buffered
-            await call.frames.loop.sock_sendall(call.frames.sock, struct.pack("<I", MAX_FRAME + 1))
-            code, match = grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_FRAME}"
+            call.writer.write(struct.pack("<I", MAX_FRAME + 1))
+            code, match = "INVALID_ARGUMENT", f"at most {MAX_FRAME}"
         else:
-            code, match = grpc.StatusCode.UNAUTHENTICATED, "token"
-        with pytest.raises(StreamEnded) as ended:
-            await asyncio.wait_for(_read_all(call), 10)
-        assert ended.value.code == code.name and match in ended.value.details, ended.value
-        call.cancel()
+            code, match = "UNAUTHENTICATED", "token"
+        ending = await asyncio.wait_for(call.ending(), 10)
+        assert ending[0] == code and match in ending[1], ending
+        call.writer.close()
     finally:
         await close([member])
