@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from cgx_ps.net.security import ChannelSecurity, new_token_file
+from cgx_ps.worker.shards.client import ShardClient
 
 _dir = tempfile.mkdtemp(prefix="cgx-ps-test-token-")
 atexit.register(shutil.rmtree, _dir, True)
@@ -57,6 +58,17 @@ def plane_settings(plane: str) -> dict[str, int]:
     """LocalCluster's settings for shards that serve ``plane``: on "grpc" as started by default (no
     data port), on "raw" with the raw data plane on a free port each, as ``--data-port 0`` opens it."""
     return {"data_base_port": 0 if plane == "raw" else -1}
+
+
+async def connect(server, layout, nodes: int, prefix: str = "node") -> list[ShardClient]:
+    """``nodes`` clients of the in-process shard ``server`` (nodes ``{prefix}-0`` ...), connected,
+    carrying the job token."""
+    clients = [ShardClient(f"127.0.0.1:{server.port}", f"{prefix}-{i}", nodes, layout, connect_timeout_s=5,
+                           security=SECURITY)
+               for i in range(nodes)]
+    for c in clients:
+        await c.connect()
+    return clients
 
 
 def interruptible(args: list[str], **popen_kwargs) -> subprocess.Popen:
