@@ -49,7 +49,8 @@ from typing import Any
 import grpc
 
 from cgx_ps.net.raw_frames import (MAX_CHALLENGE, MAX_FRAME, Frame, FrameReader, FrameTooLarge, frame_header, opening,
-                                   parse_challenge, parse_status, preface, proof, set_stream_options)
+                                   parse_challenge, parse_status, preface, proof, receive_frame,
+                                   set_stream_options)
 from cgx_ps.server.errors import BadRequest
 from cgx_ps.server.rpc.gate import Gate
 from cgx_ps.server.rpc.raw_listener import DataPlane
@@ -86,18 +87,10 @@ class FrameSocket:
         """The next frame; None at a clean EOF between frames. A frame over ``limit`` is refused
         on its header (BadRequest), EOF inside a frame is a ConnectionResetError."""
         self._reader.limit = limit
-        while True:
-            n = await self._recv_into(self._reader.buffer())
-            if n == 0:
-                if self._reader.started:
-                    raise ConnectionResetError("connection closed inside a frame")
-                return None
-            try:
-                frame = self._reader.advance(n)
-            except FrameTooLarge as exc:
-                raise BadRequest(str(exc)) from None
-            if frame is not None:
-                return frame
+        try:
+            return await receive_frame(self._reader, self._recv_into)
+        except FrameTooLarge as exc:
+            raise BadRequest(str(exc)) from None
 
     async def write(self, data: Any, status: bool = False) -> None:
         """One frame; ``data`` is sent as it is (the kernel copies it, Python does not)."""

@@ -41,7 +41,7 @@ import secrets
 import socket
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Awaitable, Callable, NamedTuple
 
 import numpy as np
 
@@ -50,7 +50,7 @@ from .channel_options import GRPC_OPTIONS
 __all__ = ["Frame", "FrameReader", "FrameTooLarge", "HEADER", "MAGIC", "MAX_CHALLENGE", "MAX_FRAME", "MAX_HELLO", "MAX_PREFACE", "MAX_STATUS_DETAILS",
            "MAX_TOKEN", "NONCE_BYTES", "PROOF_LABEL", "STATUS_BIT", "VERSION", "Challenge", "Preface", "challenge",
            "frame_header", "new_nonce", "opening", "parse_challenge", "parse_preface", "parse_status", "preface",
-           "proof", "set_stream_options", "split_header", "status_body"]
+           "proof", "receive_frame", "set_stream_options", "split_header", "status_body"]
 
 MAGIC = b"CGXD"  # "cgx-ps data": the first bytes of every connection, both ways
 VERSION = 2  # of this framing (2: the challenge-response handshake); a mismatch is refused with a status naming both
@@ -247,3 +247,28 @@ class FrameReader:
         body, status = self._body, self._status
         self.reset()
         return Frame(status, body.tobytes() if len(body) < SMALL_FRAME else body)
+
+
+async def receive_frame(reader: FrameReader, recv_into: Callable[[memoryview], Awaitable[int]]) -> Frame | None:
+    """The next frame of a stream socket, received in place into ``reader``'s buffers.
+
+    Args:
+        reader: the connection's decoder, its ``limit`` set for this frame.
+        recv_into: receives into a buffer (a socket's ``sock_recv_into``); the bytes received, 0 at EOF.
+
+    Returns:
+        The frame, or None at EOF between frames.
+
+    Raises:
+        ConnectionResetError: EOF inside a frame.
+        FrameTooLarge: the frame's header announces more than ``reader.limit`` bytes.
+    """
+    while True:
+        n = await recv_into(reader.buffer())
+        if n == 0:
+            if reader.started:
+                raise ConnectionResetError("connection closed inside a frame")
+            return None
+        frame = reader.advance(n)
+        if frame is not None:
+            return frame

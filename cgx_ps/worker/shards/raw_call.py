@@ -17,7 +17,8 @@ import grpc
 
 from ...net.addresses import host_port
 from ...net.raw_frames import (MAX_CHALLENGE, MAX_FRAME, Frame, FrameReader, FrameTooLarge, frame_header, opening,
-                               parse_challenge, parse_status, preface, proof, set_stream_options)
+                               parse_challenge, parse_status, preface, proof, receive_frame,
+                               set_stream_options)
 from ..errors import StreamEnded
 
 __all__ = ["CONNECT_TIMEOUT_S", "RawCall"]
@@ -64,18 +65,10 @@ class _FrameSocket:
         """The next frame; None at EOF between frames. A frame over ``limit`` (a shard sends none)
         is refused on its header, before it is allocated."""
         self._reader.limit = limit
-        while True:
-            n = await self._io(self.loop.sock_recv_into(self.sock, self._reader.buffer()))
-            if n == 0:
-                if self._reader.started:
-                    raise ConnectionResetError("connection closed inside a frame")
-                return None
-            try:
-                frame = self._reader.advance(n)
-            except FrameTooLarge as exc:
-                raise ConnectionResetError(f"{exc}, from the shard") from None
-            if frame is not None:
-                return frame
+        try:
+            return await receive_frame(self._reader, lambda view: self._io(self.loop.sock_recv_into(self.sock, view)))
+        except FrameTooLarge as exc:
+            raise ConnectionResetError(f"{exc}, from the shard") from None
 
     async def write(self, data: Any) -> None:
         view = memoryview(data)
