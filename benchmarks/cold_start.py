@@ -13,8 +13,8 @@ the in-tree caches). Per tree:
 2. a second worker, cold too, on the same shard (now warm): seconds from its start to its first
    completed compressed step.
 
-3. Codec speed (the two kernel packages imported side by side in this process, ops interleaved,
-   best of ``--repeats``): 4-bit quantize, dequantize, dequantize-accumulate, and a shard's sum of
+3. Codec speed (the two kernel packages imported side by side in this process, one thread each,
+   ops interleaved, best of ``--repeats``): 4-bit quantize, dequantize, dequantize-accumulate, and a shard's sum of
    two pushes re-encoded (EncodedSum), at ``--numel`` elements.
 """
 
@@ -113,6 +113,8 @@ def _load_kernels(tree: Path, name: str):
 
 def codec_speed(trees: dict[str, Path], numel: int, repeats: int) -> list[dict]:
     kernels = {label: _load_kernels(tree, f"{label}_kernels") for label, tree in trees.items()}
+    for k in kernels.values():  # one thread: the kernels' speed, not how a loaded machine schedules a pool
+        k.cpu.set_num_threads(1)
     x = torch.randn(numel)
     y = torch.empty_like(x)
 

@@ -123,7 +123,7 @@ def _levels_stochastic(xs, mn, scale, max_level, lv, base, key):
 @numba.njit(inline="always")
 def _encode_bucket(xs, xbits, start, b, meta, packed, bits, stochastic, key, lv, status):
     """Encode bucket b (elements [start, start + len(xs)) of the tensor) into meta and packed,
-    leaving its levels in lv; False (and status set, as _encode_range says) if it cannot be."""
+    leaving its levels in lv; False (and status set, as encode_kernel says) if it cannot be."""
     end = start + xs.shape[0]
     max_level = np.int32((1 << bits) - 1)
     zero = np.float32(0.0)
