@@ -91,13 +91,14 @@ def parts(show_asm: bool) -> None:
     import torch
 
     from cgx_ps.kernels import cpu, quantize
-    from cgx_ps.kernels.cpu import _levels_nearest, _levels_stochastic, _pack, _scan, _unpack
+    from cgx_ps.kernels.cpu_loops import _levels_nearest, _levels_stochastic, _scan, sum_kernel
+    from cgx_ps.kernels.cpu_packing import pack as _pack, unpack as _unpack
     from cgx_ps.kernels.wire import HEADER_SIZE
 
     numel, bucket, bits, nodes = 1 << 20, 1024, 4, 4
 
     @numba.njit(nogil=True)
-    def decode(rows, metas, bits):  # the pushes of each bucket into an L1 scratch buffer, as _sum_range
+    def decode(rows, metas, bits):  # the pushes of each bucket into an L1 scratch buffer, as the sum kernel
         x = np.empty(bucket, dtype=np.float32)
         lv = np.empty(bucket, dtype=np.uint8)
         total = np.float32(0.0)
@@ -176,12 +177,12 @@ def parts(show_asm: bool) -> None:
     print(f"| the fused call, nearest | {median_ms(fused, False):.3f} |")
     if show_asm:
         pieces = {"decode": decode, "scan": scan, "levels": levels, "pack": pack,
-                  "fused": numba.njit(nogil=True)(cpu._sum_range.py_func)}
+                  "fused": numba.njit(nogil=True)(sum_kernel(bits).py_func)}
         fused(True)
         nb = numel // bucket
         status = np.full(2, -1, dtype=np.int64)
         levels_at = np.array([r.ctypes.data for r in rows], dtype=np.uint64)
-        pieces["fused"](levels_at, metas, nodes, numel, bits, bucket, cpu._NO_F32, False, True, cpu._NO_F32, False,
+        pieces["fused"](levels_at, metas, nodes, numel, bucket, cpu._NO_F32, False, True, cpu._NO_F32, False,
                         meta, packed, True, np.uint32(7), 0, nb, status)
         for name, fn in pieces.items():
             for asm in fn.inspect_asm().values():

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-# numba compiles the kernels once here (about a minute cold), so the tests' processes load them
+# numba compiles every width's kernels once here (1-1.5 min cold), so the tests' processes load them
 .venv/bin/python -m cgx_ps.kernels.warm
 # --durations: the slowest tests, so a CI log shows where the time budget goes
 exec .venv/bin/python -m pytest -q --durations=15 "$@"

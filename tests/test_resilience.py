@@ -239,7 +239,7 @@ def test_a_shard_not_back_within_the_recovery_timeout_fails_every_worker(tmp_pat
 def test_a_stopped_shard_fails_every_worker_within_its_round_timeout_and_10s(tmp_path: Path, local_cluster) -> None:
     round_timeout = 3
     cluster = local_cluster(2, round_timeout=round_timeout)
-    workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 180 s
+    workers = start_workers(cluster.addresses, tmp_path, 10_000)  # recovery timeout: the default 60 s
     wait_for_rounds(cluster.addresses[1], 3, workers)
     results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=30)
     for r, (code, err, exited) in enumerate(results):

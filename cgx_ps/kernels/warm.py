@@ -1,39 +1,91 @@
-"""Compile and load every CPU kernel a shard round and a worker step use, once.
+"""Compile (or load from numba's cache) the CPU kernels a job needs before it needs them.
 
-numba compiles the kernels on first use and caches them next to the sources (``__pycache__``).
-A cold compile takes 60-90 s on a 2-core machine, so a shard runs this before it serves (its
-first rounds would otherwise stall), and ``scripts/test.sh`` runs it once up front (``python -m
-cgx_ps.kernels.warm``) so that concurrent test processes load from the cache instead of each
-compiling. Images do not ship a cache: numba's cache is keyed to the CPU it was compiled on.
+numba compiles a kernel on its first call and caches it on disk (``__pycache__`` next to the
+sources, or ``NUMBA_CACHE_DIR``). Each bit width has kernels of its own (``cpu_loops``), so a
+process compiles only the widths it meets: cold, a shard's 4-bit summing kernel takes about 4 s
+of one core and a worker's 4-bit encoding and decoding kernels about 3.5 s (every width: 25-35 s),
+loading them from the cache about a second (benchmarks/cold_start.py).
+
+- ``warm_in_background(bits, role)``: a shard starts it for the default width as it starts
+  serving, a worker for its compression's widths as it sets up; a round that needs a kernel still
+  being compiled waits for it (numba compiles under one lock), and any other width is compiled
+  lazily on first use.
+- ``warm_kernels()``: every width, now (``python -m cgx_ps.kernels.warm``): ``scripts/test.sh``
+  runs it once so that concurrent test processes load every kernel from the cache.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from typing import Iterable, Literal
 
+import numpy as np
 import torch
 
+from . import cpu
 from .decoding import dequantize
+from .encoding import quantize
 from .feedback import ErrorFeedback, encode_block
 from .summation import EncodedSum
 from .wire import Codec
 
-__all__ = ["warm_kernels"]
+__all__ = ["ALL_WIDTHS", "DEFAULT_WIDTH", "Role", "warm_in_background", "warm_kernels", "warm_width"]
+
+ALL_WIDTHS = tuple(range(1, 9))
+DEFAULT_WIDTH = 4  # the workers' default compression, "4bit" (worker/pipeline/blocks.py)
+Role = Literal["shard", "worker", "both"]
+
+log = logging.getLogger(__name__)
 
 
-def warm_kernels() -> None:
-    """Run every kernel a round uses once, on a tiny block."""
+def warm_width(bits: int, role: Role = "both") -> None:
+    """Run, on a tiny block, every kernel a round of ``bits``-bit max-min quantization uses in a
+    shard (validating pushes, summing and re-encoding them) or a worker (encoding with error
+    feedback, validating and decoding the result)."""
     values = torch.linspace(-1.0, 1.0, 1024)
-    # FP16 and BF16: mixed precision's gradients, whose non-finite scan is its own kernel
-    for codec, bits in ((Codec.MAXMIN, 4), (Codec.FP32, 32), (Codec.FP16, 16), (Codec.BF16, 16)):
-        for stochastic in (False, True):
-            payload = encode_block(values, codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1,
-                                   feedback=ErrorFeedback()).to_bytes()
-            total = EncodedSum(1024, parts=2)  # the round's sum (server/rounds/aggregator.py)
-            total.add(payload)
-            total.add(payload)
-            total.encode(codec, bits=bits, bucket_size=512, stochastic=stochastic, seed=1, feedback=ErrorFeedback())
-            dequantize(payload, out=torch.empty_like(values))  # a worker's decode
+    cpu.first_bad_meta(np.zeros(2, dtype=np.float32), bits)
+    if role == "shard":  # a push as a worker sends it; a shard compiles no encoding kernel of its own
+        push = quantize(values, bits, 512, stochastic=True, seed=1, impl="reference").to_bytes()
+    else:  # the encoding, and the decoding into the residual
+        push = encode_block(values.clone(), Codec.MAXMIN, bits=bits, bucket_size=512, stochastic=True, seed=1,
+                            feedback=ErrorFeedback()).to_bytes()
+    if role in ("shard", "both"):
+        total = EncodedSum(1024, parts=2)  # the round's sum (server/rounds/aggregator.py)
+        total.add(push)
+        total.add(push)
+        total.encode(Codec.MAXMIN, bits=bits, bucket_size=512, stochastic=True, seed=1, feedback=ErrorFeedback())
+
+
+def warm_kernels(widths: Iterable[int] = ALL_WIDTHS) -> None:
+    """Every kernel of these widths, and the float codecs' non-finite scans, now."""
+    values = torch.linspace(-1.0, 1.0, 1024)
+    for codec, bits in ((Codec.FP32, 32), (Codec.FP16, 16), (Codec.BF16, 16)):  # mixed precision's gradients
+        dequantize(encode_block(values, codec, bits=bits, bucket_size=512, stochastic=False, seed=1).to_bytes(),
+                   out=torch.empty_like(values))
+    for bits in widths:
+        warm_width(bits)
+
+
+def warm_in_background(widths: Iterable[int], role: Role) -> threading.Thread:
+    """Start a daemon thread that warms these widths' kernels for ``role``; a failure is logged
+    (the kernel is then compiled on first use, where its error surfaces)."""
+    widths = tuple(widths)
+
+    def run() -> None:
+        started = time.perf_counter()
+        try:
+            for bits in widths:
+                warm_width(bits, role)
+        except Exception:  # noqa: BLE001 - a warm-up must never take the process down
+            log.exception("warming the %s kernels of widths %s failed", role, widths)
+            return
+        log.info("kernels of widths %s ready for the %s in %.1f s", widths, role, time.perf_counter() - started)
+
+    thread = threading.Thread(target=run, name="cgx-kernel-warm", daemon=True)
+    thread.start()
+    return thread
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ CHUNK_BYTES = 1 << 20
 # when no round is running (a worker evaluating or checkpointing between steps sends no data).
 # The last two are the server's side of that: gRPC servers by default refuse pings without data
 # more often than every 5 minutes and, after two "strikes", drop the connection with GOAWAY
-# too_many_pings, which cut off workers idle for ~95 s.
+# too_many_pings, which cut off workers idle for ~95 s. A worker started with its shards retries
+# while they start; gRPC's own reconnect backoff (1 s growing 1.6x, to 120 s) let a shard that
+# came up 7 s after its worker wait for the 6th attempt, at 16-26 s: with attempts at most 1 s
+# apart, a worker connects within a second of the shard serving.
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 8 << 20),
     ("grpc.max_send_message_length", 8 << 20),
@@ -24,6 +27,8 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 

@@ -19,7 +19,7 @@ from prometheus_client import start_http_server
 
 from .. import timeline
 from ..net.addresses import bare_host, host_port
-from ..kernels.warm import warm_kernels
+from ..kernels.warm import DEFAULT_WIDTH, warm_in_background
 from ..net.security import CredentialError, read_token
 from .process.allocator import keep_freed_memory
 from .config import GRPC_OPTIONS, HEALTH_PORT_CALLS, ServerConfig
@@ -123,11 +123,11 @@ class ShardServer:
     async def start(self) -> None:
         self._timeline = timeline.start_shard(self.config.timeline, self.config.timeline_steps,
                                               self.config.shard_index, self.config.num_shards)
-        # Before serving: a restarted shard must sum its first rounds at full speed. Loading the
-        # kernels from numba's cache takes about a second (benchmarks/recovery.py); compiling
-        # them cold (a new pod's empty cache) 60-90 s on one core, which the startupProbe and the
-        # workers' CGX_PS_RECOVERY_TIMEOUT allow for.
-        await asyncio.get_running_loop().run_in_executor(self.executor, warm_kernels)
+        # Serve at once and have the default width's kernels ready by the first round: loading
+        # them from numba's cache takes about a second, compiling them cold (a new pod's empty
+        # cache) about 4 s of one core (kernels/warm.py). A round that needs them sooner, or
+        # another width, waits for its compile.
+        warm_in_background([DEFAULT_WIDTH], "shard")
         server = grpc.aio.server(options=GRPC_OPTIONS + _EXCLUSIVE_PORT,
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         gate = add_parameter_server(server, self.service, self.token, status=self.status)

@@ -17,7 +17,7 @@
                                                        or cuda
     CGX_PS_RECOVERY_TIMEOUT                            seconds to wait for a shard that went away
                                                        (restart, dropped connection) before failing
-                                                       (default 180; 0: fail at once)
+                                                       (default 60; 0: fail at once)
     CGX_PS_CODEC_THREADS                               codec threads of this process (default 0:
                                                        sized for the host, threads.plan_threads)
     CGX_PS_DATAPLANE                                   how pushes and results travel: auto (the
@@ -99,10 +99,10 @@ class WorkerConfig:
     # how long to retry an unreachable shard at start
     connect_timeout_s: float = 60.0
     # how long to wait for a shard that went away while training (restarted, connection dropped)
-    # before failing with ShardUnavailableError; 0 fails at once. A recreated shard pod compiles
-    # its kernels before it serves (60-90 s cold on one core: kernels/warm.py): 180 s covers that
-    # and the pod's rescheduling
-    recovery_timeout_s: float = 180.0
+    # before failing with ShardUnavailableError; 0 fails at once. A recreated shard pod serves
+    # within seconds of its start, its kernels compiling meanwhile (kernels/warm.py): 60 s covers
+    # that and the pod's rescheduling
+    recovery_timeout_s: float = 60.0
     # the training job, shared by all its workers (lets a shard tell a new job from a restart)
     job_id: str = ""
     # which start of the job (torchrun counts its restarts): a higher one starts a new shard session
@@ -198,7 +198,7 @@ class WorkerConfig:
                      node_rank=node_rank, num_nodes=num_nodes,
                      servers=servers,
                      connect_timeout_s=num("CGX_PS_CONNECT_TIMEOUT", 60.0),
-                     recovery_timeout_s=num("CGX_PS_RECOVERY_TIMEOUT", 180.0),
+                     recovery_timeout_s=num("CGX_PS_RECOVERY_TIMEOUT", 60.0),
                      job_id=env.get("CGX_PS_JOB_ID", ""),
                      incarnation=num("CGX_PS_INCARNATION", num("TORCHELASTIC_RESTART_COUNT", 0)),
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",

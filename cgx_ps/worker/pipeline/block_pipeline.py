@@ -46,6 +46,7 @@ import torch
 
 from ... import timeline
 from ...kernels import ErrorFeedback
+from ...kernels.warm import warm_in_background
 from ...v1 import ps_pb2
 from .arrivals import StepArrivals
 from .block_exchange import BlockExchange, BlockState
@@ -90,6 +91,11 @@ class BlockPipeline(StepEnd):
         # NVRTC or a missing CuPy fails here, at setup, not at the first max-min gradient
         block_devices = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
         compile_cuda_codecs([b.codec.codec for b in layout.blocks], block_devices)
+        # and the CPU kernels of the widths in use compile while the job sets up (kernels/warm.py)
+        cpu_widths = {b.codec.bits for b, d in zip(layout.blocks, block_devices)
+                      if d.type == "cpu" and b.codec.codec == ps_pb2.CODEC_MAXMIN}
+        if cpu_widths:
+            warm_in_background(sorted(cpu_widths), "worker")
         self._exchanged = False  # a block went to the shards in this session (a resume must come first)
         self._to_shards = False  # a block went to the shards in this step
         self._reducer = node_reducer(layout, config, set(devices.values()), engine.round_timeout_s,
