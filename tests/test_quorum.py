@@ -126,8 +126,9 @@ def test_bad_quorum_settings_fail_at_init_naming_the_variable():
 
 def test_the_grace_starts_with_the_quorums_last_push_only_when_rounds_may_close_short():
     rule = QuorumRule(nodes=4, quorum=3, grace_s=0.05)
-    assert [rule.starts_grace(n) for n in (1, 2, 3)] == [False, False, True]
-    assert not QuorumRule(nodes=4).active and not QuorumRule(nodes=4, quorum=4).starts_grace(4)
+    assert [rule.starts_grace(n, nodes_seen=4) for n in (1, 2, 3)] == [False, False, True]
+    assert not rule.starts_grace(3, nodes_seen=3)  # a node not up yet: the job's first rounds wait for all
+    assert not QuorumRule(nodes=4).active and not QuorumRule(nodes=4, quorum=4).starts_grace(4, 4)
 
 
 def test_round_history_keeps_the_last_rounds_and_tells_a_late_push_from_a_retry():

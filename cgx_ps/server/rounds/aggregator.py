@@ -87,6 +87,7 @@ class Aggregator:
             for block in self.blocks.values():
                 block.history = RoundHistory(self.rule.keep_rounds)
         self._closing: set[asyncio.Task] = set()  # rounds closing after their grace
+        self._seen: set[str] = set()  # nodes that pushed in time in this session (QuorumRule.starts_grace)
 
     # ---- queries used by the service ----------------------------------------------------------
 
@@ -213,9 +214,7 @@ class Aggregator:
         loop = asyncio.get_running_loop()
         first = not block.pushed
         arrived = time.monotonic()
-        # A push that is only checked (then kept where it arrived) is kept right here; any other takes one hop
-        # to a kernel thread, where the push completing the round is summed and encoded too
-        # (module doc, threads.keeps_on_loop)
+        # only checked: kept right here; else one hop to a kernel thread, which also sums a completed round
         try:
             if keeps_on_loop(len(payload), block.sum.keeps(header), completes):
                 kept = self._keep(block, round_, node_id, payload, None)
@@ -229,6 +228,7 @@ class Aggregator:
             block.first_push_at = arrived
             block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
         block.pushed[node_id] = member
+        self._seen.add(node_id)
         block.round_encoding = encoding
         block.round_non_finite = non_finite
         if self.metrics:
@@ -237,7 +237,7 @@ class Aggregator:
                 self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
         if kept is not None:
             self._finish(block, round_, kept, arrived)
-        elif self.rule.starts_grace(len(block.pushed)):
+        elif self.rule.starts_grace(len(block.pushed), len(self._seen)):
             block.grace = loop.call_later(self.rule.grace_s, self._grace_over, block, round_)
         return PushOutcome(accepted=True)
 

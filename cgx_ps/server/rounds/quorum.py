@@ -45,9 +45,12 @@ class QuorumRule:
     def active(self) -> bool:
         return 0 < self.quorum < self.nodes
 
-    def starts_grace(self, pushed: int) -> bool:
-        """Does the ``pushed``-th node's push of a round (not the last node's) start its grace?"""
-        return self.active and pushed == self.quorum
+    def starts_grace(self, pushed: int, nodes_seen: int) -> bool:
+        """Does the ``pushed``-th node's push of a round (not the last node's) start its grace,
+        ``nodes_seen`` nodes having pushed in this session so far? Not before every node has: at
+        the job's start the first node up would run ahead of the others (they start seconds
+        apart), so a job's first rounds wait for every node, as without a quorum."""
+        return self.active and pushed == self.quorum and nodes_seen == self.nodes
 
 
 @dataclass

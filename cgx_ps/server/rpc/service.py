@@ -235,7 +235,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             stream.stop(self._rejected(stream, exc))
             return
         finally:
-            self.inflight.release(len(payload))
+            if not chunk.fetch:  # a fetch took no push budget (assembler.add)
+                self.inflight.release(len(payload))
         if not chunk.fetch and session.aggregator.rule.active:
             said = session.late.note(stream.node_id, outcome.late_next is not None)
             if said:
