@@ -4,7 +4,8 @@
 #
 #   deploy/build-wheelhouse.sh [--gpu] [DIR]     # default DIR: $CGX_PS_CACHE/wheelhouse
 #
-# The wheels are for CPython 3.11 (the base images' Python) on this machine's architecture, at
+# The wheels are for CPython $PYTHON_VERSION (default 3.11, the CPU image's Python; 3.12 for the
+# CUDA base of deploy/Dockerfile.gpu) on this machine's architecture, at
 # the versions deploy/constraints.txt pins. pip runs with this machine's configuration, so a
 # torch build found through its find-links or indexes (`pip config list`) is taken first;
 # otherwise torch comes from TORCH_INDEX_URL (the PyTorch CPU index). --gpu adds CuPy
@@ -18,6 +19,7 @@ dir=${1:-${CGX_PS_CACHE:-/var/cache/cgx-ps}/wheelhouse${extra:+-$extra}}
 torch_spec=${TORCH_SPEC:-torch==2.13.0}
 torch_index=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 py=${PYTHON:-python3}
+pyver=${PYTHON_VERSION:-3.11}
 
 # The runtime requirements, read from pyproject.toml so that this list is never written twice.
 mapfile -t reqs < <("$py" - "$extra" <<'PY'
@@ -30,7 +32,7 @@ PY
 )
 # setuptools and wheel: the build backend pip needs to install cgx-ps from its source tree.
 reqs+=(setuptools wheel)
-key=$(printf '%s\n' "$torch_spec" "${reqs[@]}" | cat - deploy/constraints.txt | sha256sum | cut -c1-16)
+key=$(printf '%s\n' "$pyver" "$torch_spec" "${reqs[@]}" | cat - deploy/constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$dir/.complete" 2>/dev/null)" = "$key" ]; then
   echo "build-wheelhouse: $dir is up to date" >&2
   exit 0
@@ -38,7 +40,7 @@ fi
 mkdir -p "$dir"
 rm -f "$dir/.complete"
 download() {
-  "$py" -m pip download --quiet --dest "$dir" --python-version 3.11 --only-binary=:all: \
+  "$py" -m pip download --quiet --dest "$dir" --python-version "$pyver" --only-binary=:all: \
     --constraint deploy/constraints.txt "$@"
 }
 echo "build-wheelhouse: downloading into $dir..." >&2
