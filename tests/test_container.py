@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 IMAGE = os.environ.get("CGX_PS_TEST_IMAGE", "")
-# A host directory shared by every container as the numba kernel cache, so that the kernels are
-# compiled once per machine and image rather than once per container start.
+# A volume (or host directory) every container mounts as its numba kernel cache, so that the
+# kernels are compiled once per machine and image rather than at every container start.
 NUMBA_CACHE = os.environ.get("CGX_PS_TEST_NUMBA_CACHE", "")
 TOKEN_IN_CONTAINER = "/run/secrets/cgx-ps/token"
 IMAGE_UID = 10001  # deploy/Dockerfile's USER
@@ -133,11 +133,14 @@ def network(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Network]:
 
 @pytest.fixture(scope="module")
 def shards(network: Network) -> Network:
+    # One after the other: with an empty kernel cache the first compiles the kernels (a minute on
+    # two cores) and the second loads them, where two at once would compile them twice.
     for i in range(2):
+        began = time.monotonic()
         network.start_shard(i)
-    began = time.monotonic()
-    network.cli("wait-for-shards", "--timeout", "300", timeout=330)
-    print(f"\ncontainer test: both shard containers serving {time.monotonic() - began:.1f} s after start")
+        network.cli("wait-for-shards", "--servers", f"shard-{i}:7070", "--num-shards", "1",
+                    "--interval", "0.5", "--timeout", "300", timeout=330)
+        print(f"\ncontainer test: shard {i} serving {time.monotonic() - began:.1f} s after its container started")
     return network
 
 
