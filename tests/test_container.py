@@ -100,6 +100,8 @@ class Network:
         for rank in range(2):
             self.run(f"{job}-node-{rank}", "--standalone", "--nproc-per-node=1", "/app/examples/train.py",
                      "--data", "synthetic", "--epochs", str(EPOCHS), "--json", entrypoint="torchrun",
+                     # A recovery timeout above the default: the restarted shard's container
+                     # competes for the cores with three others.
                      env={"CGX_PS_NUM_NODES": "2", "CGX_PS_NODE_RANK": str(rank), "CGX_PS_JOB_ID": job,
                           "CGX_PS_RECOVERY_TIMEOUT": "120"})
             names.append(f"{self.name}-{job}-node-{rank}")
