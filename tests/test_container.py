@@ -135,8 +135,8 @@ def network(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Network]:
 
 @pytest.fixture(scope="module")
 def shards(network: Network) -> Network:
-    # One after the other: with an empty kernel cache the first compiles the kernels (a minute on
-    # two cores) and the second loads them, where two at once would compile them twice.
+    # One after the other: with an empty kernel cache the first compiles the kernels and the
+    # second loads them, where two at once would compile them twice on the same cores.
     for i in range(2):
         began = time.monotonic()
         network.start_shard(i)
