@@ -16,6 +16,7 @@ loading them from the cache about a second (benchmarks/cold_start.py).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -85,6 +86,10 @@ def warm_in_background(widths: Iterable[int], role: Role) -> threading.Thread:
 
     thread = threading.Thread(target=run, name="cgx-kernel-warm", daemon=True)
     thread.start()
+    # A daemon thread cut off inside numba's compiler as the interpreter exits aborts the process
+    # (SIGABRT, exit -6): a process that ends within seconds of its start (a shard stopped at
+    # once, a worker whose setup failed) waits for the compile first, a few seconds at most.
+    atexit.register(thread.join)
     return thread
 
 
