@@ -1,7 +1,7 @@
 """Stragglers: quorum rounds (CGX_PS_QUORUM) against waiting for every node, in one run.
 
     .venv/bin/python benchmarks/stragglers.py [--nodes 8] [--steps 200] [--compute-ms 100]
-                                              [--stall-p 0.02] [--stall-s 1] [--json FILE]
+                                              [--stall-p 0.02] [--stall-s 1] [--grace-ms 50] [--json FILE]
 
 N worker processes (one node each) train a small MLP with DistributedOptimizer (4-bit) against
 two local shards. Accelerator compute is emulated so the 2 cores are not the limit: each step
@@ -140,7 +140,7 @@ def main() -> None:
     p.add_argument("--compute-ms", type=float, default=100.0)
     p.add_argument("--stall-p", type=float, default=0.02)
     p.add_argument("--stall-s", type=float, default=1.0)
-    p.add_argument("--grace-ms", type=int, default=20)
+    p.add_argument("--grace-ms", type=int, default=50, help="CGX_PS_GRACE_MS (its default)")
     p.add_argument("--slow-node", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--scenarios", default="none,stalls,slow")

@@ -124,11 +124,20 @@ def test_bad_quorum_settings_fail_at_init_naming_the_variable():
     assert not WorkerConfig.from_env({**env, "CGX_PS_QUORUM": "4"}).has_quorum  # every node: no quorum
 
 
-def test_the_grace_starts_with_the_quorums_last_push_only_when_rounds_may_close_short():
+def test_a_round_waits_starts_its_grace_at_the_quorum_or_closes_when_only_nodes_behind_are_missing():
     rule = QuorumRule(nodes=4, quorum=3, grace_s=0.05)
-    assert [rule.starts_grace(n, nodes_seen=4) for n in (1, 2, 3)] == [False, False, True]
-    assert not rule.starts_grace(3, nodes_seen=3)  # a node not up yet: the job's first rounds wait for all
-    assert not QuorumRule(nodes=4).active and not QuorumRule(nodes=4, quorum=4).starts_grace(4, 4)
+    last = {"a": 9, "b": 9, "c": 9, "d": 9}  # every node pushed round 9: round 10 under way
+    assert [rule.after_push("abc"[:n], last, 10, nodes_seen=4) for n in (1, 2, 3)] == ["wait", "wait", "grace"]
+    assert rule.after_push("abc", last, 10, nodes_seen=3) == "wait"  # a node not up yet: the first rounds wait for all
+    # d's latest push was round 9 or 8 (late once): it gets the grace; round 7 or older: it is
+    # behind (stalled, or catching up), and waiting for it would only cost the grace
+    assert rule.after_push("abc", last, 10, nodes_seen=4) == "grace"
+    assert rule.after_push("abc", {**last, "d": 8}, 10, nodes_seen=4) == "grace"
+    assert rule.after_push("abc", {**last, "d": 7}, 10, nodes_seen=4) == "close"
+    assert rule.after_push("ab", {**last, "c": 5, "d": 5}, 10, nodes_seen=4) == "wait"  # below the quorum
+    assert rule.after_push("abcd"[:3], last, 10, nodes_seen=4) == "grace"
+    assert not QuorumRule(nodes=4).active
+    assert QuorumRule(nodes=4, quorum=4).after_push("abc", last, 10, 4) == "wait"  # every node: no quorum
 
 
 def test_round_history_keeps_the_last_rounds_and_tells_a_late_push_from_a_retry():
@@ -157,3 +166,50 @@ def test_a_node_late_in_a_quarter_of_its_pushes_is_named_once_per_window():
     assert len(lines) == 3 and all("node node-3" in s for s in lines)  # once per window of 8 (24 pushes), not per push
     assert not any(watch.note("node-1", late=False) for _ in range(20))
     assert watch.total["node-3"] == 8
+
+
+async def test_a_late_push_is_answered_with_its_rounds_result_and_summed_once_into_the_next_round(start_shard):
+    """Exact, with fp32 blocks: round 0 closes with A and B (contributors 2); C's late push of
+    round 0 gets that result and a LateNotice, and is summed into round 1 (A1 + B1 + C0, 3);
+    a retry of it is not summed again; a fetch of round 0 gets the same bytes."""
+    import asyncio
+
+    from cgx_ps.kernels import Codec, contributors_of, dequantize, encode
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.shards.client import ShardClient
+    from support import SECURITY
+
+    shard = await start_shard(round_timeout_s=30)
+    layout = build_layout([TensorInfo("w", (1000,))], 1, Compression(bits=None), block_bytes=1 << 20)
+    block = layout.blocks[0].block_id
+    clients = [ShardClient(f"127.0.0.1:{shard.port}", f"node-{i}", 3, layout, connect_timeout_s=5, security=SECURITY,
+                           job_id="carry", quorum=2, grace_ms=100) for i in range(3)]
+    try:
+        for c in clients:
+            await c.connect()
+        grads = {(i, r): torch.randn(1000, generator=torch.Generator().manual_seed(10 * i + r)) for i in range(3)
+                 for r in range(2)}
+
+        def push(i: int, r: int) -> bytes:
+            return encode(grads[(i, r)], Codec.FP32, bits=32, bucket_size=0).to_bytes()
+
+        # every node's first round (a job's first rounds wait for every node), then round 1 without C
+        first = await asyncio.gather(*[c.exchange(block, 0, push(i, 0)) for i, c in enumerate(clients)])
+        assert contributors_of(first[0]) == 3 and len(set(map(bytes, first))) == 1
+        a, b = await asyncio.gather(clients[0].exchange(block, 1, push(0, 1)), clients[1].exchange(block, 1, push(1, 1)))
+        assert bytes(a) == bytes(b) and contributors_of(a) == 2  # closed by the grace, without C
+        assert torch.equal(dequantize(bytes(a)), grads[(0, 1)] + grads[(1, 1)])
+        late = await clients[2].exchange(block, 1, push(2, 1))  # C, late: round 1's bytes, at once
+        assert bytes(late) == bytes(a)
+        assert clients[2].stream.late == {block: 2}  # told the block is at round 2
+        again = await clients[2].fetch(block, 1)
+        assert bytes(again) == bytes(a)
+        grads.update({(i, 2): torch.randn(1000, generator=torch.Generator().manual_seed(100 + i)) for i in range(3)})
+        pushes = [encode(grads[(i, 2)], Codec.FP32, bits=32, bucket_size=0).to_bytes() for i in range(3)]
+        results = await asyncio.gather(*[c.exchange(block, 2, pushes[i]) for i, c in enumerate(clients)])
+        assert len(set(map(bytes, results))) == 1 and contributors_of(results[0]) == 4  # three nodes + C's carried
+        expected = grads[(0, 2)] + grads[(1, 2)] + grads[(2, 2)] + grads[(2, 1)]
+        assert torch.allclose(dequantize(bytes(results[0])), expected, atol=1e-5, rtol=0)
+    finally:
+        for c in clients:
+            await c.close()

@@ -87,7 +87,7 @@ class Aggregator:
             for block in self.blocks.values():
                 block.history = RoundHistory(self.rule.keep_rounds)
         self._closing: set[asyncio.Task] = set()  # rounds closing after their grace
-        self._seen: set[str] = set()  # nodes that pushed in time in this session (QuorumRule.starts_grace)
+        self._seen: set[str] = set()  # nodes that pushed in time in this session (QuorumRule.after_push)
 
     # ---- queries used by the service ----------------------------------------------------------
 
@@ -228,6 +228,7 @@ class Aggregator:
             block.first_push_at = arrived
             block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
         block.pushed[node_id] = member
+        block.last_rounds[node_id] = round_
         self._seen.add(node_id)
         block.round_encoding = encoding
         block.round_non_finite = non_finite
@@ -237,7 +238,9 @@ class Aggregator:
                 self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
         if kept is not None:
             self._finish(block, round_, kept, arrived)
-        elif self.rule.starts_grace(len(block.pushed), len(self._seen)):
+        elif (action := self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen))) == "close":
+            self._grace_over(block, round_)
+        elif action == "grace":
             block.grace = loop.call_later(self.rule.grace_s, self._grace_over, block, round_)
         return PushOutcome(accepted=True)
 
@@ -249,7 +252,7 @@ class Aggregator:
                 raise SessionEnded(f"session failed earlier: {self.failed.message}")
             return fetch_round(block, self.rule, node_id, member, round_)
 
-    def _grace_over(self, block: BlockState, round_: int) -> None:
+    def _grace_over(self, block: BlockState, round_: int) -> None:  # or no need to wait (QuorumRule.after_push)
         task = asyncio.ensure_future(self._close_without_the_rest(block, round_))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)

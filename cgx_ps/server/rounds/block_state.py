@@ -72,6 +72,7 @@ class BlockState:
     # it without the slowest nodes, the closed rounds late nodes may still need, and the nodes
     # that fetch a round not closed yet (round -> node -> member)
     carried: int = 0
+    last_rounds: dict[str, int] = field(default_factory=dict)  # node -> its latest round pushed, in time or late
     grace: asyncio.TimerHandle | None = None
     history: RoundHistory | None = None
     fetchers: dict[int, dict[str, int]] = field(default_factory=dict)

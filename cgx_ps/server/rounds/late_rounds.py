@@ -36,6 +36,7 @@ async def carry_late_push(block: BlockState, node_id: str, member: int, round_: 
     except CodecError as exc:
         raise BadRequest(f"block {block.spec.block_id} round {round_}: {exc}") from None
     closed_round.late[node_id] = member
+    block.last_rounds[node_id] = max(round_, block.last_rounds.get(node_id, round_))
     return PushOutcome(accepted=True, resend=late.result, late_next=block.round)
 
 

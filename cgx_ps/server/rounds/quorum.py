@@ -17,19 +17,22 @@ node divides by that. A node that fell several rounds behind fetches the results
 (PushChunk.fetch) and applies them without recomputing them (the worker's catch-up).
 
 The decisions are small functions of their inputs: ``cgx_ps.quorum_settings.quorum_problem``
-(the settings), ``QuorumRule.starts_grace`` and ``RoundHistory.late_outcome`` (what a late push
-or a fetch is).
+(the settings), ``QuorumRule.after_push`` (whether a round waits, starts its grace or closes)
+and ``RoundHistory.late_outcome`` (what a late push or a fetch is).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Collection, Literal, Mapping
 
 from ..errors import BadRequest, WrongRound
 from ..rpc.push_frames import ResultFrames
 
-__all__ = ["ClosedRound", "LateOutcome", "LateWatch", "QuorumRule", "RoundHistory"]
+__all__ = ["ClosedRound", "LateOutcome", "LateWatch", "QuorumRule", "RoundAction", "RoundHistory"]
+
+RoundAction = Literal["wait", "grace", "close"]  # QuorumRule.after_push
 
 @dataclass(frozen=True)
 class QuorumRule:
@@ -45,12 +48,28 @@ class QuorumRule:
     def active(self) -> bool:
         return 0 < self.quorum < self.nodes
 
-    def starts_grace(self, pushed: int, nodes_seen: int) -> bool:
-        """Does the ``pushed``-th node's push of a round (not the last node's) start its grace,
-        ``nodes_seen`` nodes having pushed in this session so far? Not before every node has: at
-        the job's start the first node up would run ahead of the others (they start seconds
-        apart), so a job's first rounds wait for every node, as without a quorum."""
-        return self.active and pushed == self.quorum and nodes_seen == self.nodes
+    def after_push(self, pushed: Collection[str], last_rounds: Mapping[str, int], round_: int,
+                   nodes_seen: int) -> RoundAction:
+        """What a round of a block does after a push that did not complete it: ``pushed``: the
+        nodes that pushed it so far; ``last_rounds``: the latest round each node pushed of the
+        block (in time or late); ``nodes_seen``: nodes that pushed in this session so far.
+
+        - "wait": for more pushes. Always before every node has pushed once (at the job's start
+          the first node up would run ahead of the others, which start seconds apart), and
+          before ``quorum`` nodes have pushed.
+        - "close": now. The nodes still missing are *behind*: their latest push is two rounds or
+          more older than this one (a stalled node, or one catching up), so waiting for them
+          would only cost the grace. A node one round behind (late once, say by jitter) still
+          gets the grace: without it, a node whose late push of the previous round comes after
+          the others' pushes of this one would be late again, round after round.
+        - "grace": close after the grace unless the rest come; said once, at the quorum's push.
+        """
+        if not self.active or nodes_seen < self.nodes or len(pushed) < self.quorum:
+            return "wait"
+        behind = sum(1 for node, last in last_rounds.items() if node not in pushed and last < round_ - 2)
+        if len(pushed) + behind >= self.nodes:
+            return "close"
+        return "grace" if len(pushed) == self.quorum else "wait"
 
 
 @dataclass
