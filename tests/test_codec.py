@@ -323,9 +323,21 @@ def _payload() -> bytes:
 
 def _with_header(payload: bytes, **changes: int) -> bytes:
     fields = dict(zip(["magic", "version", "codec", "bits", "flags", "numel", "bucket_size", "crc",
-                       "reserved"], struct.unpack_from("<4sBBBBQII8s", payload)))
+                       "contributors", "reserved"], struct.unpack_from("<4sBBBBQIII4s", payload)))
     fields.update(changes)
-    return struct.pack("<4sBBBBQII8s", *fields.values()) + payload[HEADER_SIZE:]
+    return struct.pack("<4sBBBBQIII4s", *fields.values()) + payload[HEADER_SIZE:]
+
+
+def test_a_results_contributors_travel_in_its_header_outside_the_crc() -> None:
+    from cgx_ps.kernels import contributors_of, decode_header, set_contributors
+
+    payload = bytearray(_payload())
+    assert contributors_of(payload) == 0 and decode_header(payload).contributors == 0  # every node's
+    set_contributors(memoryview(payload), 7)
+    assert contributors_of(payload) == 7 and decode_header(payload).contributors == 7  # still valid: no crc change
+    assert dequantize(bytes(payload)).equal(dequantize(_payload()))  # the values are the body's alone
+    with pytest.raises(CodecError, match="contributors must be"):
+        set_contributors(memoryview(payload), -1)
 
 
 @pytest.mark.parametrize(
@@ -342,7 +354,7 @@ def _with_header(payload: bytes, **changes: int) -> bytes:
         (lambda p: _with_header(p, bits=12), "bits must be in 1..8"),
         (lambda p: _with_header(p, numel=3001), "header declares 3001 elements"),
         (lambda p: _with_header(p, flags=0x80), "unknown header flags"),
-        (lambda p: _with_header(p, reserved=b"\1" * 8), "reserved header bytes"),
+        (lambda p: _with_header(p, reserved=b"\1" * 4), "reserved header bytes"),
         (lambda p: p[:-5] + bytes([p[-5] ^ 0xFF]) + p[-4:], "crc32"),
     ],
 )

@@ -7,7 +7,8 @@
 Per shard: health (SERVING, NOT_SERVING, or DOWN with the reason) from the open gRPC health
 service; from the Status RPC, which needs the job token (CGX_PS_TOKEN_FILE): the raw data plane's
 port (DATA; "off" when the shard has none, and its workers stream over gRPC), the session and its
-job, members (nodes x local ranks), rounds completed, bytes in/out per second, in-flight bytes
+job, members (nodes x local ranks), the quorum (K/N, the grace, late pushes per node; "-" when
+rounds wait for every node), rounds completed, bytes in/out per second, in-flight bytes
 against the cap, and the shard's last logged error. Rates are counter differences over the
 shard's own clock between two samples: consecutive refreshes with --watch, otherwise two samples
 --sample seconds apart.
@@ -130,7 +131,7 @@ def _bytes(n: float) -> str:
 def _row(r: ShardReport) -> list[str]:
     s = r.status
     if s is None:
-        return [str(r.index), r.address, r.health] + ["-"] * 8 + ["; ".join(r.problems) or r.health_detail]
+        return [str(r.index), r.address, r.health] + ["-"] * 9 + ["; ".join(r.problems) or r.health_detail]
     state = ps_pb2.SessionState.Name(s.session_state).removeprefix("SESSION_STATE_").lower()
     members = "-"
     if s.nodes_registered:
@@ -144,13 +145,21 @@ def _row(r: ShardReport) -> list[str]:
     if s.last_error:
         error = (error + "; " if error else "") + f"{s.last_error} ({s.last_error_age_s:.0f}s ago)"
     return [str(r.index), r.address, "DRAINING" if s.draining else r.health, str(s.data_port or "off"),
-            state + (f" {s.job_id}" if s.job_id else ""), members, rounds,
+            state + (f" {s.job_id}" if s.job_id else ""), members, _quorum(s), rounds,
             _bytes(r.rates["bytes_in"]) + "/s" if "bytes_in" in r.rates else "-",
             _bytes(r.rates["bytes_out"]) + "/s" if "bytes_out" in r.rates else "-",
             f"{_bytes(s.inflight_bytes)}/{_bytes(s.max_inflight_bytes)}", str(s.rounds_failed), error or "-"]
 
 
-_HEADER = ["SHARD", "ADDRESS", "HEALTH", "DATA", "SESSION JOB", "NODES x RANKS", "ROUNDS", "IN", "OUT",
+def _quorum(s: ps_pb2.StatusResponse) -> str:
+    """QUORUM: "-" (rounds wait for every node), else K/N, the grace and the late pushes per node."""
+    if not s.quorum:
+        return "-"
+    late = " ".join(f"{node}:{count}" for node, count in zip(s.late_nodes, s.late_pushes))
+    return f"{s.quorum}/{s.num_nodes} +{s.grace_ms}ms" + (f" late {late}" if late else "")
+
+
+_HEADER = ["SHARD", "ADDRESS", "HEALTH", "DATA", "SESSION JOB", "NODES x RANKS", "QUORUM", "ROUNDS", "IN", "OUT",
            "IN-FLIGHT/CAP", "FAILED", "LAST ERROR"]
 
 
@@ -170,6 +179,7 @@ def to_json(reports: Sequence[ShardReport]) -> dict:
         status = None
         if r.status is not None:
             status = {f.name: getattr(r.status, f.name) for f in r.status.DESCRIPTOR.fields}
+            status.update({k: list(v) for k, v in status.items() if not isinstance(v, (int, float, str, bool))})
             status["session_state"] = ps_pb2.SessionState.Name(r.status.session_state)
         shards.append({"shard": r.index, "address": r.address, "health": r.health, "health_detail": r.health_detail,
                        "ok": r.ok, "problems": r.problems, "status": status,

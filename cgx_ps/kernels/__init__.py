@@ -18,7 +18,7 @@ from .encoding import EncodedBlock, Impl, PayloadScratch, encode, non_finite_blo
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block, encode_with_feedback
 from .summation import EncodedSum
-from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size
+from .wire import HEADER_SIZE, WIRE_VERSION, Codec, Header, body_size, contributors_of, set_contributors
 
 __all__ = [
     "Codec",
@@ -32,6 +32,8 @@ __all__ = [
     "PayloadScratch",
     "WIRE_VERSION",
     "body_size",
+    "contributors_of",
+    "set_contributors",
     "check_payload",
     "decode_header",
     "dequantize",

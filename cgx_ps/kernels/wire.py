@@ -35,14 +35,22 @@ __all__ = [
     "num_buckets",
     "split_maxmin_body",
     "parse_header",
+    "contributors_of",
+    "set_contributors",
+    "CONTRIBUTORS_OFFSET",
     "pack_header",
     "validate_settings",
 ]
 
 MAGIC = b"CGXB"
 WIRE_VERSION = 1
-# magic, version, codec, bits, flags, numel, bucket_size, crc32(body), 8 reserved zero bytes
-_HEADER = struct.Struct("<4sBBBBQII8s")
+# magic, version, codec, bits, flags, numel, bucket_size, crc32(body), contributors, 4 reserved
+# zero bytes
+_HEADER = struct.Struct("<4sBBBBQIII4s")
+# A shard's result of a quorum round (server/rounds/quorum.py) says how many gradients it sums:
+# the nodes that pushed in time and the late pushes carried into it. 0: every node's, once (a
+# push, and every result of a job without a quorum). Outside the crc, which covers the body.
+CONTRIBUTORS_OFFSET = 24
 HEADER_SIZE = _HEADER.size  # 32: keeps the float32 metadata that follows 8-byte aligned
 FLAG_STOCHASTIC = 0x01
 # The tensor held NaN/Inf (or values its codec cannot represent): the payload is the header
@@ -50,7 +58,8 @@ FLAG_STOCHASTIC = 0x01
 # one rank must reach every rank as non-finite, so every rank skips the same step.
 FLAG_NONFINITE = 0x02
 _KNOWN_FLAGS = FLAG_STOCHASTIC | FLAG_NONFINITE
-_RESERVED = bytes(8)
+_RESERVED = bytes(4)
+MAX_CONTRIBUTORS = (1 << 32) - 1
 MAX_BUCKET_SIZE = 1 << 24
 
 
@@ -74,6 +83,7 @@ class Header:
     numel: int
     bucket_size: int
     crc32: int
+    contributors: int = 0  # gradients a shard's quorum round summed (CONTRIBUTORS_OFFSET); 0: every node's
 
     @property
     def stochastic(self) -> bool:
@@ -133,8 +143,21 @@ def split_maxmin_body(body: np.ndarray, numel: int, bucket_size: int) -> tuple[n
 def pack_header(header: Header) -> bytes:
     return _HEADER.pack(
         MAGIC, WIRE_VERSION, int(header.codec), header.bits, header.flags,
-        header.numel, header.bucket_size, header.crc32, _RESERVED,
+        header.numel, header.bucket_size, header.crc32, header.contributors, _RESERVED,
     )
+
+
+def contributors_of(payload: bytes | bytearray | memoryview) -> int:
+    """How many gradients a result sums (its header's contributors), 0 for every node's once;
+    the payload's header must have been checked (``parse_header``)."""
+    return int.from_bytes(memoryview(payload)[CONTRIBUTORS_OFFSET:CONTRIBUTORS_OFFSET + 4], "little")
+
+
+def set_contributors(payload: memoryview, count: int) -> None:
+    """Write into an encoded block's header how many gradients it sums (a quorum round's result)."""
+    if not 0 <= count <= MAX_CONTRIBUTORS:
+        raise CodecError(f"contributors must be in 0..{MAX_CONTRIBUTORS}, got {count}")
+    payload[CONTRIBUTORS_OFFSET:CONTRIBUTORS_OFFSET + 4] = count.to_bytes(4, "little")
 
 
 def parse_header(payload: bytes | bytearray | memoryview) -> Header:
@@ -142,7 +165,7 @@ def parse_header(payload: bytes | bytearray | memoryview) -> Header:
     size = len(payload)
     if size < HEADER_SIZE:
         raise CodecError(f"payload truncated: {size} bytes, a block header alone is {HEADER_SIZE}")
-    magic, version, codec_id, bits, flags, numel, bucket_size, crc, reserved = _HEADER.unpack_from(
+    magic, version, codec_id, bits, flags, numel, bucket_size, crc, contributors, reserved = _HEADER.unpack_from(
         payload, 0
     )
     if magic != MAGIC:
@@ -163,7 +186,7 @@ def parse_header(payload: bytes | bytearray | memoryview) -> Header:
         # fixed by the codec: a stray value here must not pass as "another encoding"
         raise CodecError(f"{codec.name} header must say bits={8 * _ELEMENT_BYTES[codec]} bucket_size=0, "
                          f"got bits={bits} bucket_size={bucket_size}")
-    header = Header(codec, bits, flags, numel, bucket_size, crc)
+    header = Header(codec, bits, flags, numel, bucket_size, crc, contributors)
     expected = HEADER_SIZE + header.body_size
     if size != expected:
         kind = "truncated" if size < expected else "too long"

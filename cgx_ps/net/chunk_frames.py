@@ -56,6 +56,7 @@ class ChunkFrame:
     offset: int
     data: bytes | memoryview
     restore: bool = False  # a push's: a recovering node's last result for a resumed session (ps.proto)
+    fetch: bool = False  # a push's: a late node asks for a round's result (quorum rounds; protobuf-parsed)
 
 
 def encode_varint(value: int) -> bytes:

@@ -21,7 +21,8 @@ class ShardMetrics:
                                 ["shard"], registry=r).labels(**labels)
         self.bytes_out = Counter("cgx_ps_bytes_out", "Aggregated block bytes sent, all nodes",
                                  ["shard"], registry=r).labels(**labels)
-        self.pushes = Counter("cgx_ps_pushes", "Block pushes by node and outcome",
+        self.pushes = Counter("cgx_ps_pushes", "Block pushes by node and outcome (accepted, duplicate, rejected; "
+                              "late: after a quorum round closed without it, carried into the next)",
                               ["shard", "node", "outcome"], registry=r)
         self.rounds = Counter("cgx_ps_rounds", "Block rounds aggregated", ["shard"],
                               registry=r).labels(**labels)
@@ -51,7 +52,7 @@ class ShardMetrics:
         self._shard = str(shard_index)
         # labels() builds and checks its key and takes a lock on every call; a push is counted per
         # message on the event loop, so each (node, outcome) child is looked up once. Bounded as the
-        # metric's own children are: one per node id that pushed, and three outcomes.
+        # metric's own children are: one per node id that pushed, and four outcomes.
         self._push_counters: dict[tuple[str, str], Counter] = {}
 
     @property

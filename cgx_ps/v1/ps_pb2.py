@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x63gx_ps/v1/ps.proto\x12\tcgx_ps.v1\"g\n\rCodecSettings\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.cgx_ps.v1.Codec\x12\x0c\n\x04\x62its\x18\x02 \x01(\r\x12\x13\n\x0b\x62ucket_size\x18\x03 \x01(\r\x12\x12\n\nstochastic\x18\x04 \x01(\x08\"{\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\'\n\x05\x63odec\x18\x04 \x01(\x0b\x32\x18.cgx_ps.v1.CodecSettings\x12\x18\n\x10\x61llow_non_finite\x18\x05 \x01(\x08\">\n\x07Segment\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\"\x8a\x01\n\tBlockSpec\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\'\n\x05\x63odec\x18\x04 \x01(\x0b\x32\x18.cgx_ps.v1.CodecSettings\x12$\n\x08segments\x18\x05 \x03(\x0b\x32\x12.cgx_ps.v1.Segment\"j\n\x06Layout\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.cgx_ps.v1.TensorSpec\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.cgx_ps.v1.BlockSpec\x12\x12\n\nnum_shards\x18\x03 \x01(\r\"\xca\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnum_nodes\x18\x02 \x01(\r\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.cgx_ps.v1.Layout\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x05 \x01(\t\x12\x0e\n\x06job_id\x18\x06 \x01(\t\x12\x0e\n\x06member\x18\x07 \x01(\r\x12\x0e\n\x06resume\x18\x08 \x01(\x08\x12\x13\n\x0bincarnation\x18\t \x01(\r\"\xe5\x01\n\x10RegisterResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0bnext_rounds\x18\x04 \x03(\x04\x12\x16\n\x0eserver_version\x18\x05 \x01(\t\x12\x17\n\x0fround_timeout_s\x18\x06 \x01(\x01\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x13\n\x0bincarnation\x18\t \x01(\r\x12\x11\n\tdata_port\x18\n \x01(\r\"b\n\x0f\x45xchangeRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.cgx_ps.v1.HelloH\x00\x12$\n\x04push\x18\x02 \x01(\x0b\x32\x14.cgx_ps.v1.PushChunkH\x00\x42\x06\n\x04kind\"Q\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x0e\n\x06member\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\"p\n\tPushChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0f\n\x07restore\x18\x06 \x01(\x08\"h\n\x10\x45xchangeResponse\x12$\n\x04pull\x18\x01 \x01(\x0b\x32\x14.cgx_ps.v1.PullChunkH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.cgx_ps.v1.RoundErrorH\x00\x42\x06\n\x04kind\"_\n\tPullChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"U\n\nRoundError\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x15\n\rmissing_nodes\x18\x04 \x03(\t\"\x80\x01\n\tBlobChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06member\x18\x06 \x01(\r\x12\x12\n\nsession_id\x18\x07 \x01(\t\"\x11\n\x0fPutBlobResponse\"D\n\x0eGetBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x12\n\nsession_id\x18\x03 \x01(\t\"G\n\nBlockCodec\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\'\n\x05\x63odec\x18\x02 \x01(\x0b\x32\x18.cgx_ps.v1.CodecSettings\"\x82\x01\n\x10SetCodecsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nfrom_round\x18\x02 \x01(\x04\x12%\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x15.cgx_ps.v1.BlockCodec\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06resume\x18\x05 \x01(\x08\"\x13\n\x11SetCodecsResponse\"\x1a\n\nProbeChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x1e\n\rProbeResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"\x0f\n\rStatusRequest\"\xc9\x04\n\x0eStatusResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x16\n\x0eserver_version\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12.\n\rsession_state\x18\x07 \x01(\x0e\x32\x17.cgx_ps.v1.SessionState\x12\x0e\n\x06job_id\x18\x08 \x01(\t\x12\x11\n\tnum_nodes\x18\t \x01(\r\x12\x18\n\x10nodes_registered\x18\n \x01(\r\x12\x1a\n\x12members_registered\x18\x0b \x01(\r\x12\x14\n\x0cstreams_open\x18\x0c \x01(\r\x12\x14\n\x0c\x62locks_owned\x18\r \x01(\r\x12\x18\n\x10rounds_completed\x18\x0e \x01(\x04\x12\x0e\n\x06idle_s\x18\x0f \x01(\x01\x12\x14\n\x0crounds_total\x18\x10 \x01(\x04\x12\x15\n\rrounds_failed\x18\x11 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x12 \x01(\x04\x12\x11\n\tbytes_out\x18\x13 \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x14 \x01(\x04\x12\x16\n\x0einflight_bytes\x18\x15 \x01(\x04\x12\x1a\n\x12max_inflight_bytes\x18\x16 \x01(\x04\x12\x12\n\nlast_error\x18\x17 \x01(\t\x12\x18\n\x10last_error_age_s\x18\x18 \x01(\x01\x12\x11\n\tdata_port\x18\x19 \x01(\r*`\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x10\n\x0c\x43ODEC_MAXMIN\x10\x04*\x91\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_NONE\x10\x01\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x02\x12\x16\n\x12SESSION_STATE_IDLE\x10\x03\x12\x18\n\x14SESSION_STATE_FAILED\x10\x04\x32\xdf\x03\n\x0fParameterServer\x12\x43\n\x08Register\x12\x1a.cgx_ps.v1.RegisterRequest\x1a\x1b.cgx_ps.v1.RegisterResponse\x12G\n\x08\x45xchange\x12\x1a.cgx_ps.v1.ExchangeRequest\x1a\x1b.cgx_ps.v1.ExchangeResponse(\x01\x30\x01\x12=\n\x07PutBlob\x12\x14.cgx_ps.v1.BlobChunk\x1a\x1a.cgx_ps.v1.PutBlobResponse(\x01\x12<\n\x07GetBlob\x12\x19.cgx_ps.v1.GetBlobRequest\x1a\x14.cgx_ps.v1.BlobChunk0\x01\x12\x46\n\tSetCodecs\x12\x1b.cgx_ps.v1.SetCodecsRequest\x1a\x1c.cgx_ps.v1.SetCodecsResponse\x12:\n\x05Probe\x12\x15.cgx_ps.v1.ProbeChunk\x1a\x18.cgx_ps.v1.ProbeResponse(\x01\x12=\n\x06Status\x12\x18.cgx_ps.v1.StatusRequest\x1a\x19.cgx_ps.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x63gx_ps/v1/ps.proto\x12\tcgx_ps.v1\"g\n\rCodecSettings\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.cgx_ps.v1.Codec\x12\x0c\n\x04\x62its\x18\x02 \x01(\r\x12\x13\n\x0b\x62ucket_size\x18\x03 \x01(\r\x12\x12\n\nstochastic\x18\x04 \x01(\x08\"{\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\'\n\x05\x63odec\x18\x04 \x01(\x0b\x32\x18.cgx_ps.v1.CodecSettings\x12\x18\n\x10\x61llow_non_finite\x18\x05 \x01(\x08\">\n\x07Segment\x12\x14\n\x0ctensor_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\"\x8a\x01\n\tBlockSpec\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\'\n\x05\x63odec\x18\x04 \x01(\x0b\x32\x18.cgx_ps.v1.CodecSettings\x12$\n\x08segments\x18\x05 \x03(\x0b\x32\x12.cgx_ps.v1.Segment\"j\n\x06Layout\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.cgx_ps.v1.TensorSpec\x12$\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x14.cgx_ps.v1.BlockSpec\x12\x12\n\nnum_shards\x18\x03 \x01(\r\"\xec\x01\n\x0fRegisterRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tnum_nodes\x18\x02 \x01(\r\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.cgx_ps.v1.Layout\x12\x13\n\x0blayout_hash\x18\x04 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x05 \x01(\t\x12\x0e\n\x06job_id\x18\x06 \x01(\t\x12\x0e\n\x06member\x18\x07 \x01(\r\x12\x0e\n\x06resume\x18\x08 \x01(\x08\x12\x13\n\x0bincarnation\x18\t \x01(\r\x12\x0e\n\x06quorum\x18\n \x01(\r\x12\x10\n\x08grace_ms\x18\x0b \x01(\r\"\xe5\x01\n\x10RegisterResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0bnext_rounds\x18\x04 \x03(\x04\x12\x16\n\x0eserver_version\x18\x05 \x01(\t\x12\x17\n\x0fround_timeout_s\x18\x06 \x01(\x01\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x13\n\x0bincarnation\x18\t \x01(\r\x12\x11\n\tdata_port\x18\n \x01(\r\"b\n\x0f\x45xchangeRequest\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.cgx_ps.v1.HelloH\x00\x12$\n\x04push\x18\x02 \x01(\x0b\x32\x14.cgx_ps.v1.PushChunkH\x00\x42\x06\n\x04kind\"Q\n\x05Hello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0blayout_hash\x18\x02 \x01(\t\x12\x0e\n\x06member\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\x7f\n\tPushChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0f\n\x07restore\x18\x06 \x01(\x08\x12\r\n\x05\x66\x65tch\x18\x07 \x01(\x08\"\x8f\x01\n\x10\x45xchangeResponse\x12$\n\x04pull\x18\x01 \x01(\x0b\x32\x14.cgx_ps.v1.PullChunkH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.cgx_ps.v1.RoundErrorH\x00\x12%\n\x04late\x18\x03 \x01(\x0b\x32\x15.cgx_ps.v1.LateNoticeH\x00\x42\x06\n\x04kind\"A\n\nLateNotice\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x12\n\nnext_round\x18\x03 \x01(\x04\"_\n\tPullChunk\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"U\n\nRoundError\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x15\n\rmissing_nodes\x18\x04 \x03(\t\"\x80\x01\n\tBlobChunk\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06member\x18\x06 \x01(\r\x12\x12\n\nsession_id\x18\x07 \x01(\t\"\x11\n\x0fPutBlobResponse\"D\n\x0eGetBlobRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12\x12\n\nsession_id\x18\x03 \x01(\t\"G\n\nBlockCodec\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\'\n\x05\x63odec\x18\x02 \x01(\x0b\x32\x18.cgx_ps.v1.CodecSettings\"\x82\x01\n\x10SetCodecsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nfrom_round\x18\x02 \x01(\x04\x12%\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x15.cgx_ps.v1.BlockCodec\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06resume\x18\x05 \x01(\x08\"\x13\n\x11SetCodecsResponse\"\x1a\n\nProbeChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x1e\n\rProbeResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\"\x0f\n\rStatusRequest\"\x94\x05\n\x0eStatusResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x16\n\x0eserver_version\x18\x03 \x01(\t\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12.\n\rsession_state\x18\x07 \x01(\x0e\x32\x17.cgx_ps.v1.SessionState\x12\x0e\n\x06job_id\x18\x08 \x01(\t\x12\x11\n\tnum_nodes\x18\t \x01(\r\x12\x18\n\x10nodes_registered\x18\n \x01(\r\x12\x1a\n\x12members_registered\x18\x0b \x01(\r\x12\x14\n\x0cstreams_open\x18\x0c \x01(\r\x12\x14\n\x0c\x62locks_owned\x18\r \x01(\r\x12\x18\n\x10rounds_completed\x18\x0e \x01(\x04\x12\x0e\n\x06idle_s\x18\x0f \x01(\x01\x12\x14\n\x0crounds_total\x18\x10 \x01(\x04\x12\x15\n\rrounds_failed\x18\x11 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x12 \x01(\x04\x12\x11\n\tbytes_out\x18\x13 \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x14 \x01(\x04\x12\x16\n\x0einflight_bytes\x18\x15 \x01(\x04\x12\x1a\n\x12max_inflight_bytes\x18\x16 \x01(\x04\x12\x12\n\nlast_error\x18\x17 \x01(\t\x12\x18\n\x10last_error_age_s\x18\x18 \x01(\x01\x12\x11\n\tdata_port\x18\x19 \x01(\r\x12\x0e\n\x06quorum\x18\x1a \x01(\r\x12\x10\n\x08grace_ms\x18\x1b \x01(\r\x12\x12\n\nlate_nodes\x18\x1c \x03(\t\x12\x13\n\x0blate_pushes\x18\x1d \x03(\x04*`\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_FP16\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x10\n\x0c\x43ODEC_MAXMIN\x10\x04*\x91\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_NONE\x10\x01\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x02\x12\x16\n\x12SESSION_STATE_IDLE\x10\x03\x12\x18\n\x14SESSION_STATE_FAILED\x10\x04\x32\xdf\x03\n\x0fParameterServer\x12\x43\n\x08Register\x12\x1a.cgx_ps.v1.RegisterRequest\x1a\x1b.cgx_ps.v1.RegisterResponse\x12G\n\x08\x45xchange\x12\x1a.cgx_ps.v1.ExchangeRequest\x1a\x1b.cgx_ps.v1.ExchangeResponse(\x01\x30\x01\x12=\n\x07PutBlob\x12\x14.cgx_ps.v1.BlobChunk\x1a\x1a.cgx_ps.v1.PutBlobResponse(\x01\x12<\n\x07GetBlob\x12\x19.cgx_ps.v1.GetBlobRequest\x1a\x14.cgx_ps.v1.BlobChunk0\x01\x12\x46\n\tSetCodecs\x12\x1b.cgx_ps.v1.SetCodecsRequest\x1a\x1c.cgx_ps.v1.SetCodecsResponse\x12:\n\x05Probe\x12\x15.cgx_ps.v1.ProbeChunk\x1a\x18.cgx_ps.v1.ProbeResponse(\x01\x12=\n\x06Status\x12\x18.cgx_ps.v1.StatusRequest\x1a\x19.cgx_ps.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cgx_ps.v1.ps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=2712
-  _globals['_CODEC']._serialized_end=2808
-  _globals['_SESSIONSTATE']._serialized_start=2811
-  _globals['_SESSIONSTATE']._serialized_end=2956
+  _globals['_CODEC']._serialized_start=2943
+  _globals['_CODEC']._serialized_end=3039
+  _globals['_SESSIONSTATE']._serialized_start=3042
+  _globals['_SESSIONSTATE']._serialized_end=3187
   _globals['_CODECSETTINGS']._serialized_start=33
   _globals['_CODECSETTINGS']._serialized_end=136
   _globals['_TENSORSPEC']._serialized_start=138
@@ -46,41 +46,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYOUT']._serialized_start=468
   _globals['_LAYOUT']._serialized_end=574
   _globals['_REGISTERREQUEST']._serialized_start=577
-  _globals['_REGISTERREQUEST']._serialized_end=779
-  _globals['_REGISTERRESPONSE']._serialized_start=782
-  _globals['_REGISTERRESPONSE']._serialized_end=1011
-  _globals['_EXCHANGEREQUEST']._serialized_start=1013
-  _globals['_EXCHANGEREQUEST']._serialized_end=1111
-  _globals['_HELLO']._serialized_start=1113
-  _globals['_HELLO']._serialized_end=1194
-  _globals['_PUSHCHUNK']._serialized_start=1196
-  _globals['_PUSHCHUNK']._serialized_end=1308
-  _globals['_EXCHANGERESPONSE']._serialized_start=1310
-  _globals['_EXCHANGERESPONSE']._serialized_end=1414
-  _globals['_PULLCHUNK']._serialized_start=1416
-  _globals['_PULLCHUNK']._serialized_end=1511
-  _globals['_ROUNDERROR']._serialized_start=1513
-  _globals['_ROUNDERROR']._serialized_end=1598
-  _globals['_BLOBCHUNK']._serialized_start=1601
-  _globals['_BLOBCHUNK']._serialized_end=1729
-  _globals['_PUTBLOBRESPONSE']._serialized_start=1731
-  _globals['_PUTBLOBRESPONSE']._serialized_end=1748
-  _globals['_GETBLOBREQUEST']._serialized_start=1750
-  _globals['_GETBLOBREQUEST']._serialized_end=1818
-  _globals['_BLOCKCODEC']._serialized_start=1820
-  _globals['_BLOCKCODEC']._serialized_end=1891
-  _globals['_SETCODECSREQUEST']._serialized_start=1894
-  _globals['_SETCODECSREQUEST']._serialized_end=2024
-  _globals['_SETCODECSRESPONSE']._serialized_start=2026
-  _globals['_SETCODECSRESPONSE']._serialized_end=2045
-  _globals['_PROBECHUNK']._serialized_start=2047
-  _globals['_PROBECHUNK']._serialized_end=2073
-  _globals['_PROBERESPONSE']._serialized_start=2075
-  _globals['_PROBERESPONSE']._serialized_end=2105
-  _globals['_STATUSREQUEST']._serialized_start=2107
-  _globals['_STATUSREQUEST']._serialized_end=2122
-  _globals['_STATUSRESPONSE']._serialized_start=2125
-  _globals['_STATUSRESPONSE']._serialized_end=2710
-  _globals['_PARAMETERSERVER']._serialized_start=2959
-  _globals['_PARAMETERSERVER']._serialized_end=3438
+  _globals['_REGISTERREQUEST']._serialized_end=813
+  _globals['_REGISTERRESPONSE']._serialized_start=816
+  _globals['_REGISTERRESPONSE']._serialized_end=1045
+  _globals['_EXCHANGEREQUEST']._serialized_start=1047
+  _globals['_EXCHANGEREQUEST']._serialized_end=1145
+  _globals['_HELLO']._serialized_start=1147
+  _globals['_HELLO']._serialized_end=1228
+  _globals['_PUSHCHUNK']._serialized_start=1230
+  _globals['_PUSHCHUNK']._serialized_end=1357
+  _globals['_EXCHANGERESPONSE']._serialized_start=1360
+  _globals['_EXCHANGERESPONSE']._serialized_end=1503
+  _globals['_LATENOTICE']._serialized_start=1505
+  _globals['_LATENOTICE']._serialized_end=1570
+  _globals['_PULLCHUNK']._serialized_start=1572
+  _globals['_PULLCHUNK']._serialized_end=1667
+  _globals['_ROUNDERROR']._serialized_start=1669
+  _globals['_ROUNDERROR']._serialized_end=1754
+  _globals['_BLOBCHUNK']._serialized_start=1757
+  _globals['_BLOBCHUNK']._serialized_end=1885
+  _globals['_PUTBLOBRESPONSE']._serialized_start=1887
+  _globals['_PUTBLOBRESPONSE']._serialized_end=1904
+  _globals['_GETBLOBREQUEST']._serialized_start=1906
+  _globals['_GETBLOBREQUEST']._serialized_end=1974
+  _globals['_BLOCKCODEC']._serialized_start=1976
+  _globals['_BLOCKCODEC']._serialized_end=2047
+  _globals['_SETCODECSREQUEST']._serialized_start=2050
+  _globals['_SETCODECSREQUEST']._serialized_end=2180
+  _globals['_SETCODECSRESPONSE']._serialized_start=2182
+  _globals['_SETCODECSRESPONSE']._serialized_end=2201
+  _globals['_PROBECHUNK']._serialized_start=2203
+  _globals['_PROBECHUNK']._serialized_end=2229
+  _globals['_PROBERESPONSE']._serialized_start=2231
+  _globals['_PROBERESPONSE']._serialized_end=2261
+  _globals['_STATUSREQUEST']._serialized_start=2263
+  _globals['_STATUSREQUEST']._serialized_end=2278
+  _globals['_STATUSRESPONSE']._serialized_start=2281
+  _globals['_STATUSRESPONSE']._serialized_end=2941
+  _globals['_PARAMETERSERVER']._serialized_start=3190
+  _globals['_PARAMETERSERVER']._serialized_end=3669
 # @@protoc_insertion_point(module_scope)

@@ -94,7 +94,7 @@ class Layout(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockSpec, _Mapping]]] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "num_nodes", "layout", "layout_hash", "client_version", "job_id", "member", "resume", "incarnation")
+    __slots__ = ("node_id", "num_nodes", "layout", "layout_hash", "client_version", "job_id", "member", "resume", "incarnation", "quorum", "grace_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class RegisterRequest(_message.Message):
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    GRACE_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     num_nodes: int
     layout: Layout
@@ -113,7 +115,9 @@ class RegisterRequest(_message.Message):
     member: int
     resume: bool
     incarnation: int
-    def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ..., resume: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    quorum: int
+    grace_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., layout_hash: _Optional[str] = ..., client_version: _Optional[str] = ..., job_id: _Optional[str] = ..., member: _Optional[int] = ..., resume: _Optional[bool] = ..., incarnation: _Optional[int] = ..., quorum: _Optional[int] = ..., grace_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("shard_index", "num_shards", "block_ids", "next_rounds", "server_version", "round_timeout_s", "session_id", "instance_id", "incarnation", "data_port")
@@ -160,28 +164,42 @@ class Hello(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., member: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("round", "block_id", "total_bytes", "offset", "data", "restore")
+    __slots__ = ("round", "block_id", "total_bytes", "offset", "data", "restore", "fetch")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     round: int
     block_id: int
     total_bytes: int
     offset: int
     data: bytes
     restore: bool
-    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., restore: _Optional[bool] = ...) -> None: ...
+    fetch: bool
+    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., restore: _Optional[bool] = ..., fetch: _Optional[bool] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("pull", "error")
+    __slots__ = ("pull", "error", "late")
     PULL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     pull: PullChunk
     error: RoundError
-    def __init__(self, pull: _Optional[_Union[PullChunk, _Mapping]] = ..., error: _Optional[_Union[RoundError, _Mapping]] = ...) -> None: ...
+    late: LateNotice
+    def __init__(self, pull: _Optional[_Union[PullChunk, _Mapping]] = ..., error: _Optional[_Union[RoundError, _Mapping]] = ..., late: _Optional[_Union[LateNotice, _Mapping]] = ...) -> None: ...
+
+class LateNotice(_message.Message):
+    __slots__ = ("round", "block_id", "next_round")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    block_id: int
+    next_round: int
+    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., next_round: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("round", "block_id", "total_bytes", "offset", "data")
@@ -284,7 +302,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "server_version", "instance_id", "uptime_s", "draining", "session_state", "job_id", "num_nodes", "nodes_registered", "members_registered", "streams_open", "blocks_owned", "rounds_completed", "idle_s", "rounds_total", "rounds_failed", "bytes_in", "bytes_out", "pushes_rejected", "inflight_bytes", "max_inflight_bytes", "last_error", "last_error_age_s", "data_port")
+    __slots__ = ("shard_index", "num_shards", "server_version", "instance_id", "uptime_s", "draining", "session_state", "job_id", "num_nodes", "nodes_registered", "members_registered", "streams_open", "blocks_owned", "rounds_completed", "idle_s", "rounds_total", "rounds_failed", "bytes_in", "bytes_out", "pushes_rejected", "inflight_bytes", "max_inflight_bytes", "last_error", "last_error_age_s", "data_port", "quorum", "grace_ms", "late_nodes", "late_pushes")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +328,10 @@ class StatusResponse(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_AGE_S_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_FIELD_NUMBER: _ClassVar[int]
+    GRACE_MS_FIELD_NUMBER: _ClassVar[int]
+    LATE_NODES_FIELD_NUMBER: _ClassVar[int]
+    LATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     server_version: str
@@ -335,4 +357,8 @@ class StatusResponse(_message.Message):
     last_error: str
     last_error_age_s: float
     data_port: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., session_state: _Optional[_Union[SessionState, str]] = ..., job_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., nodes_registered: _Optional[int] = ..., members_registered: _Optional[int] = ..., streams_open: _Optional[int] = ..., blocks_owned: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., idle_s: _Optional[float] = ..., rounds_total: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_age_s: _Optional[float] = ..., data_port: _Optional[int] = ...) -> None: ...
+    quorum: int
+    grace_ms: int
+    late_nodes: _containers.RepeatedScalarFieldContainer[str]
+    late_pushes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., server_version: _Optional[str] = ..., instance_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., draining: _Optional[bool] = ..., session_state: _Optional[_Union[SessionState, str]] = ..., job_id: _Optional[str] = ..., num_nodes: _Optional[int] = ..., nodes_registered: _Optional[int] = ..., members_registered: _Optional[int] = ..., streams_open: _Optional[int] = ..., blocks_owned: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., idle_s: _Optional[float] = ..., rounds_total: _Optional[int] = ..., rounds_failed: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., last_error: _Optional[str] = ..., last_error_age_s: _Optional[float] = ..., data_port: _Optional[int] = ..., quorum: _Optional[int] = ..., grace_ms: _Optional[int] = ..., late_nodes: _Optional[_Iterable[str]] = ..., late_pushes: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -23,6 +23,10 @@
     CGX_PS_DATAPLANE                                   how pushes and results travel: auto (the
                                                        shard's raw data plane when it advertises one
                                                        and TLS is off, else gRPC), grpc, or raw
+    CGX_PS_QUORUM, CGX_PS_GRACE_MS                     quorum rounds: a block's round closes once this
+                                                       many nodes pushed it and the grace (ms, default
+                                                       50) passed, without waiting for the rest (0:
+                                                       every node); the same on every node
     CGX_PS_TOKEN_FILE                                  the job token the shards require
     CGX_PS_TLS_CA, CGX_PS_TLS_CERT, CGX_PS_TLS_KEY     TLS: the CA of the shards' certificates;
                                                        a client certificate for mutual TLS
@@ -38,6 +42,7 @@ from typing import Any, Mapping
 from ..net.addresses import check_address, servers_from_env
 from ..envparse import Bounds, env_number, plain_number
 from ..net.security import ChannelSecurity
+from ..quorum_settings import DEFAULT_GRACE_MS, MAX_GRACE_MS, quorum_problem
 from .errors import ConfigError
 
 __all__ = ["WorkerConfig", "INTRANODE_TRANSPORTS", "DATAPLANES", "SETTINGS", "dataplane_problem", "node_name"]
@@ -59,11 +64,13 @@ SETTINGS: dict[str, Bounds] = {
     "CGX_PS_RECOVERY_TIMEOUT": Bounds(0, _MAX_SECONDS, integer=False, unit="seconds"),
     "CGX_PS_INCARNATION": Bounds(0, (1 << 32) - 1), "TORCHELASTIC_RESTART_COUNT": Bounds(0, (1 << 32) - 1),
     "CGX_PS_CODEC_THREADS": Bounds(0, 256),
+    "CGX_PS_QUORUM": Bounds(0, _MAX_PROCESSES), "CGX_PS_GRACE_MS": Bounds(0, MAX_GRACE_MS),
 }
 
 # Fields set from one variable each, checked as it is when they are built in code.
 _FIELD_VARIABLES = {"connect_timeout_s": "CGX_PS_CONNECT_TIMEOUT", "recovery_timeout_s": "CGX_PS_RECOVERY_TIMEOUT",
-                    "codec_threads": "CGX_PS_CODEC_THREADS", "incarnation": "CGX_PS_INCARNATION"}
+                    "codec_threads": "CGX_PS_CODEC_THREADS", "incarnation": "CGX_PS_INCARNATION",
+                    "quorum": "CGX_PS_QUORUM", "grace_ms": "CGX_PS_GRACE_MS"}
 
 
 def dataplane_problem(requested: str, tls: bool) -> str | None:
@@ -108,6 +115,10 @@ class WorkerConfig:
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
     # the Exchange stream's transport: "auto", "grpc" or "raw" (worker/shards/dataplane.py)
     dataplane: str = "auto"
+    # quorum rounds (server/rounds/quorum.py): nodes that close a round without the rest (0: all),
+    # and how long after the last of them a round still waits for the rest
+    quorum: int = 0
+    grace_ms: int = DEFAULT_GRACE_MS
 
     def __post_init__(self) -> None:
         for name, variable in _FIELD_VARIABLES.items():  # as read from the environment, if set in code
@@ -127,6 +138,11 @@ class WorkerConfig:
             (dataplane_problem(self.dataplane, self.security.tls) is None,
              dataplane_problem(self.dataplane, self.security.tls) or ""),
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
+            (quorum_problem(self.quorum, self.grace_ms, self.num_nodes) is None,
+             quorum_problem(self.quorum, self.grace_ms, self.num_nodes) or ""),
+            (not self.has_quorum or self.local_world_size == 1,
+             f"CGX_PS_QUORUM={self.quorum} needs one process per node (LOCAL_WORLD_SIZE={self.local_world_size}): "
+             f"a late node's catch-up does not reach its other local ranks yet"),
         ]
         for ok, message in checks:
             if not ok:
@@ -136,6 +152,11 @@ class WorkerConfig:
                 check_address(address)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+
+    @property
+    def has_quorum(self) -> bool:
+        """Whether rounds may close without every node (CGX_PS_QUORUM below the node count)."""
+        return 0 < self.quorum < self.num_nodes
 
     @property
     def node_id(self) -> str:
@@ -183,6 +204,7 @@ class WorkerConfig:
                      intranode=env.get("CGX_PS_INTRANODE", "auto").strip().lower() or "auto",
                      codec_threads=num("CGX_PS_CODEC_THREADS", 0),
                      dataplane=env.get("CGX_PS_DATAPLANE", "auto").strip().lower() or "auto",
+                     quorum=num("CGX_PS_QUORUM", 0), grace_ms=num("CGX_PS_GRACE_MS", DEFAULT_GRACE_MS),
                      security=security)
         return replace(config, **overrides) if overrides else config
 

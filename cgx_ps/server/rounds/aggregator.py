@@ -1,41 +1,25 @@
 """Where gradients are summed: per-block rounds whose pushes are kept, summed and re-quantized once.
 
-Each owned block has its own round counter (rounds/block_state.py). A node's push for (block, round) is
-validated and kept in the block's EncodedSum (on the event loop when that is only a check,
-else on a kernel thread, so the event loop keeps receiving). When every node has pushed, one
-fused kernel sums the round's pushes (in arrival order, bit-identical to decoding each into a
-float32 accumulator) and encodes the sum once with the round's codec (kernels/summation.py),
-and the same bytes go to every node: the sink (the session) hears the result with the member
-of each node that pushed it. Blocks are independent,
-so early blocks are returned while later ones are still arriving.
+Each owned block has its own round counter (rounds/block_state.py). A node's push for (block,
+round) is validated and kept in the block's EncodedSum (on the event loop when that is only a
+check, else on a kernel thread). When every node has pushed (or, in a quorum round, enough of
+them: rounds/quorum.py), one fused kernel sums the round's pushes in arrival order and encodes
+the sum once with the round's codec (kernels/summation.py), and the same bytes go to every node.
+Blocks are independent, so early blocks are returned while later ones are still arriving.
 
 A push costs at most one hop to a kernel thread: the push that completes its round is kept,
-summed and encoded in that same hop, rather than in a second one per block. Each hop wakes an
-executor thread and, back on the event loop, resumes the push; py-spy profiles (of the shard
-under benchmarks/server.py) counted these hand-offs among the
-shard's larger costs. So a push whose keeping is only a check (a compressed block of up to
-1 MiB that does not complete its round: EncodedSum keeps it where it arrived) is kept on the
-event loop, with no hop at all (threads.keeps_on_loop): a round of N nodes costs one hop per block.
+summed and encoded in that same hop (py-spy profiles of benchmarks/server.py counted the hops
+among the shard's larger costs), and a push whose keeping is only a check (a compressed block of
+up to 1 MiB that does not complete its round) is kept on the event loop (threads.keeps_on_loop).
 
-Mixed precision: a node whose gradient overflowed pushes a non-finite block (the header alone,
-``FLAG_NONFINITE``). It is validated like any push (header, exact size, crc), makes the sum
-NaN (``EncodedSum``: nothing more is added), and so the round's result a non-finite block too:
-every node sees the overflow and its loss scaler skips the same step. Only a flagged push does that: a sum that
+Mixed precision: a non-finite block (an overflowed gradient: the header alone) makes the round's
+result a non-finite block too, so every node's loss scaler skips the same step; a sum that
 overflows from finite pushes still fails the round.
 
-A block records who pushed it (node -> member) for the round under way and the one before, and
-decides under its lock (blockstate.check_round): a node's first push counts, its retry is a
-duplicate (or, for the round just finished, gets the result again), and another member of the
-same node is refused: one local rank pushes each block.
-
-A *resumed* session (the shard restarted under a running job: ps.proto, RegisterRequest.resume)
-knows neither the blocks' rounds nor the codec settings announced to the lost instance. Each
-block takes its round from the first push or restored result it accepts (a refused one changes
-nothing, and none beyond ``MAX_RESUME_ROUND`` is taken), and the encoding of each round from that
-round's first push. A node that saw a round finish before the restart sends its
-result back (``restore``): the block adopts those bytes instead of summing the round again, and
-the nodes still waiting for that round get exactly them, so every replica applies the same
-update and none applies a step twice.
+A push's round decides under the block's lock (block_state.check_round): a node's first push
+counts, its retry is a duplicate (or gets the result again), another member of the node's is
+refused. A *resumed* session (the shard restarted under a running job) adopts rounds and
+results from the nodes: rounds/restored.py.
 """
 
 from __future__ import annotations
@@ -48,16 +32,19 @@ from concurrent.futures import Executor
 from typing import Callable, Collection
 
 from ... import timeline
-from ...kernels import HEADER_SIZE, Codec, CodecError, EncodedBlock, EncodedSum, body_size, decode_header
+from ...kernels import HEADER_SIZE, Codec, CodecError, EncodedSum, body_size, decode_header, set_contributors
 from ...kernels.wire import validate_settings
 from ...model_layout import block_payload_size, codec_of
 from ...v1 import ps_pb2
 from .block_state import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState, PushOutcome, adoption_conflict,
-                          check_header, check_result, check_round, prune_schedule, result_seed, resume_conflict)
+                          check_header, check_round, prune_schedule, result_seed, resume_conflict)
 from ..errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from ..rpc.push_frames import ResultFrames
 from ..metrics import ShardMetrics
 from .kernel_threads import keeps_on_loop
+from .late_rounds import carry_late_push, fetch_round
+from .quorum import ClosedRound, QuorumRule, RoundHistory
+from .restored import adopt_restored
 from .round_outcomes import RoundFailure, RoundSink, RoundSum
 
 __all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
@@ -78,6 +65,7 @@ class Aggregator:
         metrics: ShardMetrics | None = None,
         resumed: bool = False,
         kernel_split: int | None = None,
+        quorum: QuorumRule | None = None,
     ) -> None:
         # kernel_split: threads one summing kernel call splits a block over (server/rounds/kernel_threads.py;
         # None: the kernels' default)
@@ -94,6 +82,12 @@ class Aggregator:
         self.error_feedback = error_feedback
         self.metrics = metrics
         self.failed: RoundFailure | None = None
+        self.rule = quorum or QuorumRule(num_nodes)  # quorum rounds (rounds/quorum.py)
+        if self.rule.active:
+            for block in self.blocks.values():
+                block.history = RoundHistory(self.rule.keep_rounds)
+        self._closing: set[asyncio.Task] = set()  # rounds closing after their grace
+        self._seen: set[str] = set()  # nodes that pushed in time in this session (QuorumRule.after_push)
 
     # ---- queries used by the service ----------------------------------------------------------
 
@@ -201,6 +195,8 @@ class Aggregator:
         """A push into ``block`` (its lock held, its round known): check it, keep it, and sum
         the round if it completes it."""
         block_id = block.spec.block_id
+        if self.rule.active and (block.history.get(round_) is not None or round_ + 1 < block.round):
+            return await carry_late_push(block, node_id, member, round_, payload, self.executor)
         outcome = check_round(block, node_id, member, round_)
         if outcome is not None:
             return outcome
@@ -213,13 +209,12 @@ class Aggregator:
         stochastic = header.stochastic if block.learning and block.round_encoding is None else block.round_stochastic
         non_finite = block.round_non_finite or header.non_finite  # the result is then a non-finite block
         completes = len(block.pushed) + 1 == self.num_nodes  # check_round: a node's first push
-        encode = self._round_encoder(block, round_, encoding, stochastic, non_finite) if completes else None
+        encode = self._round_encoder(block, round_, encoding, stochastic, non_finite,
+                                     len(block.pushed) + 1) if completes else None
         loop = asyncio.get_running_loop()
         first = not block.pushed
         arrived = time.monotonic()
-        # A push that is only checked (then kept where it arrived) is kept right here; any other takes one hop
-        # to a kernel thread, where the push completing the round is summed and encoded too
-        # (module doc, threads.keeps_on_loop)
+        # only checked: kept right here; else one hop to a kernel thread, which also sums a completed round
         try:
             if keeps_on_loop(len(payload), block.sum.keeps(header), completes):
                 kept = self._keep(block, round_, node_id, payload, None)
@@ -233,6 +228,8 @@ class Aggregator:
             block.first_push_at = arrived
             block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
         block.pushed[node_id] = member
+        block.last_rounds[node_id] = round_
+        self._seen.add(node_id)
         block.round_encoding = encoding
         block.round_non_finite = non_finite
         if self.metrics:
@@ -241,7 +238,36 @@ class Aggregator:
                 self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
         if kept is not None:
             self._finish(block, round_, kept, arrived)
+        elif (action := self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen))) == "close":
+            self._grace_over(block, round_)
+        elif action == "grace":
+            block.grace = loop.call_later(self.rule.grace_s, self._grace_over, block, round_)
         return PushOutcome(accepted=True)
+
+    async def fetch(self, node_id: str, member: int, block_id: int, round_: int) -> PushOutcome:
+        """A late node's fetch of a round's result (ps.proto PushChunk.fetch; late_rounds.py)."""
+        block = self._block(block_id)
+        async with block.lock:
+            if self.failed is not None:
+                raise SessionEnded(f"session failed earlier: {self.failed.message}")
+            return fetch_round(block, self.rule, node_id, member, round_)
+
+    def _grace_over(self, block: BlockState, round_: int) -> None:  # or no need to wait (QuorumRule.after_push)
+        task = asyncio.ensure_future(self._close_without_the_rest(block, round_))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_without_the_rest(self, block: BlockState, round_: int) -> None:
+        """The grace after the quorum's last push is over: close the round with what it has."""
+        async with block.lock:
+            block.grace = None
+            if block.round != round_ or self.failed is not None or not block.pushed:
+                return  # closed by its last node meanwhile
+            encode = self._round_encoder(block, round_, block.round_encoding, block.round_stochastic,
+                                         block.round_non_finite, len(block.pushed))
+            summed = await asyncio.get_running_loop().run_in_executor(self.executor, self._encode_round, block,
+                                                                      round_, encode)
+            self._finish(block, round_, summed, time.monotonic())
 
     async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes | memoryview
                       ) -> PushOutcome:
@@ -254,30 +280,10 @@ class Aggregator:
         async with block.lock:
             if self.failed is not None:
                 raise SessionEnded(f"session failed earlier: {self.failed.message}")
-            error = adoption_conflict(block, round_) if block.adopting else None
-            if error is not None:
-                raise error
-            if not block.adopting and round_ < block.round:
-                return PushOutcome(accepted=False)  # another node restored it first, or it is older
-            if not block.adopting and (round_ > block.round or block.summed_here):
-                raise WrongRound(f"block {block_id}: cannot restore round {round_}, the block is at round "
-                                 f"{block.round}{' and has summed rounds since the restart' if block.summed_here else ''}")
-            check_result(block, result)
-            framed = ResultFrames.of(block_id, round_, result)
-            waiting = block.pushed  # nodes that pushed this round here: they get the restored bytes
-            if block.timer is not None:
-                block.timer.cancel()
-            block.last_result, block.last_pushed, block.pushed = framed, waiting, {}
-            block.sum.clear()  # the pushes of the round it replaces are not summed
-            block.round, block.adopting, block.restored, block.round_encoding = round_ + 1, False, True, None
-            log.info("block %d: round %d restored from node %s (%d node(s) were waiting for it)", block_id, round_,
-                     node_id, len(waiting))
-            if waiting:
-                self.sink.deliver(block_id, round_, framed, waiting)
-            return PushOutcome(accepted=True)
+            return adopt_restored(block, node_id, round_, result, self.sink)
 
     def _round_encoder(self, block: BlockState, round_: int, encoding: tuple[int, int, int], stochastic: bool,
-                       non_finite: bool) -> Callable[[], EncodedBlock]:
+                       non_finite: bool, pushed: int) -> Callable[[], memoryview]:
         """How the round's sum is encoded: the way its pushes were (a resumed session's block, which
         learns its settings from the pushes, with their rounding too), seeded by block and round."""
         codec, bits, bucket = encoding
@@ -286,15 +292,25 @@ class Aggregator:
         # framed: a scratch of the block's full size kept besides its accumulator would break the
         # shard's memory rule (server/process/sizing.py)
         scratch = block.result_scratch if codec == Codec.MAXMIN else None
-        return functools.partial(block.sum.encode, codec, bits=bits, bucket_size=bucket,
-                                 stochastic=stochastic if block.learning else block.settings_for(round_).stochastic,
-                                 seed=result_seed(block.spec.block_id, round_),
-                                 feedback=block.feedback if self.error_feedback else None,
-                                 allow_non_finite=non_finite, scratch=scratch)
+        encode = functools.partial(block.sum.encode, codec, bits=bits, bucket_size=bucket,
+                                   stochastic=stochastic if block.learning else block.settings_for(round_).stochastic,
+                                   seed=result_seed(block.spec.block_id, round_),
+                                   feedback=block.feedback if self.error_feedback else None,
+                                   allow_non_finite=non_finite, scratch=scratch)
+        if not self.rule.active:
+            return lambda: encode().stamped()
+        contributors = pushed + block.carried  # the gradients it sums (rounds/quorum.py)
+
+        def stamped_with_contributors() -> memoryview:
+            result = encode().stamped()
+            set_contributors(result, contributors)
+            return result
+
+        return stamped_with_contributors
 
     @staticmethod
     def _keep(block: BlockState, round_: int, node_id: str, payload: bytes | memoryview,
-              encode: Callable[[], EncodedBlock] | None) -> RoundSum | None:
+              encode: Callable[[], memoryview] | None) -> RoundSum | None:
         """On a kernel thread: check and keep a push (CodecError: refused, nothing kept); with
         ``encode`` (the push completes its round), the round's sum too.
 
@@ -309,20 +325,24 @@ class Aggregator:
             raise
         except Exception as exc:  # noqa: BLE001 - see above: the round fails, named, for everyone
             return RoundSum(None, f"keeping node {node_id}'s push failed: {type(exc).__name__}: {exc}")
-        if encode is None:
-            return None
+        return None if encode is None else Aggregator._encode_round(block, round_, encode)
+
+    @staticmethod
+    def _encode_round(block: BlockState, round_: int, encode: Callable[[], memoryview]) -> RoundSum:
+        """On a kernel thread: the round's sum, encoded and framed (or why it could not be)."""
         with timeline.span("re-encode", round_, block=block.spec.block_id):
             try:
                 # framed straight from the encode buffer: the result's one copy (frames.ResultFrames)
-                return RoundSum(ResultFrames.of(block.spec.block_id, round_, encode().stamped()))
+                return RoundSum(ResultFrames.of(block.spec.block_id, round_, encode()))
             except CodecError as exc:  # one node sent huge finite values: the sum is not encodable
                 return RoundSum(None, str(exc))
             except Exception as exc:  # noqa: BLE001 - see above
                 return RoundSum(None, f"{type(exc).__name__}: {exc}")
 
     def _finish(self, block: BlockState, round_: int, summed: RoundSum, last_arrived: float) -> None:
-        if block.timer is not None:
-            block.timer.cancel()
+        for timer in (block.timer, block.grace):
+            if timer is not None:
+                timer.cancel()
         if summed.result is None:  # fail loudly, for every node
             self._fail(RoundFailure(block.spec.block_id, round_,
                                     f"aggregate of block {block.spec.block_id} round {round_} "
@@ -331,7 +351,9 @@ class Aggregator:
         block.sum.clear()
         block.last_result = summed.result
         block.last_pushed = block.pushed
-        block.pushed = {}
+        block.pushed, block.carried, block.grace = {}, 0, None
+        if block.history is not None:
+            block.history.add(ClosedRound(round_, summed.result, dict(block.last_pushed)))
         block.round_encoding = None
         block.round_non_finite = False
         block.round += 1
@@ -340,7 +362,8 @@ class Aggregator:
             self.metrics.rounds.inc()
             self.metrics.round_latency.observe(time.monotonic() - block.first_push_at)
             self.metrics.last_node_wait.observe(last_arrived - block.first_push_at)
-        self.sink.deliver(block.spec.block_id, round_, summed.result, block.last_pushed)
+        self.sink.deliver(block.spec.block_id, round_, summed.result,
+                          {**block.fetchers.pop(round_, {}), **block.last_pushed})
 
     # ---- failure --------------------------------------------------------------------------------
 
@@ -365,8 +388,9 @@ class Aggregator:
             return
         self.failed = failure
         for b in self.blocks.values():
-            if b.timer is not None:
-                b.timer.cancel()
+            for timer in (b.timer, b.grace):
+                if timer is not None:
+                    timer.cancel()
         if self.metrics:
             self.metrics.rounds_failed.inc()
         log.error("round failed: %s", failure.message)
@@ -374,5 +398,6 @@ class Aggregator:
 
     def close(self) -> None:
         for b in self.blocks.values():
-            if b.timer is not None:
-                b.timer.cancel()
+            for timer in (b.timer, b.grace):
+                if timer is not None:
+                    timer.cancel()

@@ -18,6 +18,7 @@ from ...model_layout import codec_of
 from ...v1 import ps_pb2
 from ..errors import BadRequest, Conflict, ProtocolError, WrongRound
 from ..rpc.push_frames import ResultFrames
+from .quorum import RoundHistory
 
 __all__ = ["BlockState", "MAX_PENDING_CODEC_CHANGES", "MAX_RESUME_ROUND", "PushOutcome", "adoption_conflict",
            "check_header", "check_result", "check_round", "prune_schedule", "result_seed", "resume_conflict"]
@@ -33,6 +34,9 @@ MAX_RESUME_ROUND = 1 << 32
 class PushOutcome:
     accepted: bool  # False: a duplicate, ignored
     resend: ResultFrames | None = None  # a retry of the round just finished: its result again
+    # quorum rounds (rounds/quorum.py): the push came after its round closed, and the block is now
+    # at this round (the node is told, then gets ``resend``)
+    late_next: int | None = None
 
 
 @dataclass(eq=False)
@@ -64,6 +68,14 @@ class BlockState:
     restored: bool = False
     summed_here: bool = False  # a round was summed here: a restore now comes too late
     resumed_at: int | None = None  # the checkpoint round the session resumed this block at
+    # quorum rounds (rounds/quorum.py): late pushes summed into this round, the timer that closes
+    # it without the slowest nodes, the closed rounds late nodes may still need, and the nodes
+    # that fetch a round not closed yet (round -> node -> member)
+    carried: int = 0
+    last_rounds: dict[str, int] = field(default_factory=dict)  # node -> its latest round pushed, in time or late
+    grace: asyncio.TimerHandle | None = None
+    history: RoundHistory | None = None
+    fetchers: dict[int, dict[str, int]] = field(default_factory=dict)
 
     @property
     def pristine(self) -> bool:

@@ -194,7 +194,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             return False
         chunk = read_push(raw)
         self._check_push(session, chunk)
-        payload = await assembler.add(chunk, session.aggregator.allowed_sizes)
+        payload = b"" if chunk.fetch else await assembler.add(chunk, session.aggregator.allowed_sizes)
         if payload is not None:
             # Summed in its own task so this stream keeps reading. Never cancelled: a push that
             # has been read is always summed and its budget released.
@@ -220,9 +220,14 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
     async def _push(self, session: Session, stream: NodeStream, chunk: PushFrame, payload: bytes | memoryview
                     ) -> None:
         try:
-            # a restored result (recovery after a shard restart, ps.proto PushChunk.restore) or a push
-            act = session.aggregator.restore if chunk.restore else session.aggregator.push
-            outcome = await act(stream.node_id, stream.member, chunk.block_id, chunk.round, payload)
+            # a restored result (recovery after a shard restart, ps.proto PushChunk.restore), a late
+            # node's fetch of a round's result (quorum rounds, PushChunk.fetch) or a push
+            aggregator = session.aggregator
+            if chunk.fetch:
+                outcome = await aggregator.fetch(stream.node_id, stream.member, chunk.block_id, chunk.round)
+            else:
+                act = aggregator.restore if chunk.restore else aggregator.push
+                outcome = await act(stream.node_id, stream.member, chunk.block_id, chunk.round, payload)
         except Exception as exc:  # noqa: BLE001 - any failure ends this member's stream, clearly
             if not isinstance(exc, ProtocolError):
                 log.exception("node %s: unexpected error in push", stream.node_id)
@@ -230,9 +235,19 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             stream.stop(self._rejected(stream, exc))
             return
         finally:
-            self.inflight.release(len(payload))
-        self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
-        if outcome.resend is not None:  # a retry of the round just finished: its result again
+            if not chunk.fetch:  # a fetch took no push budget (assembler.add)
+                self.inflight.release(len(payload))
+        if not chunk.fetch and session.aggregator.rule.active:
+            said = session.late.note(stream.node_id, outcome.late_next is not None)
+            if said:
+                log.warning("%s", said)
+        if outcome.late_next is not None:  # told at once, before the round's result
+            self.metrics.push(stream.node_id, "late")
+            stream.send_control(ps_pb2.ExchangeResponse(late=ps_pb2.LateNotice(
+                round=chunk.round, block_id=chunk.block_id, next_round=outcome.late_next)))
+        elif not chunk.fetch:  # a fetch is not a push
+            self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
+        if outcome.resend is not None:  # a retry of the round just finished (its result again), a late push
             stream.send(outcome.resend.frames, len(outcome.resend), chunk.block_id, chunk.round)
 
     # ---- blobs (broadcasts) ---------------------------------------------------------------------

@@ -93,6 +93,11 @@ class ShardStatus:
             reply.blocks_owned = len(session.aggregator.blocks)
             reply.rounds_completed = self.rounds_completed()
             reply.idle_s = now - session.last_activity
+            reply.quorum, reply.grace_ms = session.quorum_settings
+            if config.authenticates:  # node names, as job_id: not for strangers
+                late = sorted(session.late.total.items())
+                reply.late_nodes.extend(node for node, _ in late)
+                reply.late_pushes.extend(count for _, count in late)
         if self._errors.message:
             reply.last_error = self._errors.message if config.authenticates else WITHHELD
             reply.last_error_age_s = now - self._errors.at

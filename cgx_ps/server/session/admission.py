@@ -33,6 +33,7 @@ from ...model_layout import LayoutError, first_difference, layout_hash, validate
 from ...v1 import ps_pb2
 from ..config import ServerConfig
 from ..errors import BadRequest, Busy, Conflict, ProtocolError, shown
+from ...quorum_settings import quorum_problem
 from .job_session import Session, owned_blocks
 
 __all__ = ["Join", "MAX_ID_CHARS", "Refuse", "Restart", "admit", "check_registration", "session_incarnation"]
@@ -95,7 +96,8 @@ def admit(session: Session | None, request: ps_pb2.RegisterRequest, *, in_flight
             # the process restarted, so the job did: start over at round 0
             return Restart(f"session reset: node {node} member {member} registered again")
         return Join()  # a retried Register: idempotent
-    if node in session.nodes and diff is None and request.num_nodes == session.num_nodes:
+    if node in session.nodes and diff is None and request.num_nodes == session.num_nodes \
+            and (request.quorum, request.grace_ms) == session.quorum_settings:
         return Join()  # another local rank of a known node
     if diff is not None and not job and idle and now - session.last_activity > IDLE_JOBLESS_S:
         return Restart("a new job (no job id) replaces an idle session")
@@ -109,6 +111,10 @@ def admit(session: Session | None, request: ps_pb2.RegisterRequest, *, in_flight
     if request.num_nodes != session.num_nodes:
         return Refuse(Conflict(f"node {node} says num_nodes={request.num_nodes}, the session has "
                                f"{session.num_nodes}"))
+    if (request.quorum, request.grace_ms) != session.quorum_settings:
+        return Refuse(Conflict(f"node {node} says CGX_PS_QUORUM={request.quorum} CGX_PS_GRACE_MS={request.grace_ms}, "
+                               f"the session has CGX_PS_QUORUM={session.quorum_settings[0]} "
+                               f"CGX_PS_GRACE_MS={session.quorum_settings[1]}: every node must set the same"))
     if len(session.nodes) >= session.num_nodes:
         return Refuse(Conflict(f"node {node} would be node {len(session.nodes) + 1} of a session of "
                                f"{session.num_nodes} nodes: {sorted(session.nodes)}"))
@@ -142,6 +148,9 @@ def check_registration(request: ps_pb2.RegisterRequest, config: ServerConfig) ->
                          f"be at most {MAX_ID_CHARS} characters")
     if request.num_nodes < 1:
         raise BadRequest("num_nodes must be >= 1")
+    problem = quorum_problem(request.quorum, request.grace_ms, request.num_nodes)
+    if problem is not None:
+        raise BadRequest(f"node {node}: {problem}")
     try:
         validate_layout(request.layout)
     except LayoutError as exc:

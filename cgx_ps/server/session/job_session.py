@@ -33,6 +33,7 @@ from ..metrics import ShardMetrics
 from ..rpc.push_frames import ResultFrames
 from .outbound import NodeStream
 from ..rounds.kernel_threads import per_call_threads, usable_cpus
+from ..rounds.quorum import LateWatch, QuorumRule
 
 __all__ = ["Session", "owned_blocks"]
 
@@ -66,10 +67,13 @@ class Session:
         # the block's next round, so two rounds of every block (a resend on top) is already generous
         self.result_cap = 2 * sum(HEADER_SIZE + 4 * b.numel for b in owned) + (1 << 20)
         self.ended: str | None = None  # why the session ended (the first reason given)
+        self.quorum_settings = (request.quorum, request.grace_ms)  # every node must send the same
+        self.late = LateWatch()  # quorum rounds: pushes that came after their round closed, per node
         self.aggregator = Aggregator(owned, request.num_nodes, executor, sink=self, registered=self.nodes.keys(),
                                      round_timeout_s=config.round_timeout_s, error_feedback=config.error_feedback,
                                      metrics=metrics, resumed=request.resume,
-                                     kernel_split=per_call_threads(config.kernel_threads, usable_cpus()))
+                                     kernel_split=per_call_threads(config.kernel_threads, usable_cpus()),
+                                     quorum=QuorumRule(request.num_nodes, request.quorum, request.grace_ms / 1000))
         self._blobs = blobs  # the shard's store: the session's blobs go when it ends
         self._metrics = metrics
 
@@ -133,7 +137,7 @@ class Session:
             round=failure.round, block_id=failure.block_id, message=failure.message,
             missing_nodes=list(failure.missing_nodes)))
         for stream in self.streams.values():
-            stream.send_error(error)
+            stream.send_control(error)
         self.end(StreamAborted(failure.message))
 
     def end(self, error: ProtocolError) -> None:

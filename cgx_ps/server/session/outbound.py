@@ -44,8 +44,8 @@ class NodeStream:
         self.queued_bytes += nbytes
         self.queue.put_nowait((messages, nbytes, (block_id, round_)))
 
-    def send_error(self, message: ps_pb2.ExchangeResponse) -> None:
-        """Queue an in-band RoundError (small: it does not count against the cap)."""
+    def send_control(self, message: ps_pb2.ExchangeResponse) -> None:
+        """Queue a small in-band message, a RoundError or a LateNotice (not counted against the cap)."""
         self.queue.put_nowait(([message], 0, None))  # not a result: no (block, round) for the timeline
 
     def fail(self, error: ProtocolError) -> None:

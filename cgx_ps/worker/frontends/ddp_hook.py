@@ -181,6 +181,11 @@ class DDPHookState(FrontEndView):
                 drivers = StepDriver.open_together(named, [s.options for s in states],
                                                    [_process_group_of(s._module) for s in states],
                                                    allreduce_blocks=False)
+                if drivers and drivers[0].pipe.config.has_quorum:
+                    # a late node's catch-up steps the optimizer for the rounds it missed, which the
+                    # hook, inside DDP's backward, cannot do
+                    raise ConfigError(f"CGX_PS_QUORUM={drivers[0].pipe.config.quorum} works with DistributedOptimizer; "
+                                      f"the DDP hook does not catch a late node up yet")
                 for state, tensors, driver in zip(states, named, drivers):
                     state._params = dict(tensors)
                     state._name_of = {id(t): n for n, t in tensors}

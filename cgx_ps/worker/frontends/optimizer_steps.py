@@ -266,6 +266,13 @@ class DistributedMixin(FrontEndView):
         timeline.step_ends(self.stats.step)
         self._cgx_synchronized = False
         self._cgx_driver.after_step()
+        # Quorum rounds: a node that was late applies the rounds it missed (the other nodes'
+        # averages, the same bytes they applied) without computing them (pipeline/catch_up.py)
+        for round_ in self._cgx_pipe.missed_rounds():
+            for block in range(self._cgx_pipe.num_blocks):
+                self._cgx_pipe.copy_out(block, self._cgx_grad_out)
+            with timeline.span("catch-up", round_):
+                super().step()
         return result
 
     def _cgx_finite(self) -> bool:

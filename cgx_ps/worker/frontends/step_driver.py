@@ -105,6 +105,11 @@ class StepDriver:
         all_reduce path through it."""
         self.pipe, self.options, self.router = pipe, options, router
         compression = options.compression
+        if pipe.config.has_quorum and (compression.adaptive or compression.auto):
+            # the tuner's decisions are collectives of every node at the same step: a late node's
+            # catch-up would have it skip them
+            raise ConfigError(f"CGX_PS_QUORUM={pipe.config.quorum} works with a fixed compression, not adaptive bits or "
+                              f"auto mode")
         self.tuner = Tuner(pipe, compression, router.probe) if compression.adaptive or compression.auto else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block

@@ -28,7 +28,8 @@ import torch
 
 from ... import timeline
 from ...net.chunk_frames import PushFrames
-from ...kernels import Codec, CodecError, ErrorFeedback, PayloadScratch, dequantize, encode_block, non_finite_block
+from ...kernels import (HEADER_SIZE, Codec, CodecError, ErrorFeedback, PayloadScratch, contributors_of, dequantize,
+                        encode_block, non_finite_block)
 from ...model_layout import codec_of
 from ...v1 import ps_pb2
 from .cuda_streams import CODEC_STREAMS, CodecStreams
@@ -38,7 +39,7 @@ from ..errors import CgxPsError, StepAbandoned
 from ..intranode.reduction import NodeReducer
 from ..frontends.stepstats import CommSpan
 
-__all__ = ["BlockExchange", "BlockState", "abandoned_result", "abandoned_step_counts", "block_seed"]
+__all__ = ["BlockExchange", "BlockState", "abandoned_result", "abandoned_step_counts", "average_scale", "block_seed"]
 
 
 @dataclass(eq=False)
@@ -73,6 +74,14 @@ def block_seed(node_rank: int, block_id: int, round_: int) -> int:
     """The stochastic rounding seed of a node's push of a block in a round: reproducible, and
     different for every node, block and round."""
     return zlib.crc32(f"{node_rank}/{block_id}/{round_}".encode())
+
+
+def average_scale(result: bytes | memoryview, config: WorkerConfig) -> float:
+    """What a block's result (a sum) is multiplied by to make the average: 1 / the world size, or,
+    for a quorum round's result, 1 / the gradients it sums (its header's contributors: nodes,
+    each the sum of its local ranks)."""
+    contributors = contributors_of(result) if len(result) >= HEADER_SIZE else 0
+    return 1.0 / (contributors * config.local_world_size if contributors else config.world_size)
 
 
 def abandoned_result(average: torch.Tensor) -> bool:
@@ -142,7 +151,7 @@ class BlockExchange:
             if reducer is None:
                 raise
             raise reducer.first_error(error) from None
-        abandoned = await in_thread(timeline.wrapped(self._decode, "decode", round_, block=spec.block_id), block,
+        abandoned = await in_thread(timeline.wrapped(self.decode, "decode", round_, block=spec.block_id), block,
                                     result)
         self._span.note(last=time.perf_counter())  # last result in
         if reducer is not None:
@@ -207,11 +216,11 @@ class BlockExchange:
         # comes: the buffer is encoded into again next round), and none on the communication thread
         return PushFrames.of(self._engine.wire_block(block.spec.block_id), round_, encoded.stamped()), refused
 
-    def _decode(self, block: BlockState, result: bytes) -> bool:  # on a codec thread
+    def decode(self, block: BlockState, result: bytes) -> bool:  # on a codec thread
         """Decode the average into ``block.result``; whether it is an abandoned step's
         (``abandoned_result``, where that is what a non-finite result means)."""
-        # the average: the division by the world size is fused into the CPU decode's pass
-        dequantize(result, out=block.result, scale=1.0 / self._config.world_size)
+        # the average: the division is fused into the CPU decode's pass
+        dequantize(result, out=block.result, scale=average_scale(result, self._config))
         if block.result.is_cuda:  # this codec thread's stream only: backward's kernels go on
             torch.cuda.current_stream(block.result.device).synchronize()
         non_finite = abandoned_result(block.result)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ from ...kernels.warm import warm_in_background
 from ...v1 import ps_pb2
 from .arrivals import StepArrivals
 from .block_exchange import BlockExchange, BlockState
+from .catch_up import missed_rounds
 from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from ..config import WorkerConfig
 from ..shards.engine import CommEngine, EngineShare
@@ -268,6 +269,14 @@ class BlockPipeline(StepEnd):
     def next_round(self) -> int:
         """The round the next step's blocks travel in."""
         return self._blocks[0].round if self._blocks else 0
+
+    def missed_rounds(self) -> Iterator[int]:
+        """Quorum rounds: each round this node missed, decoded into the block buffers when yielded,
+        for the front end to apply (catch_up.py)."""
+        def count_step() -> None:
+            self.steps += 1
+
+        return missed_rounds(self._blocks, self._engine, self._exchange, self.config, count_step)
 
     def settings(self, block_id: int) -> ps_pb2.CodecSettings:
         return self._blocks[block_id].settings

@@ -58,9 +58,10 @@ class ShardClient:
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
                  connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
                  security: ChannelSecurity = _PLAIN, incarnation: int = 0,
-                 recovery_timeout_s: float = 0.0, dataplane: str = "auto") -> None:
+                 recovery_timeout_s: float = 0.0, dataplane: str = "auto", quorum: int = 0,
+                 grace_ms: int = 0) -> None:
         self.connection = self.connection_type(address, node_id, num_nodes, layout, connect_timeout_s, job_id,
-                                               member, security, incarnation, dataplane)
+                                               member, security, incarnation, dataplane, quorum, grace_ms)
         self.stream = self.stream_type(address, layout, keep_results=recovery_timeout_s > 0)
         self.stream.on_error = self._failed
         self.supervisor = ConnectionSupervisor(self.connection, self.stream, recovery_timeout_s)
@@ -216,6 +217,10 @@ class ShardClient:
         """Send a block's payload for a round; kept until its result arrives. While the stream is
         being repaired it is only kept: the repair pushes it."""
         await self.stream.push(block_id, round_, payload)
+
+    async def fetch(self, block_id: int, round_: int) -> Result:
+        """A round's result without a push (quorum rounds: a node that fell behind catches up)."""
+        return await self.stream.fetch(block_id, round_)
 
     def abandon(self, error: CgxPsError) -> None:
         """End every exchange waiting on this shard with ``error``, which ended the job elsewhere

@@ -41,7 +41,8 @@ class ShardConnection:
 
     def __init__(self, address: str, node_id: str, num_nodes: int, layout: ps_pb2.Layout,
                  connect_timeout_s: float = 60.0, job_id: str = "", member: int = 0,
-                 security: ChannelSecurity = _PLAIN, incarnation: int = 0, dataplane: str = "auto") -> None:
+                 security: ChannelSecurity = _PLAIN, incarnation: int = 0, dataplane: str = "auto",
+                 quorum: int = 0, grace_ms: int = 0) -> None:
         problem = dataplane_problem(dataplane, security.tls)
         if problem is not None:
             raise ConfigError(problem)
@@ -56,6 +57,8 @@ class ShardConnection:
         self.incarnation = incarnation
         self.security = security
         self.dataplane = dataplane
+        # quorum rounds, as every node of the job sends them (none: both 0)
+        self.quorum, self.grace_ms = (quorum, grace_ms) if 0 < quorum < num_nodes else (0, 0)
         self.registration: ps_pb2.RegisterResponse | None = None
         self.metadata = security.metadata()  # the job token, sent with every call
         # the same token for the raw data plane's streams: both planes authenticate alike (read
@@ -163,7 +166,7 @@ class ShardConnection:
         request = ps_pb2.RegisterRequest(node_id=self.node_id, num_nodes=self.num_nodes, layout=self.layout,
                                          layout_hash=self.layout_hash, client_version=__version__,
                                          job_id=self.job_id, member=self.member, resume=resume,
-                                         incarnation=incarnation)
+                                         incarnation=incarnation, quorum=self.quorum, grace_ms=self.grace_ms)
         self.registration = await self.stub().Register(request, timeout=timeout, wait_for_ready=False,
                                                        metadata=self.metadata)
         # a restarted shard may listen on another data port, or none

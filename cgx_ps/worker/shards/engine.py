@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 
@@ -82,7 +82,8 @@ class CommEngine:
                                     self.config.job_id, self.member, self.config.security,
                                     incarnation=self.config.incarnation,
                                     recovery_timeout_s=self.config.recovery_timeout_s,
-                                    dataplane=self.config.dataplane)
+                                    dataplane=self.config.dataplane, quorum=self.config.quorum,
+                                    grace_ms=self.config.grace_ms)
                         for a in self.config.servers]
         for c in self.clients:
             c.on_error = self._one_shard_failed
@@ -204,6 +205,19 @@ class CommEngine:
         """Push a block's payload for a round to its shard; returns the aggregate of all nodes."""
         return await self.clients[shard].exchange(block_id, round_, payload)
 
+    async def fetch(self, shard: int, block_id: int, round_: int) -> Result:
+        """A round's result from a block's shard without a push (quorum rounds: catching up)."""
+        return await self.clients[shard].fetch(block_id, round_)
+
+    def rounds_ahead(self, round_: int, block_ids: Iterable[int]) -> int:
+        """Quorum rounds: how far past ``round_`` the furthest of these (shard) blocks had moved on
+        when its shard last told this node it was late (0: none had); what the node must catch up."""
+        ahead = 0
+        for client in self.clients:
+            for block_id in block_ids:
+                ahead = max(ahead, client.stream.late.pop(block_id, 0) - round_)
+        return ahead
+
     @property
     def recoveries(self) -> tuple[int, float]:
         """Connections to shards repaired so far, and the seconds spent repairing them."""
@@ -319,6 +333,12 @@ class EngineShare:
 
     async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> Result:
         return await self.engine.push_pull(shard, self.offset + block_id, round_, payload)
+
+    async def fetch(self, shard: int, block_id: int, round_: int) -> Result:
+        return await self.engine.fetch(shard, self.offset + block_id, round_)
+
+    def rounds_ahead(self, round_: int, block_ids: Iterable[int]) -> int:
+        return self.engine.rounds_ahead(round_, [self.offset + b for b in block_ids])
 
     def shard_error(self, shard: int) -> CgxPsError | None:
         return self.engine.shard_error(shard)

@@ -80,6 +80,8 @@ class ExchangeStream:
         self._incoming: dict[tuple[int, int], tuple[int, list[Result]]] = {}
         self._unanswered: dict[tuple[int, int], _Unanswered] = {}  # pushed, no result yet; oldest first
         self._results: dict[int, tuple[int, Result]] = {}  # block -> (round, its result): for restores
+        # quorum rounds: block -> the round it was at when the shard told us we were late (LateNotice)
+        self.late: dict[int, int] = {}
         # a result is at most its block's largest encoding: a shard cannot make us hold more
         self._max_result = {b.block_id: max_encoded_size(b.numel) for b in layout.blocks}
 
@@ -143,6 +145,22 @@ class ExchangeStream:
                 except StreamEnded as exc:
                     self.broke(generation, f"stream closed while pushing: {exc}")
         self.bytes_sent += len(payload)
+
+    async def fetch(self, block_id: int, round_: int) -> Result:
+        """A round's result without a push (quorum rounds: a node that fell behind): the shard
+        answers once the round has closed."""
+        future = self.expect(block_id, round_)
+        request = ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=round_, block_id=block_id, fetch=True))
+        while True:
+            await self.wait_ready()
+            async with self._write_lock:
+                generation = self._generation
+                try:
+                    await self._call.write(request.SerializeToString())
+                    break
+                except StreamEnded as exc:  # repaired, then asked again
+                    self.broke(generation, f"stream closed while fetching: {exc}")
+        return await future
 
     async def wait_ready(self) -> None:
         """Until the stream is open and carries every unanswered push (repaired, if it broke)."""
@@ -269,6 +287,10 @@ class ExchangeStream:
             async for response in call:
                 if isinstance(response, ChunkFrame):
                     self._take(response)
+                    continue
+                if response.WhichOneof("kind") == "late":  # its result follows
+                    n = response.late
+                    self.late[n.block_id] = max(self.late.get(n.block_id, 0), n.next_round)
                     continue
                 if response.WhichOneof("kind") == "error":
                     e = response.error

@@ -1,0 +1,56 @@
+"""A worker for tests/test_quorum.py: a small model trained with DistributedOptimizer until the
+job has taken --steps steps, with seeded per-node data; --stall-at/--stall-s make this node stall (a sleep) before one of
+the steps it computes.
+
+Prints one JSON line: the node's steps, how many it computed itself (the rest it caught up on),
+and a digest of its final parameters; saves them with torch.save to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+import torch
+
+import cgx_ps.worker as cgx
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--stall-at", type=int, default=-1, help="computed step before which this node stalls")
+    p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    config = cgx.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   model.named_parameters(), compression="4bit", block_bytes=4096)
+    cgx.broadcast_parameters(model.state_dict(), root_rank=0)
+    data = torch.Generator().manual_seed(1000 + config.node_rank)
+    computed = 0
+    while opt._cgx_pipe.steps < args.steps:  # finished steps, those caught up on included
+        if computed == args.stall_at:
+            time.sleep(args.stall_s)  # a stalled node: the others go on without it
+        x = torch.randn(16, 32, generator=data)
+        loss = (model(x) - x[:, :4]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        time.sleep(args.step_s)
+        opt.step()
+        computed += 1
+    params = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    torch.save(params, args.out)
+    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in params.values())).hexdigest()
+    print(json.dumps({"node": config.node_rank, "steps": opt._cgx_pipe.steps, "computed": computed,
+                      "digest": digest}), flush=True)
+    cgx.shutdown()
+
+
+if __name__ == "__main__":
+    main()
