@@ -89,8 +89,6 @@ class Aggregator:
         self._closing: set[asyncio.Task] = set()  # rounds closing after their grace
         self._seen: set[str] = set()  # nodes that pushed in time in this session (QuorumRule.after_push)
 
-    # ---- queries used by the service ----------------------------------------------------------
-
     def allowed_sizes(self, block_id: int, round_: int) -> tuple[int, ...] | range:
         """Wire sizes a push of this block may have in a round: its codec then, uncompressed, or
         a non-finite block (the header alone); a resumed session's block, which learns its
@@ -364,8 +362,6 @@ class Aggregator:
             self.metrics.last_node_wait.observe(last_arrived - block.first_push_at)
         self.sink.deliver(block.spec.block_id, round_, summed.result,
                           {**block.fetchers.pop(round_, {}), **block.last_pushed})
-
-    # ---- failure --------------------------------------------------------------------------------
 
     def _timeout(self, block: BlockState, round_: int) -> None:
         if block.round != round_ or self.failed is not None:
