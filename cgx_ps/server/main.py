@@ -123,11 +123,6 @@ class ShardServer:
     async def start(self) -> None:
         self._timeline = timeline.start_shard(self.config.timeline, self.config.timeline_steps,
                                               self.config.shard_index, self.config.num_shards)
-        # Serve at once and have the default width's kernels ready by the first round: loading
-        # them from numba's cache takes about a second, compiling them cold (a new pod's empty
-        # cache) about 4 s of one core (kernels/warm.py). A round that needs them sooner, or
-        # another width, waits for its compile.
-        warm_in_background([DEFAULT_WIDTH], "shard")
         server = grpc.aio.server(options=GRPC_OPTIONS + _EXCLUSIVE_PORT,
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         gate = add_parameter_server(server, self.service, self.token, status=self.status)
@@ -156,6 +151,12 @@ class ShardServer:
             self.dataplane = DataPlane(self.service, gate, self.config.max_concurrent_rpcs)
             self.data_port = self.service.data_port = await self.dataplane.start(bare_host(self.config.host),
                                                                                  self.config.data_port)
+        # Serve at once and have the default width's kernels ready by the first round: loading
+        # them from numba's cache takes about a second, compiling them cold (a new pod's empty
+        # cache) about 4 s of one core (kernels/warm.py). A round that needs them sooner, or
+        # another width, waits for its compile. Started once every port is bound: a shard that
+        # cannot start says so in one line and exits, with no compile to wait for.
+        warm_in_background([DEFAULT_WIDTH], "shard")
         await server.start()
         self._server = server
         if self._health_server is not None:
