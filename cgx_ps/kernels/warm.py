@@ -82,7 +82,8 @@ def warm_in_background(widths: Iterable[int], role: Role) -> threading.Thread:
         except Exception:  # noqa: BLE001 - a warm-up must never take the process down
             log.exception("warming the %s kernels of widths %s failed", role, widths)
             return
-        log.info("kernels of widths %s ready for the %s in %.1f s", widths, role, time.perf_counter() - started)
+        # debug: an operator's log says what the shard does, and this is the same every start
+        log.debug("kernels of widths %s ready for the %s in %.1f s", widths, role, time.perf_counter() - started)
 
     thread = threading.Thread(target=run, name="cgx-kernel-warm", daemon=True)
     thread.start()
