@@ -153,7 +153,8 @@ async def test_a_failure_while_summing_a_round_fails_it_for_every_node_naming_th
     failures = iter([MemoryError("injected: the shard is out of memory")])
 
     def encode_failing_once(self, *args, **kwargs):
-        failure = next(failures, None)
+        # the test's block only: the shard's background kernel warm-up encodes a sum of its own
+        failure = next(failures, None) if self.numel == 64 * 64 else None
         if failure is not None:
             raise failure
         return encode(self, *args, **kwargs)
