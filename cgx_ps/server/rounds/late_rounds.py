@@ -22,7 +22,6 @@ async def carry_late_push(block: BlockState, node_id: str, member: int, round_: 
     summed into the round under way (a retry of one carried already gets the result alone).
     Raises BadRequest for a malformed payload (nothing carried), WrongRound for a round no
     longer kept."""
-    closed_round = block.history.get(round_)
     late = block.history.late_outcome(block.spec.block_id, block.round, node_id, member, round_)
     if not late.carry:
         return PushOutcome(accepted=False, resend=late.result)
@@ -35,7 +34,7 @@ async def carry_late_push(block: BlockState, node_id: str, member: int, round_: 
             block.carried += 1
     except CodecError as exc:
         raise BadRequest(f"block {block.spec.block_id} round {round_}: {exc}") from None
-    closed_round.late[node_id] = member
+    late.closed.late[node_id] = member
     block.last_rounds[node_id] = max(round_, block.last_rounds.get(node_id, round_))
     return PushOutcome(accepted=True, resend=late.result, late_next=block.round)
 

@@ -87,8 +87,12 @@ class LateOutcome:
     """What a push or fetch of a closed round gets: ``result`` (the round's), and whether the push
     is a late node's first (``carry``: its gradient goes into the round under way) or a retry."""
 
-    result: ResultFrames
+    closed: ClosedRound
     carry: bool
+
+    @property
+    def result(self) -> ResultFrames:
+        return self.closed.result
 
 
 class RoundHistory:
@@ -122,7 +126,7 @@ class RoundHistory:
         if by is not None and by != member:
             raise BadRequest(f"block {block_id} round {round_} was already pushed by member {by} of node {node}: one "
                              f"local rank pushes each block")
-        return LateOutcome(closed.result, carry=not fetch and by is None)
+        return LateOutcome(closed, carry=not fetch and by is None)
 
 
 class LateWatch:

@@ -288,11 +288,12 @@ class ExchangeStream:
                 if isinstance(response, ChunkFrame):
                     self._take(response)
                     continue
-                if response.WhichOneof("kind") == "late":  # its result follows
+                kind = response.WhichOneof("kind")
+                if kind == "late":  # its result follows
                     n = response.late
                     self.late[n.block_id] = max(self.late.get(n.block_id, 0), n.next_round)
                     continue
-                if response.WhichOneof("kind") == "error":
+                if kind == "error":
                     e = response.error
                     self.fail(RoundFailedError(self.address, e.message, tuple(e.missing_nodes)))
                     continue
