@@ -6,9 +6,8 @@
 #
 # As root on Debian it installs what is missing (docker.io, debootstrap) and starts dockerd when
 # no daemon answers, stopping it again at exit. The base image's root filesystem and the
-# wheelhouse stay under CGX_PS_CACHE (default /var/cache/cgx-ps), the image's layers and the numba
-# kernel cache (volume cgx-ps-test-numba-cache) in Docker's store, so a second run on the same
-# machine rebuilds only what changed.
+# wheelhouse stay under CGX_PS_CACHE (default /var/cache/cgx-ps), the image's layers in Docker's
+# store, so a second run on the same machine rebuilds only what changed.
 # CGX_PS_SKIP_CONTAINER_TEST=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,8 +62,7 @@ deploy/build-offline.sh "$tag" >"$cache/container-test-build.log" 2>&1 \
   || { tail -n 40 "$cache/container-test-build.log" >&2; exit 1; }
 elapsed "image $tag built ($(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1 / 1e6}'))"
 
-# The numba kernel cache every container mounts, a named volume as docs/deploy.md advises: the
-# kernels are compiled on the first run on a machine, and loaded on later ones.
-CGX_PS_TEST_IMAGE=$tag CGX_PS_TEST_NUMBA_CACHE=cgx-ps-test-numba-cache \
-  .venv/bin/python -m pytest -q -s -p no:cacheprovider tests/test_container.py
+# No kernel cache volume: every container starts with an empty NUMBA_CACHE_DIR, as a new pod
+# does, and loads the kernels the image compiled while it was built (CGX_PS_KERNEL_CACHE).
+CGX_PS_TEST_IMAGE=$tag .venv/bin/python -m pytest -q -s -p no:cacheprovider tests/test_container.py
 elapsed "done"

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from test_prebuilt_kernels import PROBE
+
 IMAGE = os.environ.get("CGX_PS_TEST_IMAGE", "")
-# A volume (or host directory) every container mounts as its numba kernel cache, so that the
-# kernels are compiled once per machine and image rather than at every container start.
+# Optional: a volume (or host directory) every container mounts as its numba kernel cache. Unset in
+# CI, so that each container starts as a new pod does and loads the image's prebuilt kernels.
 NUMBA_CACHE = os.environ.get("CGX_PS_TEST_NUMBA_CACHE", "")
 TOKEN_IN_CONTAINER = "/run/secrets/cgx-ps/token"
 IMAGE_UID = 10001  # deploy/Dockerfile's USER
@@ -185,6 +187,17 @@ def first_step_after_start(worker: str) -> float:
         if text.startswith('{"event": "step"'):
             return (parse_time(stamp) - started_at(worker)).total_seconds()
     raise AssertionError(f"{worker}: no step line:\n{logs(worker)[-3000:]}")
+
+
+def test_the_images_prebuilt_kernels_are_loaded_not_compiled(network: Network) -> None:
+    """A fresh container (empty NUMBA_CACHE_DIR) copies the image's prebuilt kernels in and
+    compiles none: the image was built on this machine, so they were compiled for its CPU."""
+    if NUMBA_CACHE:
+        pytest.skip("the containers share a kernel cache volume (CGX_PS_TEST_NUMBA_CACHE)")
+    out = network.run("kernels", "-c", PROBE, entrypoint="python", detach=False)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["status"] == "copied" and report["files"] > 0, (report, out.stderr[-2000:])
+    assert report["misses"] == 0 and report["hits"] >= 4, report
 
 
 def test_status_from_a_third_container_sees_both_shards(shards: Network) -> None:

@@ -20,7 +20,7 @@ import atexit
 import logging
 import threading
 import time
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Optional
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from . import cpu
 from .decoding import dequantize
 from .encoding import quantize
 from .feedback import ErrorFeedback, encode_block
+from .prebuilt import seed_once, write_manifest
 from .summation import EncodedSum
 from .wire import Codec
 
@@ -70,9 +71,11 @@ def warm_kernels(widths: Iterable[int] = ALL_WIDTHS) -> None:
 
 
 def warm_in_background(widths: Iterable[int], role: Role) -> threading.Thread:
-    """Start a daemon thread that warms these widths' kernels for ``role``; a failure is logged
+    """Copy the prebuilt kernels in (``prebuilt.py``), then start a daemon thread that warms these
+    widths' kernels for ``role``: loads them from the cache, or compiles them. A failure is logged
     (the kernel is then compiled on first use, where its error surfaces)."""
     widths = tuple(widths)
+    seed_once()
 
     def run() -> None:
         started = time.perf_counter()
@@ -94,7 +97,26 @@ def warm_in_background(widths: Iterable[int], role: Role) -> threading.Thread:
     return thread
 
 
-if __name__ == "__main__":
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m cgx_ps.kernels.warm``: compile every width now. With ``NUMBA_CACHE_DIR`` set,
+    also record the CPU they were compiled for, so that the directory can serve as a prebuilt
+    cache (``CGX_PS_KERNEL_CACHE``, as the container image does)."""
+    import argparse
+
+    from numba.core import config
+
+    parser = argparse.ArgumentParser(prog="python -m cgx_ps.kernels.warm", description=main.__doc__.split("\n")[0])
+    parser.add_argument("--widths", type=int, nargs="+", choices=ALL_WIDTHS, default=list(ALL_WIDTHS),
+                        help="the bit widths to compile (default: all)")
+    args = parser.parse_args(argv)
     started = time.perf_counter()
-    warm_kernels()
-    print(f"cgx-ps kernels ready in {time.perf_counter() - started:.1f} s")
+    seed_once()
+    warm_kernels(args.widths)
+    where = ""
+    if config.CACHE_DIR:
+        where = f"; {write_manifest(config.CACHE_DIR)} written"
+    print(f"cgx-ps kernels ready in {time.perf_counter() - started:.1f} s{where}")
+
+
+if __name__ == "__main__":
+    main()
