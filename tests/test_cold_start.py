@@ -24,6 +24,10 @@ def test_cold_shards_and_workers_give_the_references_bytes(local_cluster, tmp_pa
     cache.mkdir()
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))  # shards and workers inherit it: nothing compiled yet
     cluster = local_cluster(shards=2)
+    if compression == "4bit":
+        # the workers load theirs: the 3-bit case compiles the workers' kernels from nothing too,
+        # and the 4-bit case is about the shards' rounds waiting on their background compile
+        monkeypatch.delenv("NUMBA_CACHE_DIR")
     outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
     results = run_workers(ROOT / "tests/workers/step_worker.py", 2, cluster.addresses,
                           lambda r: ["--compression", compression, "--dtype", "float32", "--steps", "2",
@@ -36,4 +40,5 @@ def test_cold_shards_and_workers_give_the_references_bytes(local_cluster, tmp_pa
         assert torch.equal(saved[1]["final"][name], value), name
     # the kernels were compiled here, from nothing, and cached for the next start
     cached = {p.name for p in cache.rglob("*.nbi")}
-    assert any("sum_range" in name for name in cached) and any("encode_range" in name for name in cached), cached
+    assert any("sum_range" in name for name in cached), cached
+    assert compression == "4bit" or any("encode_range" in name for name in cached), cached
