@@ -54,7 +54,8 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/dataplane.p
 
 from benchmarks.loopprofile import main as loop_profile  # noqa: E402
 from benchmarks.argtypes import at_least, bits, fp32_megabytes  # noqa: E402
-from benchmarks.procstat import CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, thread_cpu_seconds  # noqa: E402
+from benchmarks.procstat import (CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, thread_cpu_seconds,  # noqa: E402
+                                 thread_cpu_snapshot)
 from benchmarks.rawplane import IO_ENV, raw_plane_client  # noqa: E402
 from benchmarks.server import make_credentials, shard_cpu_seconds, shard_workload  # noqa: E402
 from cgx_ps.net.security import ChannelSecurity  # noqa: E402
@@ -162,7 +163,7 @@ async def one_run(targets: dict[str, Target], nodes: int, layout, payloads: dict
             for path in paths[r % len(paths):] + paths[:r % len(paths)]:
                 if r == 1:  # from the first timed round on, as benchmarks/server.py counts
                     start_cpu[path] = shard_cpu_seconds(pids[path])
-                    start_threads[path] = thread_cpu_seconds(pids[path])
+                    start_threads[path] = thread_cpu_snapshot(pids[path])
                     start_system[path] = loop_system_seconds(pids[path])
                     if profile is not None:
                         profilers.append(start_profiler(pids[path], profile / f"{path}.txt"))
@@ -180,8 +181,7 @@ async def one_run(targets: dict[str, Target], nodes: int, layout, payloads: dict
         await asyncio.sleep(0.5)
         for path in paths:
             out[path].shard_cpu = shard_cpu_seconds(pids[path]) - start_cpu[path]
-            end = thread_cpu_seconds(pids[path])
-            out[path].shard_threads = {g: end[g] - start_threads[path][g] for g in end}
+            out[path].shard_threads = thread_cpu_seconds(pids[path], since=start_threads[path])
             out[path].shard_loop_system = loop_system_seconds(pids[path]) - start_system[path]
     finally:
         for spy in profilers:

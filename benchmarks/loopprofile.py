@@ -61,6 +61,9 @@ def main(paths: list[str]) -> None:
     """Each profile's split, as shares of the loop's busy samples (py-spy counts a thread blocked
     in epoll as active when it samples native frames)."""
     for path in paths:
+        if not Path(path).exists():  # py-spy interrupted before its first sample writes nothing
+            print(f"{path}: no profile (py-spy wrote none: it was stopped before it attached, or could not attach)")
+            continue
         total, kinds = loop_split(path)
         busy = total - kinds.pop(WAITING, 0)
         print(f"{path}: {busy} busy samples of the event loop ({total - busy} more waiting in epoll)")

@@ -14,7 +14,7 @@ from typing import Mapping
 
 __all__ = ["CPU_RESOLUTION_S", "HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "cpu_ratio", "figure", "iface_bytes",
            "machine_cpu_seconds", "per_cpu", "proc_cpu_seconds", "proc_minor_faults", "resident_mb",
-           "thread_cpu_seconds"]
+           "thread_cpu_seconds", "thread_cpu_snapshot"]
 
 # pids of the cgx-ps shards on a worker's host (shards.run_cgx sets it): HostCpu adds their CPU
 # to the host's per step
@@ -67,11 +67,12 @@ def proc_minor_faults(pid: int) -> int | None:
     return None if fields is None else int(fields[7])  # field 10
 
 
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds of a Python process's threads by group: the event loop (the main thread),
-    gRPC's own threads (they name themselves) and Python's worker threads (kernels: a shard's
-    executor and codec pool; Python does not name OS threads, so they are all "python")."""
-    groups = {"event loop": 0.0, "kernel threads": 0.0, "gRPC threads": 0.0}
+def thread_cpu_snapshot(pid: int) -> dict[str, tuple[str, float]]:
+    """Each thread of a Python process (by thread id): its group and its CPU seconds. Groups: the
+    event loop (the main thread), gRPC's own threads (they name themselves) and Python's worker
+    threads (kernels: a shard's executor and codec pool, its background kernel warm-up; Python does
+    not name OS threads, so they are all "python")."""
+    threads = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             comm = (task / "comm").read_text().strip()
@@ -81,7 +82,18 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
         if seconds is None:
             continue
         group = "event loop" if task.name == str(pid) else "kernel threads" if comm == "python" else "gRPC threads"
-        groups[group] += seconds
+        threads[task.name] = (group, seconds)
+    return threads
+
+
+def thread_cpu_seconds(pid: int, since: dict[str, tuple[str, float]] | None = None) -> dict[str, float]:
+    """CPU seconds of a Python process's threads by group (``thread_cpu_snapshot``'s), or what each
+    group spent after the snapshot ``since``: each thread's growth, so that a thread that ended in
+    between (the shard's kernel warm-up, say) takes its earlier CPU with it instead of making a
+    group's difference negative."""
+    groups = {"event loop": 0.0, "kernel threads": 0.0, "gRPC threads": 0.0}
+    for tid, (group, seconds) in thread_cpu_snapshot(pid).items():
+        groups[group] += seconds - (since or {}).get(tid, (group, 0.0))[1]
     return groups
 
 

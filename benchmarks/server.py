@@ -60,7 +60,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/server.py`:
 
 from benchmarks.argtypes import at_least, bits, fp32_megabytes  # noqa: E402
 from benchmarks.procstat import (CPU_RESOLUTION_S, cpu_ratio, figure, per_cpu, proc_cpu_seconds, proc_minor_faults,  # noqa: E402
-                                 resident_mb, thread_cpu_seconds)
+                                 resident_mb, thread_cpu_seconds, thread_cpu_snapshot)
 from cgx_ps.kernels import quantize  # noqa: E402
 from cgx_ps.net.security import ChannelSecurity, new_token_file  # noqa: E402
 from cgx_ps.server import LocalCluster  # noqa: E402
@@ -230,7 +230,7 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
             pid = targets[name][1]
             if r == 1:  # the shard's CPU from its first timed round to the end: work it finishes
                 started[name] = shard_cpu_seconds(pid)  # after a round ends is counted too
-                threads[name] = thread_cpu_seconds(pid)
+                threads[name] = thread_cpu_snapshot(pid)
                 faults[name] = proc_minor_faults(pid) or 0
             client0 = time.process_time()
             t = await one_round(clients[name], layout, payloads, r)
@@ -240,8 +240,7 @@ async def run_rounds(targets: dict[str, tuple[str, int, ChannelSecurity]], nodes
         await asyncio.sleep(0.5)
         for name, cpu0 in started.items():
             out[name].shard_cpu = shard_cpu_seconds(targets[name][1]) - cpu0
-            end = thread_cpu_seconds(targets[name][1])
-            out[name].threads = {group: end[group] - threads[name][group] for group in end}
+            out[name].threads = thread_cpu_seconds(targets[name][1], since=threads[name])
             out[name].rss_mb = resident_mb(targets[name][1])
             out[name].minflt = (proc_minor_faults(targets[name][1]) or 0) - faults[name]
     finally:
