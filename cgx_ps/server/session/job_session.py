@@ -156,6 +156,12 @@ class Session:
                         "rounds fail at the round timeout)", node, remain, self.num_nodes,
                         self.aggregator.rule.quorum)
 
+    def everyone_left(self, block_id: int, round_: int, pushers: Mapping[str, int]) -> None:
+        """Every node pushed the round out of data (uneven inputs): tell each of them."""
+        notice = ps_pb2.ExchangeResponse(everyone_left=ps_pb2.EveryoneLeft(round=round_, block_id=block_id))
+        for stream in [s for s in map(self.streams.get, pushers.items()) if s is not None]:
+            stream.send_control(notice)
+
     def round_failed(self, failure: RoundFailure) -> None:
         """A round failed for everyone: every stream hears why in-band, then the session ends."""
         error = ps_pb2.ExchangeResponse(error=ps_pb2.RoundError(

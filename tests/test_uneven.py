@@ -1,0 +1,81 @@
+"""Uneven inputs: a node that ran out of data leaves the rounds (ps.proto PushChunk.out_of_data,
+server/rounds/uneven.py); the rounds close without waiting for it, divide by the gradients they
+sum, and end the epoch when every node has left."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cgx_ps.kernels import Codec, contributors_of, dequantize, encode
+from cgx_ps.worker.errors import CgxPsError
+from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+from cgx_ps.worker.shards.client import ShardClient
+from support import SECURITY
+
+NUMEL = 1000
+
+
+def grad(node: int, round_: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 * node + round_))
+
+
+def push(node: int, round_: int) -> bytes:
+    return encode(grad(node, round_), Codec.FP32, bits=32, bucket_size=0).to_bytes()
+
+
+async def clients_for(shard, job: str, nodes: int = 3, **quorum) -> tuple[list[ShardClient], int]:
+    layout = build_layout([TensorInfo("w", (NUMEL,))], 1, Compression(bits=None), block_bytes=1 << 20)
+    clients = [ShardClient(f"127.0.0.1:{shard.port}", f"node-{i}", nodes, layout, connect_timeout_s=5,
+                           security=SECURITY, job_id=job, **quorum) for i in range(nodes)]
+    for c in clients:
+        await c.connect()
+    return clients, layout.blocks[0].block_id
+
+
+@pytest.mark.parametrize("quorum", [{}, {"quorum": 2, "grace_ms": 5000}])
+async def test_rounds_go_on_without_a_node_out_of_data_and_end_when_every_node_has_left(start_shard, quorum):
+    """Exact, with fp32 blocks: round 0 with every node; round 1 without C (out of data): the sum
+    of A and B, contributors 2, the same bytes for C, at once (no timeout, no grace); round 2, A
+    out of data too; round 3, every node out of data: no result, each told; round 4, a new epoch,
+    every node again."""
+    shard = await start_shard(round_timeout_s=30)
+    clients, block = await clients_for(shard, f"uneven-{len(quorum)}", **quorum)
+    a, b, c = clients
+    try:
+        first = await asyncio.gather(*[cl.exchange(block, 0, push(i, 0)) for i, cl in enumerate(clients)])
+        assert len(set(map(bytes, first))) == 1
+        started = asyncio.get_running_loop().time()
+        one = await asyncio.gather(a.exchange(block, 1, push(0, 1)), b.exchange(block, 1, push(1, 1)),
+                                   c.fetch(block, 1, out_of_data=True))
+        assert asyncio.get_running_loop().time() - started < 2  # neither the round timeout nor the grace
+        assert len(set(map(bytes, one))) == 1 and contributors_of(one[0]) == 2
+        assert torch.equal(dequantize(bytes(one[0])), grad(0, 1) + grad(1, 1))
+        two = await asyncio.gather(a.fetch(block, 2, out_of_data=True), b.exchange(block, 2, push(1, 2)),
+                                   c.fetch(block, 2, out_of_data=True))
+        assert len(set(map(bytes, two))) == 1 and contributors_of(two[0]) == 1
+        assert torch.equal(dequantize(bytes(two[0])), grad(1, 2))
+        three = await asyncio.gather(*[cl.fetch(block, 3, out_of_data=True) for cl in clients])
+        assert [bytes(r) for r in three] == [b""] * 3  # every node has left: no result, each told
+        four = await asyncio.gather(*[cl.exchange(block, 4, push(i, 4)) for i, cl in enumerate(clients)])
+        assert len(set(map(bytes, four))) == 1  # the next epoch: every node, every gradient
+        assert contributors_of(four[0]) in (0, 3)
+        assert torch.allclose(dequantize(bytes(four[0])), grad(0, 4) + grad(1, 4) + grad(2, 4), atol=1e-5, rtol=0)
+    finally:
+        for cl in clients:
+            await cl.close()
+
+
+async def test_a_gradient_from_a_node_that_left_is_refused_naming_it(start_shard):
+    shard = await start_shard(round_timeout_s=30)
+    clients, block = await clients_for(shard, "uneven-refused", nodes=2)
+    a, b = clients
+    try:
+        await asyncio.gather(a.exchange(block, 0, push(0, 0)), b.fetch(block, 0, out_of_data=True))
+        with pytest.raises(CgxPsError, match="node node-1 left the rounds at round 0"):
+            await asyncio.wait_for(b.exchange(block, 1, push(1, 1)), 10)
+    finally:
+        for cl in clients:
+            await cl.close()
