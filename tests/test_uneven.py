@@ -5,17 +5,24 @@ sum, and end the epoch when every node has left."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
 from cgx_ps.kernels import Codec, contributors_of, dequantize, encode
+from cgx_ps.worker import join
 from cgx_ps.worker.errors import CgxPsError
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from cgx_ps.worker.shards.client import ShardClient
-from support import SECURITY
+from support import SECURITY, env_for
 
 NUMEL = 1000
+WORKER = Path(__file__).resolve().parent / "workers/join_worker.py"
 
 
 def grad(node: int, round_: int) -> torch.Tensor:
@@ -79,3 +86,40 @@ async def test_a_gradient_from_a_node_that_left_is_refused_naming_it(start_shard
     finally:
         for cl in clients:
             await cl.close()
+
+
+def run_nodes(cluster, batches: list[int], timeout: float = 240, **env: str) -> list[dict]:
+    job = {"CGX_PS_JOB_ID": f"uneven-{uuid.uuid4().hex[:8]}", **env}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--batches", str(n)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env_for(r, len(batches), cluster.addresses, **job))
+             for r, n in enumerate(batches)]
+    results = []
+    for r, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"node {r} exit {proc.returncode}:\n{err[-4000:]}"
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batches, quorum", [([5, 8], {}), ([4, 6, 9], {"CGX_PS_QUORUM": "2", "CGX_PS_GRACE_MS": "20"})])
+def test_uneven_inputs_end_every_epoch_quickly_with_bit_identical_replicas(local_cluster, batches, quorum):
+    cluster = local_cluster(2, round_timeout=30)
+    results = run_nodes(cluster, batches, **quorum)
+    epochs = 2
+    assert [r["computed"] for r in results] == [epochs * n for n in batches]
+    # every node took the longest node's steps (its own and shadow steps): round ids stay aligned,
+    # and the second epoch started with every node again
+    assert {r["steps"] for r in results} == {epochs * max(batches)}, results
+    assert len({r["digest"] for r in results}) == 1, results  # parameters and momentum bit-identical
+    # no round waited for the round timeout (30 s): 2 x 8 steps of 20 ms, the shadow steps
+    assert all(r["train_s"] < 10 for r in results), results
+    assert all(r["refusals"] == ["this optimizer is already inside cgx.join: a node leaves the rounds once per epoch"]
+               for r in results), results
+
+
+def test_join_refuses_what_is_not_a_distributed_optimizer():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(CgxPsError, match="takes a DistributedOptimizer, got SGD"):
+        with join(opt):
+            pass
