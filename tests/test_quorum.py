@@ -207,6 +207,8 @@ def test_round_history_keeps_the_last_rounds_and_tells_a_late_push_from_a_retry(
     assert not history.late_outcome(0, 5, "node-2", 0, 4, fetch=True).carry
     with pytest.raises(BadRequest, match="member 0 of node node-0"):
         history.late_outcome(0, 5, "node-0", 1, 4)
+    history.add(ClosedRound(7, "result-7", {}))  # round 6 had no result (every node had left it)
+    assert history.get(7).result == "result-7" and history.get(6) is None
 
 
 def test_a_node_late_in_a_quarter_of_its_pushes_is_named_once_per_window():

@@ -93,12 +93,11 @@ def run_nodes(cluster, batches: list[int], timeout: float = 240, **env: str) -> 
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--batches", str(n)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env_for(r, len(batches), cluster.addresses, **job))
              for r, n in enumerate(batches)]
-    results = []
-    for r, proc in enumerate(procs):
-        out, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, f"node {r} exit {proc.returncode}:\n{err[-4000:]}"
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    outs = [proc.communicate(timeout=timeout) for proc in procs]
+    failed = [f"node {r} exit {proc.returncode}:\n{err[-3000:]}" for r, (proc, (_, err)) in enumerate(zip(procs, outs))
+              if proc.returncode != 0]
+    assert not failed, "\n".join(failed)
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
 @pytest.mark.slow
@@ -109,8 +108,12 @@ def test_uneven_inputs_end_every_epoch_quickly_with_bit_identical_replicas(local
     epochs = 2
     assert [r["computed"] for r in results] == [epochs * n for n in batches]
     # every node took the longest node's steps (its own and shadow steps): round ids stay aligned,
-    # and the second epoch started with every node again
-    assert {r["steps"] for r in results} == {epochs * max(batches)}, results
+    # and the second epoch started with every node again (under a quorum, a late node's gradient
+    # carried past the end of an epoch may add a round to it, on every node alike)
+    steps = {r["steps"] for r in results}
+    assert len(steps) == 1, results
+    assert steps == {epochs * max(batches)} if not quorum else epochs * max(batches) <= steps.pop() <= epochs * (
+        max(batches) + 2), results
     assert len({r["digest"] for r in results}) == 1, results  # parameters and momentum bit-identical
     # no round waited for the round timeout (30 s): 2 x 8 steps of 20 ms, the shadow steps
     assert all(r["train_s"] < 10 for r in results), results

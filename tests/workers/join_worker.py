@@ -14,6 +14,7 @@ import json
 import time
 
 import torch
+from quorum_worker import small_job  # this folder: on the path of a script run from it
 
 import cgx_ps.worker as cgx
 
@@ -24,13 +25,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--step-s", type=float, default=0.02, help="emulated compute per batch (a sleep)")
     args = p.parse_args()
-    config = cgx.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   model.named_parameters(), compression="4bit", block_bytes=4096)
-    cgx.broadcast_parameters(model.state_dict(), root_rank=0)
-    data = torch.Generator().manual_seed(1000 + config.node_rank)
+    config, model, opt, data = small_job()
     computed, refusals = 0, []
     started = time.monotonic()
     for epoch in range(args.epochs):

@@ -20,6 +20,18 @@ import torch
 import cgx_ps.worker as cgx
 
 
+def small_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
+    """``cgx.init()``, a small model, the same on every node, its DistributedOptimizer (SGD with
+    momentum, 4 bits) and this node's seeded data (also tests/workers/join_worker.py's)."""
+    config = cgx.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   model.named_parameters(), compression="4bit", block_bytes=4096)
+    cgx.broadcast_parameters(model.state_dict(), root_rank=0)
+    return config, model, opt, torch.Generator().manual_seed(1000 + config.node_rank)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
@@ -29,13 +41,7 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    config = cgx.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   model.named_parameters(), compression="4bit", block_bytes=4096)
-    cgx.broadcast_parameters(model.state_dict(), root_rank=0)
-    data = torch.Generator().manual_seed(1000 + config.node_rank)
+    config, model, opt, data = small_job()
     computed = 0
     started = time.monotonic()
     while opt._cgx_pipe.steps < args.steps:  # finished steps, those caught up on included

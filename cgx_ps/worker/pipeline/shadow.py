@@ -26,8 +26,7 @@ def shadow_rounds(blocks: list[BlockState], engine: CommEngine | EngineShare, ex
                   count_step: Callable[[], None]) -> Iterator[int]:
     """Each round until every node has left, its averages in the block buffers when yielded (the
     front end then applies them), then counted (``count_step``). Raises CgxPsError if a round's
-    average is not finite (a step the other nodes' loss scalers skipped), or if the shards
-    disagree on whether every node has left."""
+    average is not finite (a step the other nodes' loss scalers skipped)."""
     timeout = 2 * engine.round_timeout_s + 10  # each round closes within the round timeout
     while blocks:
         round_ = blocks[0].round
@@ -38,9 +37,14 @@ def shadow_rounds(blocks: list[BlockState], engine: CommEngine | EngineShare, ex
         engine.rounds_ahead(round_ + 1, [b.spec.block_id for b in blocks])  # late notices: caught up here
         if all(o is None for o in outcomes):
             return  # every node has left
-        if any(o is None for o in outcomes):
-            raise CgxPsError(f"round {round_}: some shards say every node has left, others sent a result: the "
-                             f"nodes' steps differ (uneven inputs need one process per node and the same blocks)")
+        for block, outcome in zip(blocks, outcomes):
+            if outcome is None:
+                # Under a quorum, a late node's gradient carried into this round of some blocks
+                # and not of others (lateness is per block): those blocks still sum it, these
+                # were left by every node. Every node gets the same answers for every block, so
+                # each applies zeros for these alike, and the next round ends them all.
+                block.result = block.buffer
+                block.buffer.zero_()
         if any(outcomes):
             raise CgxPsError(f"round {round_}, applied by this node after it ran out of data, came back not finite: "
                              f"its shadow step cannot apply a step other nodes' loss scalers skipped")
