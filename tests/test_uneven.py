@@ -75,6 +75,28 @@ async def test_rounds_go_on_without_a_node_out_of_data_and_end_when_every_node_h
             await cl.close()
 
 
+async def test_a_round_every_node_left_still_sums_a_gradient_carried_into_it(start_shard):
+    """Quorum rounds: C's push of round 1 comes after the round closed without it, and is
+    carried into round 2, which every node then pushes out of data: round 2's result is C's
+    gradient alone (contributors 1), encoded as the block's settings say; round 3 ends the epoch."""
+    shard = await start_shard(round_timeout_s=30)
+    clients, block = await clients_for(shard, "uneven-carried", quorum=2, grace_ms=50)
+    a, b, c = clients
+    try:
+        await asyncio.gather(*[cl.exchange(block, 0, push(i, 0)) for i, cl in enumerate(clients)])
+        closed = await asyncio.gather(a.exchange(block, 1, push(0, 1)), b.exchange(block, 1, push(1, 1)))
+        assert contributors_of(closed[0]) == 2
+        assert bytes(await c.exchange(block, 1, push(2, 1))) == bytes(closed[0])  # late: carried into round 2
+        two = await asyncio.gather(*[cl.fetch(block, 2, out_of_data=True) for cl in clients])
+        assert len(set(map(bytes, two))) == 1 and contributors_of(two[0]) == 1
+        assert torch.equal(dequantize(bytes(two[0])), grad(2, 1))
+        three = await asyncio.gather(*[cl.fetch(block, 3, out_of_data=True) for cl in clients])
+        assert [bytes(r) for r in three] == [b""] * 3
+    finally:
+        for cl in clients:
+            await cl.close()
+
+
 async def test_a_gradient_from_a_node_that_left_is_refused_naming_it(start_shard):
     shard = await start_shard(round_timeout_s=30)
     clients, block = await clients_for(shard, "uneven-refused", nodes=2)

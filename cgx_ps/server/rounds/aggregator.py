@@ -43,7 +43,7 @@ from .kernel_threads import keeps_on_loop
 from .late_rounds import carry_late_push, fetch_round
 from .quorum import ClosedRound, QuorumRule, RoundHistory
 from .restored import adopt_restored
-from .uneven import close_without_gradients, gradients_in, refuse_after_leaving
+from .uneven import close_without_gradients, gradients_in, refuse_after_leaving, round_encoding
 from .round_outcomes import RoundFailure, RoundSink, RoundSum, encode_round, keep_push
 
 __all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
@@ -290,7 +290,7 @@ class Aggregator:
             block.grace = None
             if block.round != round_ or self.failed is not None or not block.pushed:
                 return  # closed by its last node meanwhile
-            encode = self._round_encoder(block, round_, block.round_encoding, block.round_stochastic,
+            encode = self._round_encoder(block, round_, round_encoding(block, round_), block.round_stochastic,
                                          block.round_non_finite, len(block.pushed) - len(block.absent))
             summed = await asyncio.get_running_loop().run_in_executor(self.executor, encode_round, block,
                                                                       round_, encode)

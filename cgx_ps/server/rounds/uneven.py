@@ -12,10 +12,12 @@ come back in the middle of the others' epoch. The caller (the aggregator) holds 
 
 from __future__ import annotations
 
+from ...kernels import Codec
+from ...model_layout import codec_of
 from ..errors import BadRequest
 from .block_state import BlockState
 
-__all__ = ["close_without_gradients", "gradients_in", "refuse_after_leaving"]
+__all__ = ["close_without_gradients", "gradients_in", "refuse_after_leaving", "round_encoding"]
 
 
 def refuse_after_leaving(block: BlockState, node_id: str, round_: int) -> None:
@@ -43,3 +45,13 @@ def close_without_gradients(block: BlockState) -> dict[str, int]:
     block.round_encoding, block.round_non_finite = None, False
     block.round += 1
     return told
+
+
+def round_encoding(block: BlockState, round_: int) -> tuple[int, int, int]:
+    """How the round's result is encoded: as its pushes were; a round that sums only gradients
+    carried from late pushes (every node in time left it) the block's settings for the round."""
+    if block.round_encoding is not None:
+        return block.round_encoding
+    settings = block.settings_for(round_)
+    codec = codec_of(settings)
+    return (int(codec), settings.bits, settings.bucket_size) if codec == Codec.MAXMIN else (int(Codec.FP32), 32, 0)
