@@ -5,8 +5,10 @@ settings checked on both ends."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -26,14 +28,17 @@ WORKER = ROOT / "tests/workers/quorum_worker.py"
 CLUSTER_SETTINGS = dict(shards=2, round_timeout=30)  # the refusal test's shards (conftest.cluster)
 
 
-def run_nodes(cluster, nodes: int, args_for, tmp_path: Path, timeout: float = 240, **env: str) -> list[dict]:
+def start_nodes(cluster, nodes: int, args_for, tmp_path: Path, **env: str) -> list[subprocess.Popen]:
     job = {"CGX_PS_JOB_ID": f"quorum-{uuid.uuid4().hex[:8]}", **env}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path / f"n{r}.pt"), *args_for(r)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env_for(r, nodes, cluster.addresses, **job))
-             for r in range(nodes)]
+    return [subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path / f"n{r}.pt"), *args_for(r)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env_for(r, nodes, cluster.addresses, **job))
+            for r in range(nodes)]
+
+
+def run_nodes(cluster, nodes: int, args_for, tmp_path: Path, timeout: float = 240, **env: str) -> list[dict]:
     results = []
-    for r, proc in enumerate(procs):
+    for r, proc in enumerate(start_nodes(cluster, nodes, args_for, tmp_path, **env)):
         out, err = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, f"node {r} exit {proc.returncode}:\n{err[-4000:]}"
         results.append(json.loads(out.strip().splitlines()[-1]))
@@ -73,6 +78,51 @@ def test_without_a_stall_quorum_rounds_take_every_node_and_match_a_run_without_q
     with_quorum = run_nodes(cluster, 2, lambda r: ["--steps", "6", "--step-s", "0"], tmp_path,
                             CGX_PS_QUORUM="1", CGX_PS_GRACE_MS="5000")  # a grace no step needs
     assert plain[0]["digest"] == plain[1]["digest"] == with_quorum[0]["digest"] == with_quorum[1]["digest"]
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_run_is_named_once_and_the_others_go_on_to_identical_parameters(local_cluster, tmp_path):
+    cluster = local_cluster(2, round_timeout=30, log_dir=str(tmp_path))
+    steps = 20
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps)] + (["--die-at", "5"] if r == 2 else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    assert procs[2].returncode == -signal.SIGKILL, outs[2][1][-2000:]
+    for r in (0, 1):
+        assert procs[r].returncode == 0, f"node {r}:\n{outs[r][1][-4000:]}"
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs[:2]]
+    assert [r["steps"] for r in results] == [steps] * 2
+    assert results[0]["digest"] == results[1]["digest"], results  # the survivors stay bit-identical
+    # no round waited for the round timeout (30 s): 20 steps of 50 ms, and the grace of a few
+    assert all(r["train_s"] < 10 for r in results), results
+    # each shard names the dead node once, not once per round it missed
+    for i in range(2):
+        lines = [line for line in (tmp_path / f"shard{i}.log").read_text().splitlines() if "node-2" in line]
+        named = [line for line in lines if "went away" in line]
+        assert len(named) == 1 and "2 of 3 nodes remain" in named[0] and "CGX_PS_QUORUM=2" in named[0], lines
+
+
+@pytest.mark.slow
+def test_with_fewer_than_the_quorum_left_the_last_node_fails_at_the_round_timeout_naming_the_dead(local_cluster,
+                                                                                                   tmp_path):
+    # K=2 of 3: node 2 is killed at its step 3 (two remain: the rounds go on), node 1 at its step 8
+    # (one remains: the next round waits for a second node, and fails at the round timeout)
+    cluster = local_cluster(2, round_timeout=4, log_dir=str(tmp_path))
+    started = time.monotonic()
+    die = {1: "8", 2: "3"}
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", "40"] + (["--die-at", die[r]] if r in die else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    assert procs[1].returncode == procs[2].returncode == -signal.SIGKILL
+    assert procs[0].returncode != 0, outs[0]  # the existing failure, no hang
+    assert "timed out after 4s waiting for node(s): node-1, node-2" in outs[0][1], outs[0][1][-3000:]
+    assert time.monotonic() - started < 60  # process starts under load; the failure came at the timeout
+    logs = [(tmp_path / f"shard{i}.log").read_text().splitlines() for i in range(2)]
+    for lines in logs:  # node 2, once, as the rounds went on without it
+        named = [line for line in lines if "went away" in line]
+        assert len(named) == 1 and "node node-2" in named[0] and "2 of 3 nodes remain" in named[0], lines
+    # node 1 by the round that failed first (node 0 is gone before the other shard's times out too)
+    assert any("round failed" in line and "node-1, node-2" in line for lines in logs for line in lines), logs
 
 
 def test_nodes_that_disagree_on_the_quorum_are_refused_naming_both_values(cluster):
@@ -157,6 +207,8 @@ def test_round_history_keeps_the_last_rounds_and_tells_a_late_push_from_a_retry(
     assert not history.late_outcome(0, 5, "node-2", 0, 4, fetch=True).carry
     with pytest.raises(BadRequest, match="member 0 of node node-0"):
         history.late_outcome(0, 5, "node-0", 1, 4)
+    history.add(ClosedRound(7, "result-7", {}))  # round 6 had no result (every node had left it)
+    assert history.get(7).result == "result-7" and history.get(6) is None
 
 
 def test_a_node_late_in_a_quarter_of_its_pushes_is_named_once_per_window():

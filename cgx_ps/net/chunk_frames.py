@@ -57,6 +57,12 @@ class ChunkFrame:
     data: bytes | memoryview
     restore: bool = False  # a push's: a recovering node's last result for a resumed session (ps.proto)
     fetch: bool = False  # a push's: a late node asks for a round's result (quorum rounds; protobuf-parsed)
+    out_of_data: bool = False  # a push's: the node has left the rounds (uneven inputs; protobuf-parsed)
+
+    @property
+    def has_data(self) -> bool:
+        """Whether the push carries a block (a fetch or an out-of-data push carries none)."""
+        return not (self.fetch or self.out_of_data)
 
 
 def encode_varint(value: int) -> bytes:

@@ -164,7 +164,7 @@ class Hello(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., layout_hash: _Optional[str] = ..., member: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("round", "block_id", "total_bytes", "offset", "data", "restore", "fetch")
+    __slots__ = ("round", "block_id", "total_bytes", "offset", "data", "restore", "fetch", "out_of_data")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class PushChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
+    OUT_OF_DATA_FIELD_NUMBER: _ClassVar[int]
     round: int
     block_id: int
     total_bytes: int
@@ -179,17 +180,28 @@ class PushChunk(_message.Message):
     data: bytes
     restore: bool
     fetch: bool
-    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., restore: _Optional[bool] = ..., fetch: _Optional[bool] = ...) -> None: ...
+    out_of_data: bool
+    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., restore: _Optional[bool] = ..., fetch: _Optional[bool] = ..., out_of_data: _Optional[bool] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("pull", "error", "late")
+    __slots__ = ("pull", "error", "late", "everyone_left")
     PULL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
+    EVERYONE_LEFT_FIELD_NUMBER: _ClassVar[int]
     pull: PullChunk
     error: RoundError
     late: LateNotice
-    def __init__(self, pull: _Optional[_Union[PullChunk, _Mapping]] = ..., error: _Optional[_Union[RoundError, _Mapping]] = ..., late: _Optional[_Union[LateNotice, _Mapping]] = ...) -> None: ...
+    everyone_left: EveryoneLeft
+    def __init__(self, pull: _Optional[_Union[PullChunk, _Mapping]] = ..., error: _Optional[_Union[RoundError, _Mapping]] = ..., late: _Optional[_Union[LateNotice, _Mapping]] = ..., everyone_left: _Optional[_Union[EveryoneLeft, _Mapping]] = ...) -> None: ...
+
+class EveryoneLeft(_message.Message):
+    __slots__ = ("round", "block_id")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    block_id: int
+    def __init__(self, round: _Optional[int] = ..., block_id: _Optional[int] = ...) -> None: ...
 
 class LateNotice(_message.Message):
     __slots__ = ("round", "block_id", "next_round")

@@ -27,6 +27,7 @@ from .frontends.ddp_hook import DDPHookState, ddp_comm_hook
 from .errors import (BlobFormatError, BroadcastError, CgxPsError, CheckpointError, CollectiveStalledError, ConfigError,
                      IntraNodeError, RoundFailedError, ShardRejectedError, ShardUnavailableError, StepAbandoned)
 from .pipeline.blocks import Compression
+from .frontends.join import join
 from .frontends.optimizer import DistributedOptimizer, StepStats
 from .runtime import init, rank, shutdown, size
 
@@ -36,6 +37,6 @@ __all__ = [
     "DDPHookState", "Decision", "DistributedOptimizer", "ddp_comm_hook",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepAbandoned", "StepStats",
     "WorkerConfig",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "rank",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "join", "rank",
     "shutdown", "size",
 ]

@@ -1,9 +1,9 @@
 """A worker for tests/test_quorum.py: a small model trained with DistributedOptimizer until the
 job has taken --steps steps, with seeded per-node data; --stall-at/--stall-s make this node stall (a sleep) before one of
-the steps it computes.
+the steps it computes; --die-at makes it SIGKILL itself after that step's backward (its pushes under way).
 
 Prints one JSON line: the node's steps, how many it computed itself (the rest it caught up on),
-and a digest of its final parameters; saves them with torch.save to --out.
+a digest of its final parameters and the seconds its training loop took; saves them with torch.save to --out.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import signal
 import time
 
 import torch
@@ -18,22 +20,30 @@ import torch
 import cgx_ps.worker as cgx
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--stall-at", type=int, default=-1, help="computed step before which this node stalls")
-    p.add_argument("--stall-s", type=float, default=0.0)
-    p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+def small_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
+    """``cgx.init()``, a small model, the same on every node, its DistributedOptimizer (SGD with
+    momentum, 4 bits) and this node's seeded data (also tests/workers/join_worker.py's)."""
     config = cgx.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    model.named_parameters(), compression="4bit", block_bytes=4096)
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
-    data = torch.Generator().manual_seed(1000 + config.node_rank)
+    return config, model, opt, torch.Generator().manual_seed(1000 + config.node_rank)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--stall-at", type=int, default=-1, help="computed step before which this node stalls")
+    p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--die-at", type=int, default=-1, help="computed step in whose backward this node is killed")
+    p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    config, model, opt, data = small_job()
     computed = 0
+    started = time.monotonic()
     while opt._cgx_pipe.steps < args.steps:  # finished steps, those caught up on included
         if computed == args.stall_at:
             time.sleep(args.stall_s)  # a stalled node: the others go on without it
@@ -41,6 +51,9 @@ def main() -> None:
         loss = (model(x) - x[:, :4]).pow(2).mean()
         opt.zero_grad()
         loss.backward()
+        if computed == args.die_at:
+            time.sleep(0.01)  # its pushes under way: a node killed mid-round
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(args.step_s)
         opt.step()
         computed += 1
@@ -48,7 +61,7 @@ def main() -> None:
     torch.save(params, args.out)
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in params.values())).hexdigest()
     print(json.dumps({"node": config.node_rank, "steps": opt._cgx_pipe.steps, "computed": computed,
-                      "digest": digest}), flush=True)
+                      "digest": digest, "train_s": time.monotonic() - started}), flush=True)
     cgx.shutdown()
 
 

@@ -31,7 +31,6 @@ import time
 from concurrent.futures import Executor
 from typing import Callable, Collection
 
-from ... import timeline
 from ...kernels import HEADER_SIZE, Codec, CodecError, EncodedSum, body_size, decode_header, set_contributors
 from ...kernels.wire import validate_settings
 from ...model_layout import block_payload_size, codec_of
@@ -39,13 +38,13 @@ from ...v1 import ps_pb2
 from .block_state import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockState, PushOutcome, adoption_conflict,
                           check_header, check_round, prune_schedule, result_seed, resume_conflict)
 from ..errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
-from ..rpc.push_frames import ResultFrames
 from ..metrics import ShardMetrics
 from .kernel_threads import keeps_on_loop
 from .late_rounds import carry_late_push, fetch_round
 from .quorum import ClosedRound, QuorumRule, RoundHistory
 from .restored import adopt_restored
-from .round_outcomes import RoundFailure, RoundSink, RoundSum
+from .uneven import close_without_gradients, gradients_in, refuse_after_leaving, round_encoding
+from .round_outcomes import RoundFailure, RoundSink, RoundSum, encode_round, keep_push
 
 __all__ = ["Aggregator", "MAX_RESUME_ROUND", "PushOutcome", "RoundFailure", "RoundSink", "RoundSum", "result_seed"]
 
@@ -193,6 +192,7 @@ class Aggregator:
         """A push into ``block`` (its lock held, its round known): check it, keep it, and sum
         the round if it completes it."""
         block_id = block.spec.block_id
+        refuse_after_leaving(block, node_id, round_)
         if self.rule.active and (block.history.get(round_) is not None or round_ + 1 < block.round):
             return await carry_late_push(block, node_id, member, round_, payload, self.executor)
         outcome = check_round(block, node_id, member, round_)
@@ -208,39 +208,68 @@ class Aggregator:
         non_finite = block.round_non_finite or header.non_finite  # the result is then a non-finite block
         completes = len(block.pushed) + 1 == self.num_nodes  # check_round: a node's first push
         encode = self._round_encoder(block, round_, encoding, stochastic, non_finite,
-                                     len(block.pushed) + 1) if completes else None
+                                     len(block.pushed) + 1 - len(block.absent)) if completes else None
         loop = asyncio.get_running_loop()
-        first = not block.pushed
         arrived = time.monotonic()
         # only checked: kept right here; else one hop to a kernel thread, which also sums a completed round
         try:
             if keeps_on_loop(len(payload), block.sum.keeps(header), completes):
-                kept = self._keep(block, round_, node_id, payload, None)
+                kept = keep_push(block, round_, node_id, payload, None)
             else:
-                kept = await loop.run_in_executor(self.executor, self._keep, block, round_, node_id, payload,
+                kept = await loop.run_in_executor(self.executor, keep_push, block, round_, node_id, payload,
                                                   encode)
         except CodecError as exc:
             raise BadRequest(f"block {block_id} round {round_}: {exc}") from None
         block.round_stochastic = stochastic
-        if first:
-            block.first_push_at = arrived
-            block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
-        block.pushed[node_id] = member
-        block.last_rounds[node_id] = round_
-        self._seen.add(node_id)
         block.round_encoding = encoding
         block.round_non_finite = non_finite
         if self.metrics:
             self.metrics.bytes_in.inc(len(payload))
             if not header.non_finite:
                 self.metrics.compression_ratio.set(4 * block.spec.numel / len(payload))
+        self._counted(block, node_id, member, round_, kept, arrived)
+        return PushOutcome(accepted=True)
+
+    def _counted(self, block: BlockState, node_id: str, member: int, round_: int, kept: RoundSum | None,
+                 arrived: float) -> None:
+        """A node's push of the round under way is in (``kept``: the round's sum, if it completed it)."""
+        loop = asyncio.get_running_loop()
+        if not block.pushed:
+            block.first_push_at = arrived
+            block.timer = loop.call_later(self.round_timeout_s, self._timeout, block, round_)
+        block.pushed[node_id] = member
+        block.last_rounds[node_id] = round_
+        self._seen.add(node_id)
         if kept is not None:
             self._finish(block, round_, kept, arrived)
+        elif gradients_in(block, len(block.pushed)) == 0:  # maybe every node leaving: wait for all (uneven.py)
+            if len(block.pushed) == self.num_nodes:
+                self.sink.everyone_left(block.spec.block_id, round_, close_without_gradients(block))
+        elif len(block.pushed) == self.num_nodes:  # completed by a node out of data: sum what it has
+            self._grace_over(block, round_)
         elif (action := self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen))) == "close":
             self._grace_over(block, round_)
         elif action == "grace":
             block.grace = loop.call_later(self.rule.grace_s, self._grace_over, block, round_)
-        return PushOutcome(accepted=True)
+
+    async def out_of_data(self, node_id: str, member: int, block_id: int, round_: int) -> PushOutcome:
+        """A push of a node that has run out of data (ps.proto PushChunk.out_of_data; uneven.py):
+        counted, summing nothing. A late one (quorum rounds) gets the round's result, as a
+        fetch does, and the block's round to catch up to."""
+        block = self._block(block_id)
+        async with block.lock:
+            if self.failed is not None:
+                raise SessionEnded(f"session failed earlier: {self.failed.message}")
+            if self.rule.active and (block.history.get(round_) is not None or round_ + 1 < block.round):
+                late = fetch_round(block, self.rule, node_id, member, round_)
+                return PushOutcome(accepted=False, resend=late.resend, late_next=block.round)
+            outcome = check_round(block, node_id, member, round_)
+            if outcome is not None:
+                return outcome
+            block.absent.add(node_id)
+            block.left.setdefault(node_id, round_)
+            self._counted(block, node_id, member, round_, None, time.monotonic())
+            return PushOutcome(accepted=True)
 
     async def fetch(self, node_id: str, member: int, block_id: int, round_: int) -> PushOutcome:
         """A late node's fetch of a round's result (ps.proto PushChunk.fetch; late_rounds.py)."""
@@ -261,9 +290,9 @@ class Aggregator:
             block.grace = None
             if block.round != round_ or self.failed is not None or not block.pushed:
                 return  # closed by its last node meanwhile
-            encode = self._round_encoder(block, round_, block.round_encoding, block.round_stochastic,
-                                         block.round_non_finite, len(block.pushed))
-            summed = await asyncio.get_running_loop().run_in_executor(self.executor, self._encode_round, block,
+            encode = self._round_encoder(block, round_, round_encoding(block, round_), block.round_stochastic,
+                                         block.round_non_finite, len(block.pushed) - len(block.absent))
+            summed = await asyncio.get_running_loop().run_in_executor(self.executor, encode_round, block,
                                                                       round_, encode)
             self._finish(block, round_, summed, time.monotonic())
 
@@ -295,9 +324,9 @@ class Aggregator:
                                    seed=result_seed(block.spec.block_id, round_),
                                    feedback=block.feedback if self.error_feedback else None,
                                    allow_non_finite=non_finite, scratch=scratch)
-        if not self.rule.active:
+        if not self.rule.active and not block.absent:
             return lambda: encode().stamped()
-        contributors = pushed + block.carried  # the gradients it sums (rounds/quorum.py)
+        contributors = pushed + block.carried  # the gradients it sums (rounds/quorum.py, uneven.py)
 
         def stamped_with_contributors() -> memoryview:
             result = encode().stamped()
@@ -305,37 +334,6 @@ class Aggregator:
             return result
 
         return stamped_with_contributors
-
-    @staticmethod
-    def _keep(block: BlockState, round_: int, node_id: str, payload: bytes | memoryview,
-              encode: Callable[[], memoryview] | None) -> RoundSum | None:
-        """On a kernel thread: check and keep a push (CodecError: refused, nothing kept); with
-        ``encode`` (the push completes its round), the round's sum too.
-
-        Any other failure (memory exhausted, a bug) may leave the sum half changed: keeping the
-        push that completes a round counts it before the encode fails, and the same push sent
-        again would then be summed twice, a wrong result for every node without a word. So it
-        fails the round, for every node, naming the error (a RoundSum without a result)."""
-        try:
-            with timeline.span("sum", round_, block=block.spec.block_id, node=node_id):
-                block.sum.add(payload)
-        except CodecError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - see above: the round fails, named, for everyone
-            return RoundSum(None, f"keeping node {node_id}'s push failed: {type(exc).__name__}: {exc}")
-        return None if encode is None else Aggregator._encode_round(block, round_, encode)
-
-    @staticmethod
-    def _encode_round(block: BlockState, round_: int, encode: Callable[[], memoryview]) -> RoundSum:
-        """On a kernel thread: the round's sum, encoded and framed (or why it could not be)."""
-        with timeline.span("re-encode", round_, block=block.spec.block_id):
-            try:
-                # framed straight from the encode buffer: the result's one copy (frames.ResultFrames)
-                return RoundSum(ResultFrames.of(block.spec.block_id, round_, encode()))
-            except CodecError as exc:  # one node sent huge finite values: the sum is not encodable
-                return RoundSum(None, str(exc))
-            except Exception as exc:  # noqa: BLE001 - see above
-                return RoundSum(None, f"{type(exc).__name__}: {exc}")
 
     def _finish(self, block: BlockState, round_: int, summed: RoundSum, last_arrived: float) -> None:
         for timer in (block.timer, block.grace):
@@ -349,7 +347,7 @@ class Aggregator:
         block.sum.clear()
         block.last_result = summed.result
         block.last_pushed = block.pushed
-        block.pushed, block.carried, block.grace = {}, 0, None
+        block.pushed, block.absent, block.carried, block.grace = {}, set(), 0, None
         if block.history is not None:
             block.history.add(ClosedRound(round_, summed.result, dict(block.last_pushed)))
         block.round_encoding = None

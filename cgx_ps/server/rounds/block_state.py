@@ -76,6 +76,10 @@ class BlockState:
     grace: asyncio.TimerHandle | None = None
     history: RoundHistory | None = None
     fetchers: dict[int, dict[str, int]] = field(default_factory=dict)
+    # uneven inputs (rounds/uneven.py): nodes that pushed this round out of data, and the nodes
+    # that left the block's rounds (node -> the round it left at) until every node has
+    absent: set[str] = field(default_factory=set)
+    left: dict[str, int] = field(default_factory=dict)
 
     @property
     def pristine(self) -> bool:

@@ -107,9 +107,11 @@ class RoundHistory:
 
     def get(self, round_: int) -> ClosedRound | None:
         if self._rounds and self._rounds[0].round <= round_ <= self._rounds[-1].round:
-            found = self._rounds[round_ - self._rounds[0].round]
-            if found.round == round_:  # contiguous unless a resume moved the block's round
-                return found
+            at = round_ - self._rounds[0].round
+            # contiguous unless a resume moved the block's round, or a round had no result (every
+            # node had left it: rounds/uneven.py)
+            if at < len(self._rounds) and self._rounds[at].round == round_:
+                return self._rounds[at]
         return next((c for c in self._rounds if c.round == round_), None)
 
     def late_outcome(self, block_id: int, block_round: int, node: str, member: int, round_: int,

@@ -48,7 +48,7 @@ def read_push(raw: bytes) -> PushFrame:
     if request.WhichOneof("kind") != "push":
         raise BadRequest("expected a PushChunk after Hello")
     c = request.push
-    return PushFrame(c.round, c.block_id, c.total_bytes, c.offset, c.data, c.restore, c.fetch)
+    return PushFrame(c.round, c.block_id, c.total_bytes, c.offset, c.data, c.restore, c.fetch, c.out_of_data)
 
 
 def result_frames(block_id: int, round_: int, data: bytes) -> list[bytes]:

@@ -194,7 +194,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             return False
         chunk = read_push(raw)
         self._check_push(session, chunk)
-        payload = b"" if chunk.fetch else await assembler.add(chunk, session.aggregator.allowed_sizes)
+        payload = await assembler.add(chunk, session.aggregator.allowed_sizes) if chunk.has_data else b""
         if payload is not None:
             # Summed in its own task so this stream keeps reading. Never cancelled: a push that
             # has been read is always summed and its budget released.
@@ -225,6 +225,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             aggregator = session.aggregator
             if chunk.fetch:
                 outcome = await aggregator.fetch(stream.node_id, stream.member, chunk.block_id, chunk.round)
+            elif chunk.out_of_data:  # uneven inputs: the node has left the rounds (rounds/uneven.py)
+                outcome = await aggregator.out_of_data(stream.node_id, stream.member, chunk.block_id, chunk.round)
             else:
                 act = aggregator.restore if chunk.restore else aggregator.push
                 outcome = await act(stream.node_id, stream.member, chunk.block_id, chunk.round, payload)
@@ -235,9 +237,9 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             stream.stop(self._rejected(stream, exc))
             return
         finally:
-            if not chunk.fetch:  # a fetch took no push budget (assembler.add)
+            if chunk.has_data:  # a fetch or an out-of-data push took no push budget (assembler.add)
                 self.inflight.release(len(payload))
-        if not chunk.fetch and session.aggregator.rule.active:
+        if chunk.has_data and session.aggregator.rule.active:
             said = session.late.note(stream.node_id, outcome.late_next is not None)
             if said:
                 log.warning("%s", said)
@@ -245,7 +247,7 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             self.metrics.push(stream.node_id, "late")
             stream.send_control(ps_pb2.ExchangeResponse(late=ps_pb2.LateNotice(
                 round=chunk.round, block_id=chunk.block_id, next_round=outcome.late_next)))
-        elif not chunk.fetch:  # a fetch is not a push
+        elif chunk.has_data:  # a fetch or an out-of-data push is not a gradient's push
             self.metrics.push(stream.node_id, "accepted" if outcome.accepted else "duplicate")
         if outcome.resend is not None:  # a retry of the round just finished (its result again), a late push
             stream.send(outcome.resend.frames, len(outcome.resend), chunk.block_id, chunk.round)

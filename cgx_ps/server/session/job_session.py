@@ -18,6 +18,7 @@ new stream and there is nothing to rewrite or undo.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from concurrent.futures import Executor
@@ -36,6 +37,8 @@ from ..rounds.kernel_threads import per_call_threads, usable_cpus
 from ..rounds.quorum import LateWatch, QuorumRule
 
 __all__ = ["Session", "owned_blocks"]
+
+log = logging.getLogger(__name__)
 
 
 def owned_blocks(layout: ps_pb2.Layout, shard_index: int) -> list[ps_pb2.BlockSpec]:
@@ -69,6 +72,7 @@ class Session:
         self.ended: str | None = None  # why the session ended (the first reason given)
         self.quorum_settings = (request.quorum, request.grace_ms)  # every node must send the same
         self.late = LateWatch()  # quorum rounds: pushes that came after their round closed, per node
+        self.gone: set[str] = set()  # nodes named as gone: their streams ended, rounds closed without them
         self.aggregator = Aggregator(owned, request.num_nodes, executor, sink=self, registered=self.nodes.keys(),
                                      round_timeout_s=config.round_timeout_s, error_feedback=config.error_feedback,
                                      metrics=metrics, resumed=request.resume,
@@ -112,6 +116,9 @@ class Session:
             old.stop(StreamAborted(f"replaced by a newer stream of node {node} member {member} (a reconnect)"))
         self.streams[(node, member)] = stream
         self.active.add((node, member))
+        if node in self.gone:
+            self.gone.discard(node)
+            log.warning("node %s is back (a new stream after it was named gone)", node)
         self.last_activity = time.monotonic()
         return stream
 
@@ -130,6 +137,30 @@ class Session:
             stream.send(result.frames, len(result), block_id, round_)
         if self._metrics:
             self._metrics.bytes_out.inc(len(result) * len(streams))
+        if len(pushers) < self.num_nodes:  # a quorum round closed without some nodes
+            self._name_gone(pushers)
+
+    def _name_gone(self, pushers: Mapping[str, int]) -> None:
+        """Name, once, each node whose streams have all ended (a node killed, or its host lost)
+        while rounds still close without it. Only then: every node's streams end at a job's end
+        too, after the last round it needs has closed, and a node that is merely late still has
+        its stream."""
+        listening = {node for node, _ in self.streams}
+        gone = [node for node, _ in self.active
+                if node not in pushers and node not in listening and node not in self.gone]
+        for node in sorted(set(gone)):
+            self.gone.add(node)
+            remain = len(self.nodes.keys() - self.gone)
+            log.warning("node %s went away mid-run (its streams ended: killed, or its connection lost); quorum "
+                        "rounds close without it: %d of %d nodes remain, CGX_PS_QUORUM=%d (fewer than that: "
+                        "rounds fail at the round timeout)", node, remain, self.num_nodes,
+                        self.aggregator.rule.quorum)
+
+    def everyone_left(self, block_id: int, round_: int, pushers: Mapping[str, int]) -> None:
+        """Every node pushed the round out of data (uneven inputs): tell each of them."""
+        notice = ps_pb2.ExchangeResponse(everyone_left=ps_pb2.EveryoneLeft(round=round_, block_id=block_id))
+        for stream in [s for s in map(self.streams.get, pushers.items()) if s is not None]:
+            stream.send_control(notice)
 
     def round_failed(self, failure: RoundFailure) -> None:
         """A round failed for everyone: every stream hears why in-band, then the session ends."""

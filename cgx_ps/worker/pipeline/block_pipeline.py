@@ -51,6 +51,7 @@ from ...v1 import ps_pb2
 from .arrivals import StepArrivals
 from .block_exchange import BlockExchange, BlockState
 from .catch_up import missed_rounds
+from .shadow import shadow_rounds
 from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from ..config import WorkerConfig
 from ..shards.engine import CommEngine, EngineShare
@@ -273,10 +274,15 @@ class BlockPipeline(StepEnd):
     def missed_rounds(self) -> Iterator[int]:
         """Quorum rounds: each round this node missed, decoded into the block buffers when yielded,
         for the front end to apply (catch_up.py)."""
-        def count_step() -> None:
-            self.steps += 1
+        return missed_rounds(self._blocks, self._engine, self._exchange, self.config, self._count_step)
 
-        return missed_rounds(self._blocks, self._engine, self._exchange, self.config, count_step)
+    def shadow_rounds(self) -> Iterator[int]:
+        """Uneven inputs, this node out of data: each round until every node has left, decoded
+        into the block buffers when yielded, for the front end to apply (shadow.py)."""
+        return shadow_rounds(self._blocks, self._engine, self._exchange, self._count_step)
+
+    def _count_step(self) -> None:  # a round applied without a step of the front end's own
+        self.steps += 1
 
     def settings(self, block_id: int) -> ps_pb2.CodecSettings:
         return self._blocks[block_id].settings

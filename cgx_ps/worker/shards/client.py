@@ -218,9 +218,10 @@ class ShardClient:
         being repaired it is only kept: the repair pushes it."""
         await self.stream.push(block_id, round_, payload)
 
-    async def fetch(self, block_id: int, round_: int) -> Result:
-        """A round's result without a push (quorum rounds: a node that fell behind catches up)."""
-        return await self.stream.fetch(block_id, round_)
+    async def fetch(self, block_id: int, round_: int, out_of_data: bool = False) -> Result:
+        """A round's result without a push (quorum rounds: a node that fell behind catches up;
+        ``out_of_data``: a node that left the rounds, b"" once every node has: uneven inputs)."""
+        return await self.stream.fetch(block_id, round_, out_of_data)
 
     def abandon(self, error: CgxPsError) -> None:
         """End every exchange waiting on this shard with ``error``, which ended the job elsewhere

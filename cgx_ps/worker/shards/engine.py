@@ -205,9 +205,10 @@ class CommEngine:
         """Push a block's payload for a round to its shard; returns the aggregate of all nodes."""
         return await self.clients[shard].exchange(block_id, round_, payload)
 
-    async def fetch(self, shard: int, block_id: int, round_: int) -> Result:
-        """A round's result from a block's shard without a push (quorum rounds: catching up)."""
-        return await self.clients[shard].fetch(block_id, round_)
+    async def fetch(self, shard: int, block_id: int, round_: int, out_of_data: bool = False) -> Result:
+        """A round's result from a block's shard without a push (quorum rounds: catching up;
+        ``out_of_data``: uneven inputs, ``ShardClient.fetch``)."""
+        return await self.clients[shard].fetch(block_id, round_, out_of_data)
 
     def rounds_ahead(self, round_: int, block_ids: Iterable[int]) -> int:
         """Quorum rounds: how far past ``round_`` the furthest of these (shard) blocks had moved on
@@ -334,8 +335,8 @@ class EngineShare:
     async def push_pull(self, shard: int, block_id: int, round_: int, payload: Payload) -> Result:
         return await self.engine.push_pull(shard, self.offset + block_id, round_, payload)
 
-    async def fetch(self, shard: int, block_id: int, round_: int) -> Result:
-        return await self.engine.fetch(shard, self.offset + block_id, round_)
+    async def fetch(self, shard: int, block_id: int, round_: int, out_of_data: bool = False) -> Result:
+        return await self.engine.fetch(shard, self.offset + block_id, round_, out_of_data)
 
     def rounds_ahead(self, round_: int, block_ids: Iterable[int]) -> int:
         return self.engine.rounds_ahead(round_, [self.offset + b for b in block_ids])

@@ -146,11 +146,13 @@ class ExchangeStream:
                     self.broke(generation, f"stream closed while pushing: {exc}")
         self.bytes_sent += len(payload)
 
-    async def fetch(self, block_id: int, round_: int) -> Result:
+    async def fetch(self, block_id: int, round_: int, out_of_data: bool = False) -> Result:
         """A round's result without a push (quorum rounds: a node that fell behind): the shard
-        answers once the round has closed."""
+        answers once the round has closed. ``out_of_data`` (uneven inputs): the node has left the
+        rounds and counts as pushed, without a gradient; b"" when every node has (EveryoneLeft)."""
         future = self.expect(block_id, round_)
-        request = ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=round_, block_id=block_id, fetch=True))
+        request = ps_pb2.ExchangeRequest(push=ps_pb2.PushChunk(round=round_, block_id=block_id, fetch=not out_of_data,
+                                                               out_of_data=out_of_data))
         while True:
             await self.wait_ready()
             async with self._write_lock:
@@ -292,6 +294,11 @@ class ExchangeStream:
                 if kind == "late":  # its result follows
                     n = response.late
                     self.late[n.block_id] = max(self.late.get(n.block_id, 0), n.next_round)
+                    continue
+                if kind == "everyone_left":  # the round has no result: b"" says so (fetch)
+                    future = self._waiting.pop((response.everyone_left.block_id, response.everyone_left.round), None)
+                    if future is not None and not future.done():
+                        future.set_result(b"")
                     continue
                 if kind == "error":
                     e = response.error
