@@ -34,6 +34,11 @@ from typing import Callable
 
 import torch
 
+if __name__ == "__main__" and not __package__:  # `python benchmarks/cold_start.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.procstat import cpu_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 # the last commit whose CPU kernels covered every bit width in one compile, warmed before serving
 BEFORE_REF = "a3e31de"
@@ -160,7 +165,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cold-start-") as scratch:
         tmp = Path(scratch)
         trees = {"before": _export(args.before_ref, Path(tempfile.mkdtemp(dir=tmp))), "after": ROOT}
-        result: dict = {"before_ref": args.before_ref, "cpu": _cpu_model(), "cold_start": {}}
+        result: dict = {"before_ref": args.before_ref, "cpu": cpu_model(), "cold_start": {}}
         for label, tree in trees.items():
             result["cold_start"][label] = row = cold_start(tree, tmp)
             print(f"{label:6s}  shard serving {row['shard_serving_s']:5.1f} s  first round served "
@@ -174,13 +179,6 @@ def main() -> None:
                       f"after/before {r['after_over_before']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -24,11 +24,17 @@ import json
 import secrets
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # `python benchmarks/cold_start_image.py`: import the package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.procstat import cpu_model  # noqa: E402
 
 TOKEN = "/run/secrets/cgx-ps/token"
 MODES = {"prebuilt": {}, "compiled": {"CGX_PS_KERNEL_CACHE": ""}}
@@ -113,15 +119,8 @@ def main() -> None:
     for mode, med in summary.items():
         print(f"median {mode:9s} shard serving {med['shard_serving_s']:5.1f} s  first step {med['first_step_s']:5.1f} s")
     if args.json:
-        args.json.write_text(json.dumps({"image": args.image, "cpu": _cpu_model(), "trials": rows,
+        args.json.write_text(json.dumps({"image": args.image, "cpu": cpu_model(), "trials": rows,
                                          "median": summary}, indent=1) + "\n")
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["CPU_RESOLUTION_S", "HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "cpu_ratio", "figure", "iface_bytes",
+__all__ = ["CPU_RESOLUTION_S", "HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "cpu_model", "cpu_ratio", "figure", "iface_bytes",
            "machine_cpu_seconds", "per_cpu", "proc_cpu_seconds", "proc_minor_faults", "resident_mb",
            "thread_cpu_seconds", "thread_cpu_snapshot"]
 
@@ -236,3 +236,10 @@ class HostCpu:
         return {"cpu_s_per_step": own, "colocated_cpu_s_per_step": others,
                 "host_cpu_s_per_step": None if others is None else own + others}
 
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), as BENCHMARKS.md names each machine."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
