@@ -95,13 +95,15 @@ def test_a_thread_that_ended_takes_its_cpu_with_it_instead_of_a_negative_differe
     release = threading.Event()
 
     def spin_then_wait() -> None:
-        while time.thread_time() < 0.3:
+        while time.thread_time() < 0.4:  # /proc counts in 10 ms ticks, and may lag the thread's clock
             pass
         release.wait()
 
-    spinner = threading.Thread(target=spin_then_wait)
+    spinner = threading.Thread(target=spin_then_wait, daemon=True)  # a failed assertion leaves it waiting
     spinner.start()
+    deadline = time.monotonic() + 60
     while (snapshot := thread_cpu_snapshot(os.getpid()))[str(spinner.native_id)][1] < 0.3:
+        assert time.monotonic() < deadline, snapshot
         time.sleep(0.05)
     assert snapshot[str(spinner.native_id)][0] == "kernel threads"
     release.set()
