@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["CPU_RESOLUTION_S", "HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "cpu_model", "cpu_ratio", "figure", "iface_bytes",
+__all__ = ["CPU_RESOLUTION_S", "HOST_PIDS_ENV", "HostCpu", "ThreadCpu", "cpu_by_group", "cpu_model", "cpu_ratio", "figure", "iface_bytes",
            "machine_cpu_seconds", "per_cpu", "proc_cpu_seconds", "proc_minor_faults", "resident_mb",
            "thread_cpu_seconds", "thread_cpu_snapshot"]
 
@@ -91,8 +91,15 @@ def thread_cpu_seconds(pid: int, since: dict[str, tuple[str, float]] | None = No
     group spent after the snapshot ``since``: each thread's growth, so that a thread that ended in
     between (the shard's kernel warm-up, say) takes its earlier CPU with it instead of making a
     group's difference negative."""
+    return cpu_by_group(thread_cpu_snapshot(pid), since)
+
+
+def cpu_by_group(now: dict[str, tuple[str, float]], since: dict[str, tuple[str, float]] | None = None
+                 ) -> dict[str, float]:
+    """The groups' CPU seconds in the snapshot ``now``, or each thread's growth since ``since``
+    summed by group: a thread gone from ``now`` counts for nothing."""
     groups = {"event loop": 0.0, "kernel threads": 0.0, "gRPC threads": 0.0}
-    for tid, (group, seconds) in thread_cpu_snapshot(pid).items():
+    for tid, (group, seconds) in now.items():
         groups[group] += seconds - (since or {}).get(tid, (group, 0.0))[1]
     return groups
 
