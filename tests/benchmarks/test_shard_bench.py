@@ -119,7 +119,6 @@ def test_a_threads_cpu_and_group_are_read_from_proc():
     finally:
         release.set()
     spinner.join()
-    assert str(spinner.native_id) not in thread_cpu_snapshot(os.getpid())
 
 
 def test_rates_per_cpu_second_are_not_measured_below_one_clock_tick():
