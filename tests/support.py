@@ -68,6 +68,13 @@ async def connect(server, layout, nodes: int, prefix: str = "node") -> list[Shar
                for i in range(nodes)]
     for c in clients:
         await c.connect()
+    # connect() sends each stream's Hello without waiting for the shard to take it: wait until it
+    # has, so a stream a test then opens by hand as one of these nodes is the newer one (Hellos
+    # on different connections can arrive in either order, and the later one replaces the other)
+    deadline = time.monotonic() + 10
+    while any((c.node_id, c.member) not in server.service.session.streams for c in clients):
+        assert time.monotonic() < deadline, "the shard did not take the clients' streams within 10 s"
+        await asyncio.sleep(0.005)
     return clients
 
 
