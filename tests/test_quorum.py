@@ -179,10 +179,10 @@ def test_a_round_waits_starts_its_grace_at_the_quorum_or_closes_when_only_nodes_
     last = {"a": 9, "b": 9, "c": 9, "d": 9}  # every node pushed round 9: round 10 under way
     assert [rule.after_push("abc"[:n], last, 10, nodes_seen=4) for n in (1, 2, 3)] == ["wait", "wait", "grace"]
     assert rule.after_push("abc", last, 10, nodes_seen=3) == "wait"  # a node not up yet: the first rounds wait for all
-    # d's latest push was round 9 or 8 (late once): it gets the grace; round 7 or older: it is
-    # behind (stalled, or catching up), and waiting for it would only cost the grace
+    # d's latest push was round 9 (in time, or late once): it gets the grace; round 8 or older: it
+    # is behind (stalled, or catching up), and waiting for it would only cost the grace again
     assert rule.after_push("abc", last, 10, nodes_seen=4) == "grace"
-    assert rule.after_push("abc", {**last, "d": 8}, 10, nodes_seen=4) == "grace"
+    assert rule.after_push("abc", {**last, "d": 8}, 10, nodes_seen=4) == "close"
     assert rule.after_push("abc", {**last, "d": 7}, 10, nodes_seen=4) == "close"
     assert rule.after_push("ab", {**last, "c": 5, "d": 5}, 10, nodes_seen=4) == "wait"  # below the quorum
     assert rule.after_push("abcd"[:3], last, 10, nodes_seen=4) == "grace"

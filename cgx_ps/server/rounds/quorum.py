@@ -57,16 +57,17 @@ class QuorumRule:
         - "wait": for more pushes. Always before every node has pushed once (at the job's start
           the first node up would run ahead of the others, which start seconds apart), and
           before ``quorum`` nodes have pushed.
-        - "close": now. The nodes still missing are *behind*: their latest push is two rounds or
-          more older than this one (a stalled node, or one catching up), so waiting for them
-          would only cost the grace. A node one round behind (late once, say by jitter) still
-          gets the grace: without it, a node whose late push of the previous round comes after
-          the others' pushes of this one would be late again, round after round.
+        - "close": now. The nodes still missing are *behind*: they have not pushed even the
+          previous round, late or not (a stalled node, or one catching up), so waiting for them
+          would only cost the grace. A stall then costs one grace, in the round it began. A
+          node late once (say by jitter) pushes that round late before the others push this one,
+          so it still gets the grace here; a node late by a whole step or more is late again until
+          it catches up, as a node that slow would be in any case.
         - "grace": close after the grace unless the rest come; said once, at the quorum's push.
         """
         if not self.active or nodes_seen < self.nodes or len(pushed) < self.quorum:
             return "wait"
-        behind = sum(1 for node, last in last_rounds.items() if node not in pushed and last < round_ - 2)
+        behind = sum(1 for node, last in last_rounds.items() if node not in pushed and last < round_ - 1)
         if len(pushed) + behind >= self.nodes:
             return "close"
         return "grace" if len(pushed) == self.quorum else "wait"
