@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 from cgx_ps.net.security import ChannelSecurity, new_token_file
@@ -117,3 +118,13 @@ async def until(condition: Callable[[], bool], timeout_s: float, what: str) -> N
     while not condition():
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g}s"
         await asyncio.sleep(0.01)
+
+
+def wait_until_stopped(pid: int, timeout: float) -> None:
+    """Until the process has stopped itself (SIGSTOP: state T in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"process {pid} did not stop")

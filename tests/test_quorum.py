@@ -20,7 +20,7 @@ from cgx_ps.quorum_settings import quorum_problem
 from cgx_ps.server.rounds.quorum import LateWatch, QuorumRule, RoundHistory
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker import ConfigError, WorkerConfig
-from support import METADATA, env_for
+from support import METADATA, env_for, wait_until_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/quorum_worker.py"
@@ -69,6 +69,33 @@ def test_a_stalled_node_does_not_hold_the_others_and_catches_up_to_identical_par
         assert (status.quorum, status.grace_ms, status.num_nodes) == (2, 20, 3)
         late = dict(zip(status.late_nodes, status.late_pushes))
         assert late.get("node-2", 0) >= 1, late
+
+
+@pytest.mark.slow
+def test_a_sigstopped_node_is_passed_by_the_others_and_after_sigcont_catches_up_to_identical_parameters(
+        local_cluster, tmp_path):
+    cluster = local_cluster(2, round_timeout=30)
+    steps = 40
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps)] + (["--sigstop-at", "5"] if r == 2 else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    try:
+        wait_until_stopped(procs[2].pid, timeout=120)
+        # frozen whole (its gRPC threads too) for ~10 of the others' 50 ms rounds: fewer than the 16
+        # results a shard keeps for late nodes, so it can catch up on every round it missed
+        time.sleep(0.5)
+        procs[2].send_signal(signal.SIGCONT)
+        outs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for r, proc in enumerate(procs):
+        assert proc.returncode == 0, f"node {r}:\n{outs[r][1][-4000:]}"
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [r["steps"] for r in results] == [steps] * 3
+    assert len({r["digest"] for r in results}) == 1, results  # replicas bit-identical
+    # the others went on while it was stopped (waiting for it, it would have computed every step),
+    # and it applied the rounds it missed without computing them
+    assert results[2]["computed"] < steps - 3 and results[2]["computed"] < min(r["computed"] for r in results[:2])
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 from cgx_ps import cli, timeline
 from cgx_ps.server.config import ServerConfig
 from cgx_ps.worker import ConfigError
-from test_worker import env_for
+from support import env_for, wait_until_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,16 +49,6 @@ def nesting_errors(trace: dict) -> list[str]:
                 errors.append(f"{e['name']} {e['args']} overlaps {open_[-1]['name']} {open_[-1]['args']}")
             open_.append(e)
     return errors
-
-
-def wait_until_stopped(pid: int, timeout: float) -> None:
-    """Until the process has stopped itself (SIGSTOP: state T in /proc)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"process {pid} did not stop")
 
 
 @pytest.mark.slow

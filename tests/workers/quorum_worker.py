@@ -1,6 +1,8 @@
 """A worker for tests/test_quorum.py: a small model trained with DistributedOptimizer until the
 job has taken --steps steps, with seeded per-node data; --stall-at/--stall-s make this node stall (a sleep) before one of
-the steps it computes; --die-at makes it SIGKILL itself after that step's backward (its pushes under way).
+the steps it computes; --sigstop-at makes it SIGSTOP itself there instead (the whole process frozen, its gRPC
+threads too, until the test sends SIGCONT); --die-at makes it SIGKILL itself after that step's backward (its pushes
+under way).
 
 Prints one JSON line: the node's steps, how many it computed itself (the rest it caught up on),
 a digest of its final parameters and the seconds its training loop took; saves them with torch.save to --out.
@@ -37,6 +39,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--stall-at", type=int, default=-1, help="computed step before which this node stalls")
     p.add_argument("--stall-s", type=float, default=0.0)
+    p.add_argument("--sigstop-at", type=int, default=-1, help="computed step before which this node stops itself")
     p.add_argument("--die-at", type=int, default=-1, help="computed step in whose backward this node is killed")
     p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
     p.add_argument("--out", required=True)
@@ -47,6 +50,8 @@ def main() -> None:
     while opt._cgx_pipe.steps < args.steps:  # finished steps, those caught up on included
         if computed == args.stall_at:
             time.sleep(args.stall_s)  # a stalled node: the others go on without it
+        if computed == args.sigstop_at:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen until the test's SIGCONT
         x = torch.randn(16, 32, generator=data)
         loss = (model(x) - x[:, :4]).pow(2).mean()
         opt.zero_grad()
