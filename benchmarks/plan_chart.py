@@ -6,8 +6,8 @@ extrapolation to 256 nodes as a chart.
     .venv/bin/python benchmarks/plan_chart.py --png benchmarks/results/model-step-time-vs-nodes.png
 
 The cells are mlp17m (benchmarks/workload.py) on emulated hosts of one 2-core machine (benchmarks/cluster.py):
-one worker per host, its compute on the CPU. So the model runs with the CPU's fp16 cast speed (BENCHMARKS.md,
-"Codecs": torch's cast, 1.09 G elements/s) in place of a GPU's, and each cell gives the compute alone that
+one worker per host, its compute on the CPU. So the model runs with the CPU's fp16 cast speed (torch's cast,
+1.09 G elements/s, measured by benchmarks/codec.py) in place of a GPU's, and each cell gives the compute alone that
 its own run measured. The "shared cores" column adds what a real cluster does not have: every host's
 CPU shares the machine's 2 cores (``predicted``). docs/performance-model.md has the table and what it shows.
 """
@@ -32,9 +32,10 @@ CORES = 2
 
 @dataclass(frozen=True)
 class Cell:
-    """One measured median step (s) of BENCHMARKS.md: ``line`` is its table row there."""
+    """One measured median step (s) of BENCHMARKS.md: ``source`` is "section: run", the heading of the section
+    whose table holds it and the run within that section (its row: hosts, link, shards and option)."""
 
-    line: int
+    source: str
     nodes: int
     rate: float
     shards: int | None  # None: colocated, one per host
@@ -43,36 +44,25 @@ class Cell:
     measured_s: float
 
 
-# compute: 0.100 (line 182), 0.139 (199), 0.138 (benchmarks/results/cluster-10gbit-150steps-3runs-auto.json, the
-# runs' "single" rows); the 3-host section (lines 260-277) gives none, so it is solved from each row's own
+# compute: 0.100 and 0.139 (the two 1 Gbit/s runs' own), 0.138 (benchmarks/results/cluster-10gbit-150steps-3runs-
+# auto.json, the runs' "single" rows); the 3-host section gives none, so it is solved from each row's own
 # "comm cut vs DDP fp32": (ddp - x) / (cgx - x) = cut
+FASTER, SLOWER, AUTO, THREE = ("Commodity cluster: faster host", "Commodity cluster: slower host",
+                               "Auto mode: 10 Gbit/s", "Three worker hosts")
 CELLS = (
-    Cell(187, 2, 1e9, None, 0.100, "ddp-fp32", 0.685),
-    Cell(188, 2, 1e9, None, 0.100, "ddp-fp16", 0.420),
-    Cell(190, 2, 1e9, None, 0.100, "cgx-4bit", 0.182),
-    Cell(205, 2, 1e9, None, 0.139, "ddp-fp32", 0.749),
-    Cell(206, 2, 1e9, None, 0.139, "ddp-fp16", 0.505),
-    Cell(207, 2, 1e9, None, 0.139, "cgx-4bit", 0.257),
-    Cell(233, 2, 1e10, None, 0.138, "ddp-fp32", 0.236),
-    Cell(272, 3, 1e8, None, 0.178, "ddp-fp32", 8.110),
-    Cell(272, 3, 1e8, None, 0.178, "ddp-fp16", 4.333),
-    Cell(272, 3, 1e8, None, 0.178, "cgx-4bit", 1.466),
-    Cell(273, 3, 1e8, 2, 0.213, "ddp-fp32", 8.120),
-    Cell(273, 3, 1e8, 2, 0.213, "ddp-fp16", 4.300),
-    Cell(273, 3, 1e8, 2, 0.213, "cgx-4bit", 1.895),
-    Cell(274, 3, 1e9, None, 0.179, "ddp-fp32", 1.195),
-    Cell(274, 3, 1e9, None, 0.179, "ddp-fp16", 0.897),
-    Cell(274, 3, 1e9, None, 0.179, "cgx-4bit", 0.606),
-    Cell(275, 3, 1e9, 2, 0.193, "ddp-fp32", 1.165),
-    Cell(275, 3, 1e9, 2, 0.193, "ddp-fp16", 0.863),
-    Cell(275, 3, 1e9, 2, 0.193, "cgx-4bit", 0.631),
-    Cell(276, 3, 1e10, None, 0.165, "ddp-fp32", 0.630),
-    Cell(276, 3, 1e10, None, 0.165, "ddp-fp16", 0.579),
-    Cell(276, 3, 1e10, None, 0.165, "cgx-4bit", 0.543),
-    Cell(277, 3, 1e10, 2, 0.194, "ddp-fp32", 0.545),
-    Cell(277, 3, 1e10, 2, 0.194, "ddp-fp16", 0.646),
-    Cell(277, 3, 1e10, 2, 0.194, "cgx-4bit", 0.644),
-)
+    Cell(FASTER, 2, 1e9, None, 0.100, "ddp-fp32", 0.685),
+    Cell(FASTER, 2, 1e9, None, 0.100, "ddp-fp16", 0.420),
+    Cell(FASTER, 2, 1e9, None, 0.100, "cgx-4bit", 0.182),  # the raw plane's row
+    Cell(SLOWER, 2, 1e9, None, 0.139, "ddp-fp32", 0.749),
+    Cell(SLOWER, 2, 1e9, None, 0.139, "ddp-fp16", 0.505),
+    Cell(SLOWER, 2, 1e9, None, 0.139, "cgx-4bit", 0.257),
+    Cell(AUTO, 2, 1e10, None, 0.138, "ddp-fp32", 0.236),
+) + tuple(Cell(THREE, 3, rate, shards, compute, option, measured)
+          for rate, shards, compute, steps in (  # the 3-host table's rows: DDP fp32, DDP fp16, cgx-ps 4-bit
+              (1e8, None, 0.178, (8.110, 4.333, 1.466)), (1e8, 2, 0.213, (8.120, 4.300, 1.895)),
+              (1e9, None, 0.179, (1.195, 0.897, 0.606)), (1e9, 2, 0.193, (1.165, 0.863, 0.631)),
+              (1e10, None, 0.165, (0.630, 0.579, 0.543)), (1e10, 2, 0.194, (0.545, 0.646, 0.644)))
+          for option, measured in zip(("ddp-fp32", "ddp-fp16", "cgx-4bit"), steps))
 
 
 def mlp17m(compute_s: float) -> Workload:
@@ -96,7 +86,7 @@ def predicted(cell: Cell) -> tuple[float, float]:
 
 
 def error_table() -> str:
-    lines = ["| BENCHMARKS.md line | hosts | link | shards | compute (s) | option | measured (s) | model (s) | error "
+    lines = ["| BENCHMARKS.md section: run | hosts | link | shards | compute (s) | option | measured (s) | model (s) | error "
              "| model, shared cores (s) | error |", "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
     errors, floored = [], []
     for c in CELLS:
@@ -106,7 +96,7 @@ def error_table() -> str:
         floored.append(abs(f))
         rate = f"{c.rate / 1e9:g} Gbit/s" if c.rate >= 1e9 else f"{c.rate / 1e6:g} Mbit/s"
         shards = "colocated" if c.shards is None else f"{c.shards} dedicated"
-        lines.append(f"| {c.line} | {c.nodes} | {rate} | {shards} | {c.compute_s:.3f} | {c.option} | "
+        lines.append(f"| {c.source} | {c.nodes} | {rate} | {shards} | {c.compute_s:.3f} | {c.option} | "
                      f"{c.measured_s:.3f} | {model:.3f} | {e:+.0%} | {floor:.3f} | {f:+.0%} |")
     lines.append(f"\nMedian |error|: model {statistics.median(errors):.0%}, on shared cores "
                  f"{statistics.median(floored):.0%}; within 15%: {sum(e <= 0.15 for e in errors)} and "

@@ -256,8 +256,8 @@ def shard_source(directory: str | None):
 
     ``python -m`` puts its working directory first on sys.path, ahead of PYTHONPATH, so a shard
     started from a checkout's root imports that checkout's cgx_ps whatever PYTHONPATH says: the
-    ``--baseline`` shard ran the current code until 2026-11-23 (BENCHMARKS.md, "One executor hop
-    per push"). It is started in ``directory`` too, and the package it will import is checked."""
+    ``--baseline`` shard ran the current code until 2026-11-23. It is started in ``directory`` too,
+    and the package it will import is checked."""
     if directory is None:
         yield
         return

@@ -4,9 +4,11 @@ BENCHMARKS.md."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -204,20 +206,49 @@ def test_calibration_measures_this_machine():
 # --- against measured cells ----------------------------------------------------------------------------------
 
 # mlp17m, emulated hosts on the project's 2-core machine (benchmarks/plan_chart.py has all 25 cells): (BENCHMARKS.md
-# line, hosts, link, compute alone of that run (s), option, measured median step (s))
+# "section: run", hosts, link, compute alone of that run (s), option, measured median step (s))
 MEASURED = [
-    (187, 2, 1e9, 0.100, "ddp-fp32", 0.685),  # "Commodity cluster", 1 Gbit/s, faster host, idle
-    (188, 2, 1e9, 0.100, "ddp-fp16", 0.420),
-    (190, 2, 1e9, 0.100, "cgx-4bit", 0.182),  # raw plane
-    (205, 2, 1e9, 0.139, "ddp-fp32", 0.749),  # the same benchmark on the slower host
-    (272, 3, 1e8, 0.178, "ddp-fp32", 8.110),  # "Three worker hosts, dedicated shard hosts", colocated;
-    (272, 3, 1e8, 0.178, "ddp-fp16", 4.333),  # compute solved from the row's own comm cut
+    ("Commodity cluster: faster host", 2, 1e9, 0.100, "ddp-fp32", 0.685),  # 1 Gbit/s, idle
+    ("Commodity cluster: faster host", 2, 1e9, 0.100, "ddp-fp16", 0.420),
+    ("Commodity cluster: faster host", 2, 1e9, 0.100, "cgx-4bit", 0.182),  # raw plane
+    ("Commodity cluster: slower host", 2, 1e9, 0.139, "ddp-fp32", 0.749),
+    ("Three worker hosts", 3, 1e8, 0.178, "ddp-fp32", 8.110),  # 100 Mbit/s, colocated; compute solved from the
+    ("Three worker hosts", 3, 1e8, 0.178, "ddp-fp16", 4.333),  # row's own comm cut
 ]
 
 
-@pytest.mark.parametrize("line, nodes, rate, compute_s, option, measured", MEASURED)
-def test_model_within_15_percent_of_measured(line, nodes, rate, compute_s, option, measured):
+@pytest.mark.parametrize("source, nodes, rate, compute_s, option, measured", MEASURED)
+def test_model_within_15_percent_of_measured(source, nodes, rate, compute_s, option, measured):
     from benchmarks.plan_chart import EMULATED, mlp17m
 
     predicted = predict(mlp17m(compute_s), Cluster(nodes, rate), EMULATED, option).step_s
-    assert abs(predicted / measured - 1) <= 0.15, f"BENCHMARKS.md line {line}: {predicted:.3f} vs {measured}"
+    assert abs(predicted / measured - 1) <= 0.15, f"BENCHMARKS.md, {source}: {predicted:.3f} vs {measured}"
+
+
+def _benchmarks_sections() -> dict[str, str]:
+    """BENCHMARKS.md's sections by heading (any level), each the text up to the next heading."""
+    with open(os.path.join(ROOT, "BENCHMARKS.md"), encoding="utf-8") as f:
+        text = f.read()
+    parts = re.split(r"^#{1,6} +(.+)$", text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_every_cell_is_where_its_source_says():
+    # the cells name their figure by section and run, not by line: each must still be there, with the same value
+    from benchmarks.plan_chart import CELLS
+
+    sections = _benchmarks_sections()
+    cells = [(c.source, c.option, c.measured_s) for c in CELLS] + [(m[0], m[4], m[5]) for m in MEASURED]
+    for source, option, measured in cells:
+        heading, _, run = source.partition(": ")
+        assert heading in sections, f"{source}: BENCHMARKS.md has no section {heading!r}"
+        body = sections[heading]
+        if run:
+            label = body.lower().find(f"**{run.lower()}")
+            assert label >= 0, f"{source}: section {heading!r} has no run **{run}**"
+            body = body[label:]
+        lines = body.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("|"))  # the run's own table
+        rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+        assert any(f" {measured:.3f} " in row or f"**{measured:.3f}**" in row
+                   for row in rows), f"{source}: no table row there holds {option}'s {measured:.3f} s"

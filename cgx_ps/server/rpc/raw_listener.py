@@ -4,8 +4,8 @@ config.deployed_data_port; plaintext, authenticated by a proof of the job token,
 
 Why: Python gRPC costs the shard about a quarter of its CPU per round and the workers about 40%
 of theirs for pushes and results; a plain TCP stream read by an asyncio BufferedProtocol gets it
-back (BENCHMARKS.md, "What Python gRPC costs the shard"). Under TLS the crypto dominates and gRPC
-is as fast, so TLS deployments keep gRPC.
+back (benchmarks/server.py measures it; docs/data-plane.md has the figures). Under TLS the crypto
+dominates and gRPC is as fast, so TLS deployments keep gRPC.
 
 Each connection is one Exchange stream (framing: cgx_ps/net/raw_frames.py), read by a
 ``FrameConnection`` (raw_connection.py). Its frames go into ``ParameterServerService.Exchange``
