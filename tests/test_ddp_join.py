@@ -20,8 +20,9 @@ def test_uneven_inputs_under_the_hook_end_every_epoch_quickly_with_bit_identical
     runs = [r["join_uneven"] for r in run_ddp_workers(cluster, tmp_path, "--scenarios", "join_uneven", timeout=240)]
     # the scenario's BATCHES: rank 0 [1, 3], rank 1 [4, 2]
     assert [r["computed"] for r in runs] == [1 + 3, 4 + 2]
-    # round ids stay aligned: each epoch as long as its longest rank's, on every rank
-    assert [r["steps"] for r in runs] == [4 + 3] * 2, runs
+    # round ids stay aligned: each epoch as long as its longest rank's, on every rank (and one
+    # more round: the block refused for ending without its step)
+    assert [r["steps"] for r in runs] == [4 + 3 + 1] * 2, runs
     assert_same(runs[0]["final"], runs[1]["final"], "rank 0 vs rank 1 (parameters and momentum)")
     assert all(r["train_s"] < ROUND_TIMEOUT_S / 3 for r in runs), [r["marks"] + [r["train_s"]] for r in runs]
     # rank 0's first shadow round took part in DDP's bucket rebuild (rank 1's second forward)
@@ -30,7 +31,8 @@ def test_uneven_inputs_under_the_hook_end_every_epoch_quickly_with_bit_identical
         assert r["refusals"] == [
             "the optimizer given to cgx.join holds 1 trainable tensor(s) that are not the DDP model's: give it "
             "the optimizer of the DDP model's parameters alone",
-            "this DDPHookState is already inside cgx.join: a node leaves the rounds once per epoch"]
+            "this DDPHookState is already inside cgx.join: a node leaves the rounds once per epoch",
+            "cgx.join: the block ended between a backward and its optimizer step: call opt.step() before leaving"]
 
 
 def test_join_under_the_hook_refuses_bad_use_naming_it(tmp_path, cluster):

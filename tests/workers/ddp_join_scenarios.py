@@ -51,7 +51,8 @@ def _model(buffer: bool = False) -> torch.nn.Module:
 def join_uneven_run(rank: int) -> dict:
     """Two epochs of BATCHES[rank] batches, each inside ``cgx.join``: SGD with momentum on the
     DDP model (bucket views, a buffer, so broadcast_buffers=False). Also what the real state
-    refuses: an optimizer holding another tensor, and a nested join."""
+    refuses: an optimizer holding another tensor, a nested join, a block ending without the
+    step of its last backward."""
     model = _model(buffer=True)
     ddp, state = _hooked(model, broadcast_buffers=False, gradient_as_bucket_view=True)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
@@ -74,6 +75,12 @@ def join_uneven_run(rank: int) -> dict:
                 computed += 1
             marks.append(time.monotonic() - started)  # its batches done: its shadow steps begin
     took = time.monotonic() - started
+    try:  # a block that ends after a backward, without its step (the round is applied by no node)
+        with cgx.join(opt, hook_state=state):
+            opt.zero_grad()
+            (ddp(torch.randn(8, 64, generator=data)) * model.scale).pow(2).mean().backward()
+    except cgx.CgxPsError as exc:
+        refusals.append(str(exc))
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     final.update({f"{n}.momentum": opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()})
     return {"final": final, "computed": computed, "steps": state.open().pipe.steps, "train_s": took, "marks": marks,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CgxPsError
+from ..pipeline.block_pipeline import BlockPipeline
 from .ddp_hook import DDPHookState
 from .handover import is_ddp
 from .leaving import Leaver
@@ -51,7 +52,8 @@ def hook_leaver(optimizer: torch.optim.Optimizer, state: DDPHookState) -> Leaver
     Raises:
         CgxPsError: ``state`` is not a ``DDPHookState`` on the DDP model itself, the DDP model
             broadcasts buffers or finds unused parameters, or ``optimizer`` is not a torch
-            optimizer of the state's parameters alone.
+            optimizer of the state's parameters alone; registering failed (``open()``).
+        ConfigError: as ``DDPHookState.open()`` (a quorum, no ``init()``).
     """
     if not isinstance(state, DDPHookState):
         raise CgxPsError(f"cgx.join's hook_state takes the DDPHookState registered with ddp_comm_hook, got "
@@ -89,4 +91,28 @@ def hook_leaver(optimizer: torch.optim.Optimizer, state: DDPHookState) -> Leaver
         if ddp.reducer._rebuild_buckets():
             ddp._has_rebuilt_buckets = True
 
-    return Leaver(state, "this DDPHookState", driver, grad_out, optimizer.step, before_round=before_round)
+    watch = _StepWatch(optimizer, driver.pipe)
+    return Leaver(state, "this DDPHookState", driver, grad_out, optimizer.step, watch.unfinished, before_round,
+                  watch.close)
+
+
+class _StepWatch:
+    """Whether the optimizer stepped after the hook's last step: a block that ends between a
+    backward and its step would leave this node one step behind the others for good."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pipe: BlockPipeline) -> None:
+        self._pipe = pipe
+        self._stepped_at = pipe.steps  # the hook's steps when the optimizer last stepped
+        self._handle = optimizer.register_step_post_hook(self._stepped)
+
+    def _stepped(self, *_: object) -> None:
+        self._stepped_at = self._pipe.steps
+
+    def unfinished(self) -> str | None:
+        # a loss scaler skips the optimizer step of a non-finite average, on every node alike
+        if self._pipe.steps == self._stepped_at or self._pipe.stats.non_finite_average:
+            return None
+        return "the block ended between a backward and its optimizer step: call opt.step() before leaving"
+
+    def close(self) -> None:
+        self._handle.remove()

@@ -50,8 +50,8 @@ def join(optimizer: torch.optim.Optimizer, hook_state: DDPHookState | None = Non
     Raises:
         CgxPsError: at entry, for an optimizer or state other than these, one already inside
             ``join``, several local ranks per node, adaptive or auto compression; at exit, for a
-            backward whose ``step()`` did not come (``DistributedOptimizer``), a shard's failure,
-            or a round whose average was not finite. An exception from the block is raised as
+            backward whose ``step()`` did not come, a shard's failure, or a round whose average
+            was not finite. An exception from the block is raised as
             it is, without leaving (the other nodes' rounds then wait for this node until their
             timeout, as for a node that crashed).
     """
