@@ -20,6 +20,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from ddp_join_scenarios import JOIN_SCENARIOS
 from step_worker import model_for, rank_gradient
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -642,6 +643,7 @@ ON_REQUEST = {
     "hook_auto_scaled": hook_auto_scaled_run,
     "amp_optimizer_allreduce": lambda r: amp_run(r, "optimizer", uncompressed=True),
     "hook_nan": hook_nan_run,
+    **JOIN_SCENARIOS,  # uneven inputs under the hook: tests/test_ddp_join.py
 }
 
 
