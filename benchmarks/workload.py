@@ -20,15 +20,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchmarks.argtypes import fraction, non_negative
+from benchmarks.model_names import CPU_MODELS as MODELS
+from benchmarks.model_names import SHAPED_MODELS
 from benchmarks.procstat import HostCpu, ThreadCpu, iface_bytes
-from cgx_ps.planning.shapes import MODELS as SHAPED_MODELS
 from cgx_ps.planning.shapes import workload
 
 __all__ = ["MODELS", "SHAPED_MODELS", "Teacher", "batch_seed", "build_model", "eval_loss", "input_shape",
            "make_batch", "model_from_args", "timed_training", "training_parser"]
 
-MODELS = ("tiny", "mlp17m", "mlp25m", "convnet")  # computed on the CPU
-# SHAPED_MODELS: real models' gradient shapes with emulated accelerator compute (benchmarks/shaped_model.py)
 IN_FEATURES = 64
 IMAGE = (3, 32, 32)
 CLASSES = 10
