@@ -103,6 +103,7 @@ def describe(row: dict) -> str:
     text = (f"{row['model']}: {len(full.tensors)} tensors, {small / 1e6:.2f}M of {params / 1e6:.2f}M parameters "
             f"({4 * small / 1e6:.1f} of {4 * params / 1e6:.1f} MB fp32 gradients per step), emulated compute "
             f"{1e3 * full.compute_s:.0f} ms/step ({source}); ")
+    text += "the target on CPU per step against the compute's does not apply (the compute is slept); "
     if scale == 1:
         return text + "full size. "
     rate = ModelRun(row["model"], scale).link_rate(row["rate"])
