@@ -25,7 +25,10 @@ into one such matrix, and ``logits = gamma * x @ sum of the folds``. Every eleme
 deterministic from the seed, and costs a few passes over the parameters: no real forward. The model
 learns (the eval loss falls), and replicas that average the same gradients stay equal. ``gamma`` and
 the initial standard deviation make the initial logits of unit variance and the effective learning rate
-independent of the model's size.
+independent of the model's size. What the eval loss can tell: a wrong or missing average, a stale block,
+replicas that drift apart, a biased compressor (PowerSGD's low rank shows); what it cannot: the harm
+of unbiased per-element noise such as quantization's, which the fold averages out over each piece's
+elements, as a real network would not.
 
 **Scale.** ``scale=s`` shrinks each tensor's largest dimension to ``max(1, round(d * s))``: the tensors'
 number, names and order stay, each element count shrinks about ``s`` (small tensors by less: at least
