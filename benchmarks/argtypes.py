@@ -8,7 +8,7 @@ import argparse
 import math
 from typing import Callable
 
-__all__ = ["at_least", "bits", "fp32_megabytes"]
+__all__ = ["at_least", "bits", "fp32_megabytes", "fraction", "non_negative"]
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -35,4 +35,20 @@ def fp32_megabytes(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or int(value * 1e6 / 4) < 1:
         raise argparse.ArgumentTypeError(f"must hold at least one fp32 element (>= 4e-06), got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1] (a scale factor)."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a duration)."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value

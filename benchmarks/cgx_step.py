@@ -30,8 +30,8 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cgx_step.py
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import cgx_ps.worker as cgx  # noqa: E402
-from benchmarks.workload import (Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training,  # noqa: E402
-                                 training_parser)
+from benchmarks.workload import (Teacher, batch_seed, eval_loss, make_batch, model_from_args,  # noqa: E402
+                                 timed_training, training_parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo", rank=config.rank, world_size=config.world_size,
                                 timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(args.seed)  # same initial model as ddp_step.py (and broadcast anyway)
-    model = build_model(args.model)
+    model = model_from_args(args)
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr), model.named_parameters(),
                                    compression=args.compression, block_bytes=int(args.block_mb * (1 << 20)))
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
 
     timed = timed_training(model, opt, batches, args.warmup, args.iface, optimizer_stats)
     result = {
-        "rank": config.rank, "world_size": config.world_size, "model": args.model,
+        "rank": config.rank, "world_size": config.world_size, "model": args.model, "scale": args.scale,
+        "emulated_compute_s": getattr(model, "compute_s", None),
         "params": sum(p.numel() for p in model.parameters()), "compression": args.compression,
         "batch_size": args.batch_size, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
         **timed, "exposed_comm_s": statistics.median(exposed) if exposed else None,

@@ -24,6 +24,15 @@ threads per worker:
                   transport a shard uses by default (without TLS). The other cgx configurations
                   keep their streams on gRPC (``--data-port -1``), as they did when it was not
 
+The models: tiny, mlp17m, mlp25m and convnet compute on the machine's cores; resnet50, bert-base,
+gpt2 and vit-b16 are the real models' parameter tensors (names, shapes, the order backward produces
+their gradients) with the accelerator's compute emulated layer by layer from a published RTX 3090
+step time (``shaped_model.py``; ``--compute-ms`` overrides it), so all configurations run the same
+workload and the cores are left to communication. Where the cores would still be the limit,
+``--scale S`` shrinks those models and the links together (every tensor, each link rate, DDP's
+buckets and cgx-ps's blocks times S, the compute kept; ``cluster_models.py``): steps then take as
+long as the full-size model's on the full-rate links, and each table says so.
+
 ddp-cgx-4bit and ddp-cgx-auto are the second front end of the same block pipeline: DDP's buckets and overlap,
 cgx-ps shards for the averaging; ddp-cgx-4bit's step time is compared with cgx-4bit's (target:
 within 10%; ddp-cgx-4bit-raw's with cgx-4bit-raw's), ddp-cgx-auto's with the faster of ddp-fp32 and ddp-cgx-4bit (target: within 5%),
@@ -57,6 +66,7 @@ Run as root (namespaces, qdiscs)::
     .venv/bin/python benchmarks/cluster.py --models mlp17m convnet --rates 1gbit 10gbit \\
         --markdown out.md --png out.png --json out.json
     .venv/bin/python benchmarks/cluster.py --topology dedicated --shard-hosts 2
+    .venv/bin/python benchmarks/cluster.py --models resnet50 gpt2 --scale 0.05 --rates 1gbit 10gbit
 
 ``--repeat N`` runs the whole sweep N times, interleaved (run 1 of every group and configuration,
 then run 2, ...), so slow drift on a shared machine hits every configuration alike; the JSON keeps
@@ -90,7 +100,9 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import netcluster as nc  # noqa: E402
+from benchmarks.argtypes import fraction, non_negative  # noqa: E402
 from benchmarks.cluster_configs import CONFIGS, SHARD_ARGS, WORKER_ENV  # noqa: E402
+from benchmarks.cluster_models import MODEL_CHOICES, ModelRun  # noqa: E402
 from benchmarks.cluster_report import markdown, write_outputs  # noqa: E402
 from benchmarks.cluster_rows import add_cpu_usage, add_link_figures, job_row  # noqa: E402
 from benchmarks.cluster_stats import fmt  # noqa: E402
@@ -138,19 +150,22 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
     shard_hosts = list(range(workers, workers + args.shard_hosts)) if topology == "dedicated" else None
     hosts = workers + (args.shard_hosts if topology == "dedicated" else 0)
     worker_hosts = list(range(workers))
-    rate_bps = nc.parse_rate(rate)
-    base = {"run": run, "model": model, "rate": rate, "topology": topology, "workers": workers,
+    shaped = ModelRun.of(model, args)  # a shaped model's scale: its links' too (cluster_models.py)
+    link_rate = shaped.link_rate(rate)
+    rate_bps = nc.parse_rate(link_rate)
+    base = {"run": run, "model": model, **shaped.row_fields(), "rate": rate, "topology": topology, "workers": workers,
             "shards": len(shard_hosts) if shard_hosts else workers, "batch_size": args.batch_size,
             "threads": args.threads, "steps": args.steps, "warmup": args.warmup, "auto_interval": args.auto_interval}
     kw = dict(model=model, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
               threads=args.threads, seed=args.seed)
     rows: list[dict] = []
-    _log(f"== run {run}/{args.repeat}: {model}, {rate}, {topology}: {workers} worker hosts"
+    _log(f"== run {run}/{args.repeat}: {model}, {rate}" + (f" (emulated at {link_rate})" if link_rate != rate else "")
+         + f", {topology}: {workers} worker hosts"
          + (f" + {args.shard_hosts} shard hosts" if shard_hosts else "") + f" (load {_loadavg():.2f})")
-    with nc.Cluster(config=nc.ClusterConfig(hosts=hosts, rate=rate)) as cluster:
+    with nc.Cluster(config=nc.ClusterConfig(hosts=hosts, rate=link_rate)) as cluster:
         if args.wait_idle > 0:
             wait_idle(args.wait_idle)
-        singles = [_single(cluster, base, kw, args, "start")]
+        singles = [_single(cluster, base, kw, args, "start", shaped)]
         for name in args.configs:
             system, variant, label = CONFIGS[name]
             idle = wait_idle(args.wait_idle) if args.wait_idle > 0 else None
@@ -158,10 +173,11 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
             timeout = args.powersgd_timeout if name == "ddp-powersgd" else args.timeout
             try:
                 if system == "ddp":
-                    res = nc.run_ddp(cluster, hook=variant, hosts=worker_hosts, timeout=timeout, **kw)
+                    res = nc.run_ddp(cluster, hook=variant, hosts=worker_hosts, timeout=timeout,
+                                     extra_args=shaped.ddp_args(variant), **kw)
                 else:
-                    extra = ["--block-mb", str(args.block_mb)] if args.block_mb else []
                     front_end = {"ddp-hook": "ddp-hook", "cgx-group": "optimizer-group"}.get(system, "optimizer")
+                    extra = shaped.cgx_args(front_end, args.block_mb)
                     res = nc.run_cgx(cluster, compression=compression_arg(variant, args.auto_interval),
                                      worker_hosts=worker_hosts,
                                      shard_hosts=shard_hosts, timeout=timeout, extra_args=extra,
@@ -188,7 +204,7 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
                     else ""))
             if not row["status"].startswith(("ok", "timed out")) and row.get("error"):
                 _log(f"    stderr: ...{row['error'][-600:]}")
-        singles.append(_single(cluster, base, kw, args, "end"))
+        singles.append(_single(cluster, base, kw, args, "end", shaped))
     # compute time: the less disturbed of the two measurements (others' jobs only ever slow it down)
     measured = [r["step_s"] for r in singles if r.get("step_s") is not None]
     compute = min(measured) if measured else None
@@ -201,11 +217,12 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
     return singles + rows
 
 
-def _single(cluster: nc.Cluster, base: dict, kw: dict, args: argparse.Namespace, when: str) -> dict:
+def _single(cluster: nc.Cluster, base: dict, kw: dict, args: argparse.Namespace, when: str,
+            shaped: ModelRun) -> dict:
     """ddp_step.py with WORLD_SIZE=1 on host 0: compute only, no communication."""
     if args.wait_idle > 0:
         wait_idle(args.wait_idle)
-    res = nc.run_single_process(cluster, timeout=args.timeout, **kw)
+    res = nc.run_single_process(cluster, timeout=args.timeout, extra_args=shaped.step_args(), **kw)
     r0 = res.results[0] if res.ok else None
     row = {**base, "config": "single", "label": f"single process ({when})", "status": res.status,
            "load_before": _loadavg(), "step_s": r0 and r0["single_process_compute_s"],
@@ -233,8 +250,16 @@ def sweep_plan(args: argparse.Namespace) -> list[tuple[int, str, str, str]]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--models", nargs="+", default=["mlp17m"], choices=["tiny", "mlp17m", "mlp25m", "convnet"],
-                   help="mlp17m (17M params, modest compute: the main case); convnet (compute-heavy)")
+    p.add_argument("--models", nargs="+", default=["mlp17m"], choices=MODEL_CHOICES,
+                   help="computed on the CPU: mlp17m (17M params, modest compute: the main case), convnet "
+                        "(compute-heavy), tiny, mlp25m; a real model's gradients with emulated GPU compute: "
+                        "resnet50, bert-base, gpt2, vit-b16 (see --scale)")
+    p.add_argument("--scale", type=fraction, default=1.0, metavar="S",
+                   help="resnet50, bert-base, gpt2, vit-b16: every tensor, the link rates, DDP's buckets and "
+                        "cgx-ps's blocks times S, the compute kept: the full-size model's step on fewer CPU cycles")
+    p.add_argument("--compute-ms", type=non_negative, default=None, metavar="MS",
+                   help="resnet50, bert-base, gpt2, vit-b16: emulated compute per step (default: the published "
+                        "RTX 3090 step time, cgx_ps/planning/shapes.py)")
     p.add_argument("--rates", nargs="+", default=["1gbit"], help="per-link rate, both ways (tc units): 100mbit, 1gbit, 10gbit")
     p.add_argument("--topology", nargs="+", default=["colocated"], choices=["colocated", "dedicated"],
                    help="cgx-ps shards on the worker hosts (default) or on --shard-hosts extra hosts")

@@ -8,6 +8,7 @@ import statistics
 from typing import NamedTuple
 
 from benchmarks.cluster_configs import CONFIGS
+from benchmarks.cluster_models import model_label
 from benchmarks.cluster_stats import groups, panel_key, summarize
 from benchmarks.emulator import parse_rate
 
@@ -25,7 +26,7 @@ def _pyplot():
 
 def _panel_title(r: dict) -> str:
     shards = "shards colocated" if r["topology"] == "colocated" else f"{r['shards']} dedicated shard hosts"
-    return (f"{r['model']}: {r['workers']} workers, {shards}\nbatch {r['batch_size']}/worker, "
+    return (f"{model_label(r)}: {r['workers']} workers, {shards}\nbatch {r['batch_size']}/worker, "
             f"{r['threads']} thread/worker, {r['steps']} timed steps")
 
 

@@ -25,6 +25,7 @@ if __name__ == "__main__" and not __package__:  # `python benchmarks/cluster_rep
 
 from benchmarks.cluster_charts import plot, plot_links  # noqa: E402
 from benchmarks.cluster_configs import CONFIGS  # noqa: E402
+from benchmarks.cluster_models import describe, model_label  # noqa: E402
 from benchmarks.cluster_stats import fmt, groups, run_label, runs_of, summarize  # noqa: E402
 from benchmarks.cluster_targets import Verdict, judge  # noqa: E402
 
@@ -125,8 +126,8 @@ def markdown(rows: list[dict], args: argparse.Namespace | None = None) -> str:
         r0 = summary[0]
         shards = (f"{r0['shards']} dedicated shard hosts" if r0["topology"] == "dedicated"
                   else f"{r0['shards']} shards colocated on the worker hosts")
-        out.append(f"### {r0['model']}, {r0['rate']} links, {r0['workers']} worker hosts, {shards}\n")
-        out.append(_group_intro(summary, runs))
+        out.append(f"### {model_label(r0)}, {r0['rate']} links, {r0['workers']} worker hosts, {shards}\n")
+        out.append(describe(r0) + _group_intro(summary, runs))
         out.append("| configuration | step (s) | CPU s/step/host: worker + its shard | vs DDP fp32 "
                    "| comm (s) = step - compute | exposed comm (s) "
                    "| MB/step/host tx / rx | link-bound ideal (s) | comm / ideal | eval loss | loss vs DDP fp32 "

@@ -41,8 +41,8 @@ RANGE_FIELDS = ("step_s", "comm_s", "host_cpu_s_per_step", "compute_s")
 
 # what identifies a table: rows that differ in any of these measure different things (the eval
 # loss after 20 steps is not comparable with the loss after 30)
-_GROUP_FIELDS = ("model", "rate", "topology", "workers", "shards", "batch_size", "threads", "steps", "warmup",
-                 "auto_interval")
+_GROUP_FIELDS = ("model", "scale", "compute_ms", "rate", "topology", "workers", "shards", "batch_size", "threads",
+                 "steps", "warmup", "auto_interval")  # scale, compute_ms: shaped models only (cluster_models.py)
 
 
 def fmt(x, spec: str = ".3f", suffix: str = "") -> str:

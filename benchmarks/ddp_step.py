@@ -60,8 +60,8 @@ import torch.nn as nn
 if __name__ == "__main__" and not __package__:  # `python benchmarks/ddp_step.py`: import the package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.workload import (Teacher, batch_seed, build_model, eval_loss, make_batch, timed_training,  # noqa: E402
-                                 training_parser)
+from benchmarks.workload import (Teacher, batch_seed, eval_loss, make_batch, model_from_args,  # noqa: E402
+                                 timed_training, training_parser)
 
 HOOKS = ("none", "allreduce", "fp16", "powersgd", "cgx")
 # The built-in powerSGD_hook chains futures with ``.then`` and calls ``.wait()`` on a
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     init_s = time.perf_counter() - t_init
 
     torch.manual_seed(args.seed)  # identical initial model on every rank (DDP broadcasts it anyway)
-    model = build_model(args.model)
+    model = model_from_args(args)
     n_params = sum(p.numel() for p in model.parameters())
     if args.hook == "powersgd" and args.bucket_cap_mb is None:
         args.bucket_cap_mb = POWERSGD_BUCKET_CAP_MB
@@ -179,6 +179,8 @@ def main(argv=None) -> int:
         "rank": rank,
         "world_size": world,
         "model": args.model,
+        "scale": args.scale,
+        "emulated_compute_s": getattr(model, "compute_s", None),
         "params": n_params,
         "hook": args.hook if distributed else None,
         "batch_size": args.batch_size,

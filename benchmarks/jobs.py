@@ -150,10 +150,11 @@ def run_ddp(cluster: Cluster, model: str = "mlp17m", hook: str = "none", steps: 
 
 def run_single_process(cluster: Cluster, model: str = "mlp17m", steps: int = 20, warmup: int = 3,
                        batch_size: int = 64, threads: int = 1, seed: int = 0, timeout: float = 180.0,
-                       host: int = 0) -> JobResult:
-    """``ddp_step.py`` with WORLD_SIZE=1 on one host: compute time without communication."""
+                       host: int = 0, extra_args: Sequence[str] = ()) -> JobResult:
+    """``ddp_step.py`` with WORLD_SIZE=1 on one host: compute time without communication
+    (``extra_args`` go to ddp_step.py as they are)."""
     env = {"RANK": 0, "WORLD_SIZE": 1, **thread_env(threads)}
-    argv = ddp_argv(model, "none", steps, warmup, batch_size, threads, seed, timeout)
+    argv = ddp_argv(model, "none", steps, warmup, batch_size, threads, seed, timeout, extra_args)
     return run_job(cluster, argv, env, hosts=[host], timeout=timeout, name=f"single/{model}")
 
 

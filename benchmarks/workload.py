@@ -19,12 +19,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from benchmarks.argtypes import fraction, non_negative
+from benchmarks.model_names import CPU_MODELS as MODELS
+from benchmarks.model_names import SHAPED_MODELS
 from benchmarks.procstat import HostCpu, ThreadCpu, iface_bytes
+from cgx_ps.planning.shapes import workload
 
-__all__ = ["MODELS", "Teacher", "batch_seed", "build_model", "eval_loss", "input_shape", "make_batch",
-           "timed_training", "training_parser"]
+__all__ = ["MODELS", "SHAPED_MODELS", "Teacher", "batch_seed", "build_model", "eval_loss", "input_shape",
+           "make_batch", "model_from_args", "timed_training", "training_parser"]
 
-MODELS = ("tiny", "mlp17m", "mlp25m", "convnet")
 IN_FEATURES = 64
 IMAGE = (3, 32, 32)
 CLASSES = 10
@@ -37,7 +40,13 @@ def _mlp(*widths: int) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])  # no ReLU after the logits
 
 
-def build_model(name: str) -> nn.Module:
+def build_model(name: str, scale: float = 1.0, compute_s: float | None = None) -> nn.Module:
+    """A CPU model of ``MODELS``, or a ``SHAPED_MODELS`` one: its tensors scaled by ``scale``, its emulated
+    compute ``compute_s`` seconds per step (default: the published figure)."""
+    if name in SHAPED_MODELS:
+        from benchmarks.shaped_model import ShapedModel
+
+        return ShapedModel(workload(name, compute_s), scale=scale, in_features=IN_FEATURES, classes=CLASSES)
     if name == "tiny":      # smoke tests
         return _mlp(IN_FEATURES, 128, CLASSES)
     if name == "mlp17m":    # 17.1M params, ~34 MFLOP/sample forward
@@ -53,7 +62,7 @@ def build_model(name: str) -> nn.Module:
             *conv(128, 256), nn.MaxPool2d(2),                  # 8x8 -> 4x4
             nn.Flatten(), nn.Linear(256 * 4 * 4, 1024), nn.ReLU(), nn.Linear(1024, CLASSES),
         )
-    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS + SHAPED_MODELS}")
 
 
 def input_shape(model: str) -> tuple[int, ...]:
@@ -136,10 +145,21 @@ def timed_training(net: nn.Module, opt: torch.optim.Optimizer, batches: Sequence
             "tx_bytes_per_step": tx, "rx_bytes_per_step": rx, **cpu.per_step(steps), **threads.per_step(steps)}
 
 
+def model_from_args(args: argparse.Namespace) -> nn.Module:
+    """``build_model`` with a step script's --model, --scale and --compute-ms."""
+    compute_s = None if args.compute_ms is None else args.compute_ms / 1e3
+    return build_model(args.model, args.scale, compute_s)
+
+
 def training_parser(description: str) -> argparse.ArgumentParser:
     """The flags of every step script: the same defaults make their runs comparable."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", choices=MODELS, default="mlp17m")
+    p.add_argument("--model", choices=MODELS + SHAPED_MODELS, default="mlp17m",
+                   help="a CPU model, or a real model's gradients with emulated compute (%s)" % ", ".join(SHAPED_MODELS))
+    p.add_argument("--scale", type=fraction, default=1.0,
+                   help="shaped models: each tensor's element count times this, in (0, 1] (compute kept)")
+    p.add_argument("--compute-ms", type=non_negative, default=None,
+                   help="shaped models: emulated compute per step in ms (default: the published RTX 3090 figure)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20, help="timed steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 2 for ddp_step.py --hook powersgd)")
