@@ -10,6 +10,7 @@ test file's tests share, set by its module-level ``CLUSTER_SETTINGS`` dict.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 from typing import Iterator, Sequence
 
@@ -26,6 +27,22 @@ os.environ["CGX_PS_TOKEN_FILE"] = TOKEN_FILE
 # In-process shards: a free port, the job token, no metrics port, one kernel thread (the CI
 # machine has two cores).
 IN_PROCESS_SHARD = dict(host="127.0.0.1", port=0, metrics_port=-1, kernel_threads=1, token_file=TOKEN_FILE)
+
+
+# The emulated cluster's namespaces and bridge (benchmarks/netns.py, "cgxb-*") have fixed names,
+# so two tests that build one at the same time (pytest-xdist runs files side by side) would
+# collide, or find each other's as leftovers: the tests marked ``root`` take turns on this lock.
+NETNS_LOCK = "/tmp/cgx-ps-tests-netns.lock"
+
+
+@pytest.fixture(autouse=True)
+def _one_emulated_cluster_at_a_time(request) -> Iterator[None]:
+    if request.node.get_closest_marker("root") is None:
+        yield
+        return
+    with open(NETNS_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture
