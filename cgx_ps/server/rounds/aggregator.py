@@ -1,25 +1,23 @@
 """Where gradients are summed: per-block rounds whose pushes are kept, summed and re-quantized once.
 
-Each owned block has its own round counter (rounds/block_state.py). A node's push for (block,
-round) is validated and kept in the block's EncodedSum (on the event loop when that is only a
-check, else on a kernel thread). When every node has pushed (or, in a quorum round, enough of
-them: rounds/quorum.py), one fused kernel sums the round's pushes in arrival order and encodes
-the sum once with the round's codec (kernels/summation.py), and the same bytes go to every node.
-Blocks are independent, so early blocks are returned while later ones are still arriving.
+Each owned block has its own round counter (rounds/block_state.py). A node's push for (block, round) is validated
+and kept in the block's EncodedSum (on the event loop when that is only a check, else on a kernel thread). When
+every node has pushed (or, in a quorum round, enough of them: rounds/quorum.py), one fused kernel sums the round's
+pushes in arrival order and encodes the sum once with the round's codec (kernels/summation.py), and the same bytes
+go to every node. Blocks are independent, so early blocks are returned while later ones are still arriving.
 
-A push costs at most one hop to a kernel thread: the push that completes its round is kept,
-summed and encoded in that same hop (py-spy profiles of benchmarks/server.py counted the hops
-among the shard's larger costs), and a push whose keeping is only a check (a compressed block of
-up to 1 MiB that does not complete its round) is kept on the event loop (threads.keeps_on_loop).
+A push costs at most one hop to a kernel thread: the push that completes its round is kept, summed and encoded in
+that same hop (py-spy profiles of benchmarks/server.py counted the hops among the shard's larger costs), and a push
+whose keeping is only a check (a compressed block of up to 1 MiB that does not complete its round) is kept on the
+event loop (threads.keeps_on_loop).
 
-Mixed precision: a non-finite block (an overflowed gradient: the header alone) makes the round's
-result a non-finite block too, so every node's loss scaler skips the same step; a sum that
-overflows from finite pushes still fails the round.
+Mixed precision: a non-finite block (an overflowed gradient: the header alone) makes the round's result a non-finite
+block too, so every node's loss scaler skips the same step; a sum that overflows from finite pushes still fails the
+round.
 
-A push's round decides under the block's lock (block_state.check_round): a node's first push
-counts, its retry is a duplicate (or gets the result again), another member of the node's is
-refused. A *resumed* session (the shard restarted under a running job) adopts rounds and
-results from the nodes: rounds/restored.py.
+A push's round decides under the block's lock (block_state.check_round): a node's first push counts, its retry is a
+duplicate (or gets the result again), another member of the node's is refused. A *resumed* session (the shard
+restarted under a running job) adopts rounds and results from the nodes: rounds/restored.py.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from ..errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from ..metrics import ShardMetrics
 from .kernel_threads import keeps_on_loop
 from .late_rounds import carry_late_push, fetch_round
-from .quorum import ClosedRound, QuorumRule, RoundHistory
+from .quorum import ClosedRound, QuorumRule, RoundAction, RoundHistory
 from .restored import adopt_restored
 from .uneven import close_without_gradients, gradients_in, refuse_after_leaving, round_encoding
 from .round_outcomes import RoundFailure, RoundSink, RoundSum, encode_round, keep_push
@@ -189,8 +187,7 @@ class Aggregator:
 
     async def _push(self, block: BlockState, node_id: str, member: int, round_: int, payload: bytes | memoryview
                     ) -> PushOutcome:
-        """A push into ``block`` (its lock held, its round known): check it, keep it, and sum
-        the round if it completes it."""
+        """A push into ``block`` (its lock held, its round known): check, keep, sum if it completes the round."""
         block_id = block.spec.block_id
         refuse_after_leaving(block, node_id, round_)
         if self.rule.active and (block.history.get(round_) is not None or round_ + 1 < block.round):
@@ -247,15 +244,14 @@ class Aggregator:
                 self.sink.everyone_left(block.spec.block_id, round_, close_without_gradients(block))
         elif len(block.pushed) == self.num_nodes:  # completed by a node out of data: sum what it has
             self._grace_over(block, round_)
-        elif (action := self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen))) == "close":
+        elif (action := self._quorum_action(block, round_)) == "close":
             self._grace_over(block, round_)
         elif action == "grace":
             block.grace = loop.call_later(self.rule.grace_s, self._grace_over, block, round_)
 
     async def out_of_data(self, node_id: str, member: int, block_id: int, round_: int) -> PushOutcome:
-        """A push of a node that has run out of data (ps.proto PushChunk.out_of_data; uneven.py):
-        counted, summing nothing. A late one (quorum rounds) gets the round's result, as a
-        fetch does, and the block's round to catch up to."""
+        """A push of a node that has run out of data (ps.proto PushChunk.out_of_data; uneven.py): counted, summing
+        nothing. A late one (quorum rounds) gets the round's result, as a fetch does, and the round to catch up to."""
         block = self._block(block_id)
         async with block.lock:
             if self.failed is not None:
@@ -277,7 +273,14 @@ class Aggregator:
         async with block.lock:
             if self.failed is not None:
                 raise SessionEnded(f"session failed earlier: {self.failed.message}")
-            return fetch_round(block, self.rule, node_id, member, round_)
+            outcome = fetch_round(block, self.rule, node_id, member, round_)
+            if round_ == block.round and block.pushed and self._quorum_action(block, round_) == "close":
+                self._grace_over(block, round_)  # the round need not wait for a node that skips it
+            return outcome
+
+    def _quorum_action(self, block: BlockState, round_: int) -> RoundAction:
+        return self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen),
+                                    skipping=block.fetchers.get(round_, {}))
 
     def _grace_over(self, block: BlockState, round_: int) -> None:  # or no need to wait (QuorumRule.after_push)
         task = asyncio.ensure_future(self._close_without_the_rest(block, round_))
@@ -298,8 +301,8 @@ class Aggregator:
 
     async def restore(self, node_id: str, member: int, block_id: int, round_: int, result: bytes | memoryview
                       ) -> PushOutcome:
-        """A node's copy of a round's result from the lost shard instance (resumed sessions only):
-        adopt it unless the block is already past that round (module doc)."""
+        """A node's copy of a round's result from the lost shard instance (resumed sessions only): adopt it
+        unless the block is already past that round (module doc)."""
         block = self._block(block_id)
         if not self.resumed:
             raise BadRequest(f"block {block_id}: a result may be restored only into a session resumed after "
@@ -311,8 +314,8 @@ class Aggregator:
 
     def _round_encoder(self, block: BlockState, round_: int, encoding: tuple[int, int, int], stochastic: bool,
                        non_finite: bool, pushed: int) -> Callable[[], memoryview]:
-        """How the round's sum is encoded: the way its pushes were (a resumed session's block, which
-        learns its settings from the pushes, with their rounding too), seeded by block and round."""
+        """How the round's sum is encoded: the way its pushes were (a resumed session's block learns its
+        settings, rounding too, from the pushes), seeded by block and round."""
         codec, bits, bucket = encoding
         # A compressed result is encoded into the block's reused buffer (at most ~1/4 of the block's
         # fp32 bytes, at 8 bits); an uncompressed one (warm-up rounds) into a fresh one, let go once

@@ -49,10 +49,12 @@ class QuorumRule:
         return 0 < self.quorum < self.nodes
 
     def after_push(self, pushed: Collection[str], last_rounds: Mapping[str, int], round_: int,
-                   nodes_seen: int) -> RoundAction:
-        """What a round of a block does after a push that did not complete it: ``pushed``: the
-        nodes that pushed it so far; ``last_rounds``: the latest round each node pushed of the
-        block (in time or late); ``nodes_seen``: nodes that pushed in this session so far.
+                   nodes_seen: int, skipping: Collection[str] = ()) -> RoundAction:
+        """What a round of a block does after a push that did not complete it (or a fetch of it):
+        ``pushed``: the nodes that pushed it so far; ``last_rounds``: the latest round each node
+        pushed of the block (in time or late); ``nodes_seen``: nodes that pushed in this session so
+        far; ``skipping``: nodes that fetch this round instead of pushing it (a late node catching
+        up: worker/pipeline/catch_up.py), which it never waits for.
 
         - "wait": for more pushes. Always before every node has pushed once (at the job's start
           the first node up would run ahead of the others, which start seconds apart), and
@@ -67,7 +69,8 @@ class QuorumRule:
         """
         if not self.active or nodes_seen < self.nodes or len(pushed) < self.quorum:
             return "wait"
-        behind = sum(1 for node, last in last_rounds.items() if node not in pushed and last < round_ - 1)
+        behind = sum(1 for node, last in last_rounds.items()
+                     if node not in pushed and (last < round_ - 1 or node in skipping))
         if len(pushed) + behind >= self.nodes:
             return "close"
         return "grace" if len(pushed) == self.quorum else "wait"

@@ -3,11 +3,12 @@
 Under ``CGX_PS_QUORUM`` a round closes without its slowest nodes (server/rounds/quorum.py). A node
 whose push came after its round closed is told how far the block has moved on (a LateNotice), and
 its gradient is carried into a later round by the shard. After such a step, ``missed_rounds``
-fetches the results of every round the node missed, one round at a time (every block's result of
-that round, the same bytes every other node applied), decodes each round into the block buffers
-as a finished step would, and yields it: the front end writes it into the gradients and steps its
-optimizer, without a forward or backward. Once through, the node pushes the block's current
-round next and trails no more; its step count, warm-up included, is the other nodes'.
+fetches the results of every round the node missed and of the round under way (``catch_up_rounds``
+says why that one too), one round at a time (every block's result of that round, the same bytes
+every other node applied), decodes each round into the block buffers as a finished step would,
+and yields it: the front end writes it into the gradients and steps its optimizer, without a
+forward or backward. Once through, the node computes the next round from its start, as the others
+do, and trails no more; its step count, warm-up included, is the other nodes'.
 """
 
 from __future__ import annotations
@@ -19,20 +20,32 @@ from ..errors import CgxPsError
 from ..shards.engine import CommEngine, EngineShare
 from .block_exchange import BlockExchange, BlockState, abandoned_result
 
-__all__ = ["missed_rounds"]
+__all__ = ["catch_up_rounds", "missed_rounds"]
+
+
+def catch_up_rounds(next_round: int, late_at: int | None) -> int:
+    """How many rounds from ``next_round`` a node applies without computing them, after a step in
+    which a shard told it it was late with the block at round ``late_at`` (None: in time, none).
+
+    Every round the block moved past, and the round under way too: a node that is late, even by a
+    few milliseconds, starts its next compute that much after the others, who started at the
+    round's close; it would be late again, round after round, each time costing the others the
+    grace. Skipping the round under way (its result comes when it closes, and the shard does not
+    wait for a node that fetches it) puts the node's next compute at the same start as theirs."""
+    return 0 if late_at is None else late_at - next_round + 1
 
 
 def missed_rounds(blocks: list[BlockState], engine: CommEngine | EngineShare, exchange: BlockExchange,
                   config: WorkerConfig, count_step: Callable[[], None]) -> Iterator[int]:
-    """Each round this node missed, its averages in the block buffers when yielded (the front end
-    then applies them: ``copy_out`` and an optimizer step), then counted (``count_step``).
+    """Each round this node missed and the round under way (``catch_up_rounds``), its averages in
+    the block buffers when yielded (the front end then applies them: ``copy_out`` and an optimizer
+    step), then counted (``count_step``).
     Nothing without a quorum, or when the last step was in time everywhere. Raises CgxPsError if
     a missed round's average is not finite (a step the others' loss scalers skipped)."""
     if not config.has_quorum or not blocks:
         return
     start = blocks[0].round
-    ahead = engine.rounds_ahead(start, [b.spec.block_id for b in blocks])
-    for round_ in range(start, start + ahead):
+    for round_ in range(start, start + catch_up_rounds(start, engine.late_notice([b.spec.block_id for b in blocks]))):
         running = [engine.submit(_fetch_and_decode(engine, exchange, block, round_)) for block in blocks]
         timeout = 2 * engine.round_timeout_s + 10  # each round closes within the round timeout
         if any([done.result(timeout) for done in running]):

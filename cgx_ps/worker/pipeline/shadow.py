@@ -34,7 +34,7 @@ def shadow_rounds(blocks: list[BlockState], engine: CommEngine | EngineShare, ex
         outcomes = [done.result(timeout) for done in running]
         for block in blocks:
             block.round = round_ + 1
-        engine.rounds_ahead(round_ + 1, [b.spec.block_id for b in blocks])  # late notices: caught up here
+        engine.late_notice([b.spec.block_id for b in blocks])  # late notices: caught up here
         if all(o is None for o in outcomes):
             return  # every node has left
         for block, outcome in zip(blocks, outcomes):

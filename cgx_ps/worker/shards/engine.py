@@ -210,14 +210,12 @@ class CommEngine:
         ``out_of_data``: uneven inputs, ``ShardClient.fetch``)."""
         return await self.clients[shard].fetch(block_id, round_, out_of_data)
 
-    def rounds_ahead(self, round_: int, block_ids: Iterable[int]) -> int:
-        """Quorum rounds: how far past ``round_`` the furthest of these (shard) blocks had moved on
-        when its shard last told this node it was late (0: none had); what the node must catch up."""
-        ahead = 0
-        for client in self.clients:
-            for block_id in block_ids:
-                ahead = max(ahead, client.stream.late.pop(block_id, 0) - round_)
-        return ahead
+    def late_notice(self, block_ids: Iterable[int]) -> int | None:
+        """Quorum rounds: the furthest round these (shard) blocks were at when a shard told this
+        node it was late (the round under way then), None if none did; the notices are used up."""
+        rounds = [client.stream.late.pop(block_id) for client in self.clients for block_id in block_ids
+                  if block_id in client.stream.late]
+        return max(rounds, default=None)
 
     @property
     def recoveries(self) -> tuple[int, float]:
@@ -338,8 +336,8 @@ class EngineShare:
     async def fetch(self, shard: int, block_id: int, round_: int, out_of_data: bool = False) -> Result:
         return await self.engine.fetch(shard, self.offset + block_id, round_, out_of_data)
 
-    def rounds_ahead(self, round_: int, block_ids: Iterable[int]) -> int:
-        return self.engine.rounds_ahead(round_, [self.offset + b for b in block_ids])
+    def late_notice(self, block_ids: Iterable[int]) -> int | None:
+        return self.engine.late_notice([self.offset + b for b in block_ids])
 
     def shard_error(self, shard: int) -> CgxPsError | None:
         return self.engine.shard_error(shard)
