@@ -252,6 +252,16 @@ def test_a_late_node_catches_up_on_the_rounds_it_missed_and_skips_the_round_unde
     assert catch_up_rounds(11, 20) == 10
 
 
+def test_a_catching_up_node_waits_for_the_round_under_way_about_two_of_its_steps():
+    from cgx_ps.worker.pipeline.catch_up import StepPace
+
+    pace = StepPace(window=5)
+    assert pace.under_way_wait_s(0.05) == 2.05  # no steps yet: 1 s assumed
+    for t in (0.0, 0.1, 0.2, 1.3, 1.4, 1.5):  # 0.1 s steps, one of them with a 1 s stall
+        pace.tick(t)
+    assert abs(pace.under_way_wait_s(0.05) - 0.25) < 1e-9  # the median step, not the stall
+
+
 def test_round_history_keeps_the_last_rounds_and_tells_a_late_push_from_a_retry():
     from cgx_ps.server.errors import BadRequest, WrongRound
     from cgx_ps.server.rounds.quorum import ClosedRound

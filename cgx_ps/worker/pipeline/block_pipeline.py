@@ -50,7 +50,7 @@ from ...kernels.warm import warm_in_background
 from ...v1 import ps_pb2
 from .arrivals import StepArrivals
 from .block_exchange import BlockExchange, BlockState
-from .catch_up import missed_rounds
+from .catch_up import StepPace, missed_rounds
 from .shadow import shadow_rounds
 from .buffers import BlockBuffers, InPlace, TensorOf, work_in_place
 from ..config import WorkerConfig
@@ -89,6 +89,7 @@ class BlockPipeline(StepEnd):
         self.steps = 0  # finished steps
         self.stats = StepStats()
         self._engine = engine
+        self._pace = StepPace()  # quorum rounds' catch-up (catch_up.py)
         # NVRTC or a missing CuPy fails here, at setup, not at the first max-min gradient
         block_devices = [devices[layout.tensors[b.segments[0].tensor_index].name] for b in layout.blocks]
         compile_cuda_codecs([b.codec.codec for b in layout.blocks], block_devices)
@@ -274,7 +275,7 @@ class BlockPipeline(StepEnd):
     def missed_rounds(self) -> Iterator[int]:
         """Quorum rounds: each round this node missed, decoded into the block buffers when yielded,
         for the front end to apply (catch_up.py)."""
-        return missed_rounds(self._blocks, self._engine, self._exchange, self.config, self._count_step)
+        return missed_rounds(self._blocks, self._engine, self._exchange, self.config, self._count_step, self._pace)
 
     def shadow_rounds(self) -> Iterator[int]:
         """Uneven inputs, this node out of data: each round until every node has left, decoded
