@@ -274,13 +274,13 @@ class Aggregator:
             if self.failed is not None:
                 raise SessionEnded(f"session failed earlier: {self.failed.message}")
             outcome = fetch_round(block, self.rule, node_id, member, round_)
-            if round_ == block.round and block.pushed and self._quorum_action(block, round_) == "close":
+            if (round_ == block.round and gradients_in(block, len(block.pushed)) > 0  # else: every node left
+                    and self._quorum_action(block, round_) == "close"):
                 self._grace_over(block, round_)  # the round need not wait for a node that skips it
             return outcome
 
     def _quorum_action(self, block: BlockState, round_: int) -> RoundAction:
-        return self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen),
-                                    skipping=block.fetchers.get(round_, {}))
+        return self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen), block.fetchers.get(round_, {}))
 
     def _grace_over(self, block: BlockState, round_: int) -> None:  # or no need to wait (QuorumRule.after_push)
         task = asyncio.ensure_future(self._close_without_the_rest(block, round_))
