@@ -45,14 +45,22 @@ def run_nodes(cluster, nodes: int, args_for, tmp_path: Path, timeout: float = 24
     return results
 
 
+def node_2_stalls(steps: int, at: int, seconds: float):
+    """run_nodes' args_for: every node trains ``steps`` steps, node 2 stalls ``seconds`` before its step ``at``."""
+    return lambda r: ["--steps", str(steps)] + (["--stall-at", str(at), "--stall-s", str(seconds)] if r == 2 else [])
+
+
+def shard_status(address: str) -> ps_pb2.StatusResponse:
+    with grpc.insecure_channel(address) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), metadata=METADATA, timeout=10)
+
+
 @pytest.mark.slow
 def test_a_stalled_node_does_not_hold_the_others_and_catches_up_to_identical_parameters(local_cluster, tmp_path):
     # shards of its own: the last rounds the late node pushed alone stay open until their timeout
     cluster = local_cluster(2, round_timeout=30)
     steps = 24
-    results = run_nodes(cluster, 3, lambda r: ["--steps", str(steps)] + (["--stall-at", "4", "--stall-s", "0.8"]
-                                                                       if r == 2 else []),
-                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    results = run_nodes(cluster, 3, node_2_stalls(steps, 4, 0.8), tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
     assert [r["steps"] for r in results] == [steps] * 3
     assert len({r["digest"] for r in results}) == 1, results  # replicas bit-identical
     # the stalled node fell behind by the rounds the others closed without it (0.8 s of 50 ms
@@ -63,9 +71,7 @@ def test_a_stalled_node_does_not_hold_the_others_and_catches_up_to_identical_par
     assert all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
     # the shards saw it: the quorum and the late node in Status (cgx-ps status), in the metrics
     for address in cluster.addresses:
-        with grpc.insecure_channel(address) as channel:
-            status = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), metadata=METADATA,
-                                                                      timeout=10)
+        status = shard_status(address)
         assert (status.quorum, status.grace_ms, status.num_nodes) == (2, 20, 3)
         late = dict(zip(status.late_nodes, status.late_pushes))
         assert late.get("node-2", 0) >= 1, late
@@ -105,14 +111,11 @@ def test_a_node_late_once_by_more_than_the_grace_is_not_late_from_then_on(local_
     # on every round, each costing the grace) had it not skipped the round under way to resync
     cluster = local_cluster(2, round_timeout=30)
     steps = 40
-    results = run_nodes(cluster, 3, lambda r: ["--steps", str(steps)] + (["--stall-at", "5", "--stall-s", "0.045"]
-                                                                       if r == 2 else []),
-                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="15")
+    results = run_nodes(cluster, 3, node_2_stalls(steps, 5, 0.045), tmp_path, CGX_PS_QUORUM="2",
+                        CGX_PS_GRACE_MS="15")
     assert len({r["digest"] for r in results}) == 1, results
     for address in cluster.addresses:
-        with grpc.insecure_channel(address) as channel:
-            status = ps_pb2_grpc.ParameterServerStub(channel).Status(ps_pb2.StatusRequest(), metadata=METADATA,
-                                                                      timeout=10)
+        status = shard_status(address)
         late = dict(zip(status.late_nodes, status.late_pushes))
         # once, and now and then by scheduling jitter: not on most of the 35 rounds after it
         assert 1 <= late.get("node-2", 0) <= 10, late

@@ -145,10 +145,7 @@ class Aggregator:
 
     def pushed_nodes(self) -> set[str]:
         """Nodes that have pushed anything in this session."""
-        nodes = set()
-        for b in self.blocks.values():
-            nodes.update(b.pushed, b.last_pushed)
-        return nodes
+        return {node for b in self.blocks.values() for node in (*b.pushed, *b.last_pushed)}
 
     def rounds_in_flight(self) -> int:
         if self.failed is not None:
@@ -274,12 +271,13 @@ class Aggregator:
             if self.failed is not None:
                 raise SessionEnded(f"session failed earlier: {self.failed.message}")
             outcome = fetch_round(block, self.rule, node_id, member, round_)
-            if (round_ == block.round and gradients_in(block, len(block.pushed)) > 0  # else: every node left
-                    and self._quorum_action(block, round_) == "close"):
+            if round_ == block.round and self._quorum_action(block, round_) == "close":
                 self._grace_over(block, round_)  # the round need not wait for a node that skips it
             return outcome
 
     def _quorum_action(self, block: BlockState, round_: int) -> RoundAction:
+        if gradients_in(block, len(block.pushed)) == 0:  # none yet, or every node pushing left: uneven.py
+            return "wait"
         return self.rule.after_push(block.pushed, block.last_rounds, round_, len(self._seen), block.fetchers.get(round_, {}))
 
     def _grace_over(self, block: BlockState, round_: int) -> None:  # or no need to wait (QuorumRule.after_push)
