@@ -202,12 +202,10 @@ def run_status(args: argparse.Namespace, env: Mapping[str, str] | None = None) -
         The exit status: 0 when every shard is SERVING and answers, 1 otherwise, 2 for a bad
         shard list or credential setting (said on stderr).
     """
-    env = os.environ if env is None else env
-    try:
-        addresses, security = resolve(args, env)
-    except ValueError as err:
-        print(f"cgx-ps status: {err}", file=sys.stderr)
+    resolved = resolve("cgx-ps status", args, env)
+    if resolved is None:
         return 2
+    addresses, security = resolved
     reports: list[ShardReport] = []
     try:
         if args.watch is None and args.sample > 0:

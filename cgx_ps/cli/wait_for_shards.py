@@ -82,14 +82,22 @@ def wait(addresses: Sequence[str], timeout: float, interval: float = 2.0, rpc_ti
         time.sleep(min(interval, max(0.0, deadline - now)))
 
 
-def resolve(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[tuple[str, ...], ChannelSecurity]:
-    """The shards ``args`` (--servers, --num-shards) or else ``env`` name, and how to reach them
-    (as workers do); ValueError (a CredentialError too) naming what is wrong."""
+def resolve(command: str, args: argparse.Namespace,
+            env: Mapping[str, str] | None) -> tuple[tuple[str, ...], ChannelSecurity] | None:
+    """The shards ``args`` (--servers, --num-shards) or else ``env`` (default: ``os.environ``)
+    name, and how to reach them (as workers do); None after one line on stderr, prefixed with
+    ``command``, naming what is wrong (a bad shard list, a missing or malformed credential file):
+    the command then exits 2."""
+    env = os.environ if env is None else env
     spec = args.servers if args.servers is not None else env.get("CGX_PS_SERVERS", "")
     count = args.num_shards if args.num_shards is not None else env.get("CGX_PS_NUM_SHARDS", "")
-    addresses = parse_servers(spec, str(count))
-    security = ChannelSecurity.from_env(env)
-    security.check()  # a missing or malformed file fails now, by name
+    try:
+        addresses = parse_servers(spec, str(count))
+        security = ChannelSecurity.from_env(env)
+        security.check()  # a missing or malformed file fails now, by name
+    except ValueError as err:  # a CredentialError too
+        print(f"{command}: {err}", file=sys.stderr)
+        return None
     return addresses, security
 
 
@@ -106,12 +114,10 @@ def run_wait_for_shards(args: argparse.Namespace, env: Mapping[str, str] | None 
         The exit status: 0 when all are SERVING, 1 at the timeout, 2 for a bad shard list or
         TLS setting (said on stderr).
     """
-    env = os.environ if env is None else env
-    try:
-        addresses, security = resolve(args, env)
-    except ValueError as err:
-        print(f"cgx-ps wait-for-shards: {err}", file=sys.stderr)
+    resolved = resolve("cgx-ps wait-for-shards", args, env)
+    if resolved is None:
         return 2
+    addresses, security = resolved
     ok = wait(addresses, args.timeout, args.interval, security=security,
               log=lambda line: print(line, flush=True))
     return 0 if ok else 1
