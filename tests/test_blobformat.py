@@ -9,6 +9,7 @@ import io
 import json
 import math
 import pickle
+import random
 import struct
 
 import pytest
@@ -546,3 +547,17 @@ _VALUES = st.recursive(
 @given(_VALUES)
 def test_fuzz_round_trip(obj) -> None:
     _round_trip(obj)
+
+
+# ---- a broadcast is striped over the shards (worker/shards/engine.py) ----------------------------
+
+
+@pytest.mark.parametrize("size, n", [(0, 1), (0, 3), (2, 3), (10, 1), (10, 3), (1 << 20, 8), (1000003, 7)])
+def test_stripes_cut_a_blob_into_one_contiguous_part_per_shard(size, n):
+    from cgx_ps.worker.shards.engine import stripes
+
+    data = bytes(random.Random(size).getrandbits(8) for _ in range(min(size, 4096))) * (size // 4096 + 1)
+    data = data[:size]
+    parts = stripes(data, n)
+    assert len(parts) == n and b"".join(parts) == data
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1  # every shard's link carries its 1/n

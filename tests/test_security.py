@@ -99,26 +99,32 @@ class _Plant:
         return (Path.touch, (Path(self.marker),))
 
 
-async def _put_as(address: str, layout: ps_pb2.Layout, node: str, nodes: int, job: str, data: bytes) -> None:
-    """Join the victim's session as ``node`` member 0 and put ``data`` at broadcast/0."""
-    client = ShardClient(address, node, nodes, layout, connect_timeout_s=10, security=SECURITY, job_id=job)
-    await client.connect()
-    async with grpc.aio.insecure_channel(address) as channel:
-        await ps_pb2_grpc.ParameterServerStub(channel).PutBlob(
-            iter([ps_pb2.BlobChunk(key="broadcast/0", total_bytes=len(data), offset=0, data=data, node_id=node,
-                                   member=0, session_id=client.session_id)]), metadata=METADATA, timeout=10)
-    await client.close()
+async def _put_stripes(addresses: list[str], layout: ps_pb2.Layout, writers: list[str], nodes: int, job: str,
+                       data: bytes) -> None:
+    """Join the victim's session on each shard as ``writers[i]`` member 0 and put stripe ``i`` of ``data``
+    at broadcast/0 there (a broadcast is striped over the shards: shards/engine.py ``stripes``)."""
+    from cgx_ps.worker.shards.engine import stripes
+
+    for address, node, part in zip(addresses, writers, stripes(data, len(addresses))):
+        client = ShardClient(address, node, nodes, layout, connect_timeout_s=10, security=SECURITY, job_id=job)
+        await client.connect()
+        async with grpc.aio.insecure_channel(address) as channel:
+            await ps_pb2_grpc.ParameterServerStub(channel).PutBlob(
+                iter([ps_pb2.BlobChunk(key="broadcast/0", total_bytes=len(part), offset=0, data=part, node_id=node,
+                                       member=0, session_id=client.session_id)]), metadata=METADATA, timeout=10)
+        await client.close()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("writer", ["root", "another member"])
+@pytest.mark.parametrize("writer", ["root", "another member", "one stripe by another member"])
 def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer, local_cluster):
     """Before: broadcast blobs were torch.load(weights_only=False)ed, so whoever wrote
     broadcast/0 ran code in every worker. Now a pickle is refused as not a cgx-ps blob, and a
-    valid blob from anyone but the root rank is refused too."""
+    valid blob from anyone but the root rank is refused too, as is a blob one of whose stripes
+    (one per shard) another member wrote."""
     marker = tmp_path / "pwned"
     nodes = 3
-    cluster = local_cluster(1, round_timeout=30)
+    cluster = local_cluster(2, round_timeout=30)
     job = f"victim-{uuid.uuid4().hex[:6]}"
     env = dict(os.environ, **cluster.worker_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK="1", CGX_PS_NUM_NODES=str(nodes), CGX_PS_JOB_ID=job,
@@ -133,12 +139,14 @@ def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer, local_
             assert time.monotonic() < deadline, "the victim never registered"
             time.sleep(0.05)
         layout = ps_pb2.Layout.FromString(layout_file.read_bytes())
+        from cgx_ps.worker.broadcast.blob_format import encode_object
         if writer == "root":  # a compromised or impersonated root puts a pickle
-            node, data = "node-0", pickle.dumps({"0.weight": _Plant(str(marker))})
-        else:  # a valid blob, written by a member that is not the root rank
-            from cgx_ps.worker.broadcast.blob_format import encode_object
-            node, data = "node-2", encode_object({"0.weight": torch.zeros(32, 16)})
-        asyncio.run(_put_as(cluster.addresses[0], layout, node, nodes, job, data))
+            writers, data = ["node-0"] * 2, pickle.dumps({"0.weight": _Plant(str(marker))})
+        elif writer == "another member":  # a valid blob, written by a member that is not the root rank
+            writers, data = ["node-2"] * 2, encode_object({"0.weight": torch.zeros(32, 16)})
+        else:  # the root's stripe on shard 0, another member's on shard 1
+            writers, data = ["node-0", "node-2"], encode_object({"0.weight": torch.zeros(32, 16)})
+        asyncio.run(_put_stripes(list(cluster.addresses), layout, writers, nodes, job, data))
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -149,8 +157,10 @@ def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer, local_
     assert outcome["ok"] is False and outcome["type"] == "BroadcastError", outcome
     if writer == "root":
         assert "not a cgx-ps broadcast blob" in outcome["error"], outcome
-    else:
+    elif writer == "another member":
         assert "written by node 'node-2' member 0, not by the root rank 0" in outcome["error"], outcome
+    else:
+        assert "stripes on the shards were written by different members" in outcome["error"], outcome
 
 
 # ---- 2. the job token ---------------------------------------------------------------------------------
