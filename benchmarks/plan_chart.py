@@ -42,6 +42,7 @@ class Cell:
     compute_s: float  # that run's compute alone (single process), or derived where the section gives none
     option: str
     measured_s: float
+    model: str = "mlp17m"  # or a shaped model (benchmarks/shaped_model.py): its compute slept, not run
 
 
 # compute: 0.100 and 0.139 (the two 1 Gbit/s runs' own), 0.138 (benchmarks/results/cluster-10gbit-150steps-3runs-
@@ -76,8 +77,15 @@ def mlp17m(compute_s: float) -> Workload:
 def predicted(cell: Cell) -> tuple[float, float]:
     """The model's step for a cell, and the same on the emulation's shared cores: the workers compute at the
     same time, so with more hosts than cores each one's compute stretches by hosts / cores, and no step is
-    shorter than all hosts' CPU (compute plus the model's communication CPU, shards included) over the cores."""
+    shorter than all hosts' CPU (compute plus the model's communication CPU, shards included) over the cores.
+
+    A shaped model's cell is the full-size model's step (its tensors and links scaled together, its published
+    GPU compute slept: ``cluster.py --scale``), so it is predicted as ``cgx-ps plan`` predicts that model, with
+    the default (GPU) speeds; its compute sleeps, so nothing stretches, and the shared-cores column is the same."""
     cluster = Cluster(cell.nodes, cell.rate, shards=cell.shards)
+    if cell.model != "mlp17m":
+        step = predict(workload(cell.model, cell.compute_s), cluster, Speeds(), cell.option).step_s
+        return step, step
     model = predict(mlp17m(cell.compute_s), cluster, EMULATED, cell.option)
     stretched = cell.compute_s * max(1.0, cell.nodes / CORES)
     shared = predict(mlp17m(stretched), cluster, EMULATED, cell.option)

@@ -1,1 +1,1 @@
-"""Broadcast from one rank to all through shard 0's blob store, in a format that cannot execute code."""
+"""Broadcast from one rank to all through the shards' blob stores (striped: a part on each), in a format that cannot execute code."""

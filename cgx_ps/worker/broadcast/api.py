@@ -1,4 +1,6 @@
-"""Broadcast from one rank to all through shard 0's blob store (no torch.distributed needed).
+"""Broadcast from one rank to all through the shards' blob stores (no torch.distributed needed): the
+blob is striped, a contiguous part on each shard (``shards/engine.py`` ``stripes``), so each shard's link carries
+its share of every reader's copy.
 
 Blobs are written in a format that carries tensors and plain data only (``broadcast/blob_format.py``:
 safetensors plus a JSON structure), never a pickle, so nothing a blob holds can run code in a
@@ -23,7 +25,7 @@ _counter = itertools.count()  # every rank makes the same broadcasts in the same
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, timeout_s: float | None = None) -> Any:
-    """Give every rank ``root_rank``'s object, through shard 0's blob store.
+    """Give every rank ``root_rank``'s object, through the shards' blob stores.
 
     Every rank calls it, in the same order as its other broadcasts.
 
@@ -41,7 +43,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, timeout_s: float | None = Non
         BroadcastError: the blob was not written by the root rank, or is not a valid broadcast.
         ConfigError: ``init()`` was not called, or no front end has opened the shards' session
             yet (create the ``DistributedOptimizer`` or register the DDP hook's state first).
-        CgxPsError: shard 0 could not be reached, or the root did not publish in time.
+        CgxPsError: a shard could not be reached, or the root did not publish in time.
     """
     config = current_config()
     engine = connected_engine()

@@ -6,7 +6,7 @@ One place decides, rank 0, and every rank applies the decision at the same step 
    averaged ones, identical on every rank);
 2. for new bit widths, it announces them to every shard with SetCodecs, effective from the next
    round, and waits for every shard to accept (so no push of that round can be refused);
-3. it broadcasts the decision through shard 0's blob store; every other rank reads it at the
+3. it broadcasts the decision through the shards' blob stores; every other rank reads it at the
    same step boundary before its next backward.
 
 The tuner reads and changes a ``Tunable`` (the block pipeline is one): step figures, block
