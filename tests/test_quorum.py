@@ -20,7 +20,7 @@ from cgx_ps.quorum_settings import quorum_problem
 from cgx_ps.server.rounds.quorum import LateWatch, QuorumRule, RoundHistory
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker import ConfigError, WorkerConfig
-from support import METADATA, env_for, wait_until_stopped
+from support import METADATA, env_for, free_port, wait_until_stopped
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/quorum_worker.py"
@@ -78,12 +78,15 @@ def test_a_stalled_node_does_not_hold_the_others_and_catches_up_to_identical_par
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["optimizer", "ddp hook"])
 def test_a_sigstopped_node_is_passed_by_the_others_and_after_sigcont_catches_up_to_identical_parameters(
-        local_cluster, tmp_path):
+        local_cluster, tmp_path, front_end):
     cluster = local_cluster(2, round_timeout=30)
     steps = 40
-    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps)] + (["--sigstop-at", "5"] if r == 2 else []),
-                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    ddp = ["--ddp"] if front_end == "ddp hook" else []
+    gloo = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())) if ddp else {}
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), *ddp] + (["--sigstop-at", "5"] if r == 2 else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **gloo)
     try:
         wait_until_stopped(procs[2].pid, timeout=120)
         # frozen whole (its gRPC threads too) for ~10 of the others' 50 ms rounds: fewer than the 16
@@ -102,6 +105,26 @@ def test_a_sigstopped_node_is_passed_by_the_others_and_after_sigcont_catches_up_
     # the others went on while it was stopped (waiting for it, it would have computed every step),
     # and it applied the rounds it missed without computing them
     assert results[2]["computed"] < steps - 3 and results[2]["computed"] < min(r["computed"] for r in results[:2])
+    params = [torch.load(tmp_path / f"n{r}.pt") for r in range(3)]
+    assert any(k.startswith("momentum/") for k in params[0])  # the optimizer's state is compared too
+    assert all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+
+
+def test_the_ddp_hook_refuses_a_quorum_without_an_optimizer_to_catch_up_with(cluster, tmp_path):
+    script = (
+        "import torch, torch.distributed as dist, cgx_ps.worker as cgx\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "cgx.init(); dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "ddp = DDP(torch.nn.Linear(8, 2)); state = cgx.DDPHookState(ddp)\n"
+        "ddp.register_comm_hook(state, cgx.ddp_comm_hook)\n"
+        "try:\n    ddp(torch.randn(4, 8)).sum().backward()\n"
+        "except Exception as exc:\n    print('refused:', type(exc).__name__, exc)\n")
+    env = env_for(0, 2, cluster.addresses, CGX_PS_JOB_ID=f"quorum-{uuid.uuid4().hex[:8]}", CGX_PS_QUORUM="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: ConfigError CGX_PS_QUORUM=1 under the DDP hook: call cgx.catch_up_with(optimizer, hook_state=state)" \
+        in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 @pytest.mark.slow

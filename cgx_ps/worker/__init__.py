@@ -24,6 +24,7 @@ from .broadcast.api import broadcast_object, broadcast_optimizer_state, broadcas
 from .checkpoint import Checkpoints
 from .config import WorkerConfig
 from .frontends.ddp_hook import DDPHookState, ddp_comm_hook
+from .frontends.ddp_catch_up import catch_up_with
 from .errors import (BlobFormatError, BroadcastError, CgxPsError, CheckpointError, CollectiveStalledError, ConfigError,
                      IntraNodeError, RoundFailedError, ShardRejectedError, ShardUnavailableError, StepAbandoned)
 from .pipeline.blocks import Compression
@@ -37,6 +38,6 @@ __all__ = [
     "DDPHookState", "Decision", "DistributedOptimizer", "ddp_comm_hook",
     "IntraNodeError", "RoundFailedError", "ShardRejectedError", "ShardUnavailableError", "StepAbandoned", "StepStats",
     "WorkerConfig",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "init", "join", "rank",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "catch_up_with", "init", "join", "rank",
     "shutdown", "size",
 ]

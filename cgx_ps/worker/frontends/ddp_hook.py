@@ -67,16 +67,20 @@ started).
 import threading
 import time
 import weakref
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CgxPsError, ConfigError
+from ..runtime import current_config
 from .route import Route
 from .step_driver import FrontEndView, StepDriver, SyncOptions
 from .handover import EarlyHandover, StepGradients, is_ddp
 from ..pipeline.blocks import DEFAULT_BLOCK_BYTES, Compression
+
+if TYPE_CHECKING:
+    from .ddp_catch_up import _CatchUp
 
 __all__ = ["DDPHookState", "ddp_comm_hook"]
 
@@ -145,6 +149,7 @@ class DDPHookState(FrontEndView):
         self._name_of: dict[int, str] = {}
         self._gradients = StepGradients()  # this step's hand-overs
         self._early = EarlyHandover(module, self._gradients)
+        self._catch_up: "_CatchUp | None" = None  # quorum rounds' optimizer steps (ddp_catch_up.py)
         with _waiting_lock:
             _waiting.append(weakref.ref(self))
 
@@ -177,15 +182,15 @@ class DDPHookState(FrontEndView):
             if self._driver is None:
                 states = [s for s in (ref() for ref in _waiting)
                           if s is not None and s._driver is None and s._module() is not None]
+                config = current_config()
+                if config.has_quorum and any(s._catch_up is None for s in states):
+                    # a late node steps its optimizer for the rounds it missed (ddp_catch_up.py)
+                    raise ConfigError(f"CGX_PS_QUORUM={config.quorum} under the DDP hook: call "
+                                      f"cgx.catch_up_with(optimizer, hook_state=state) before the first backward")
                 named = [s._named_tensors() for s in states]
                 drivers = StepDriver.open_together(named, [s.options for s in states],
                                                    [_process_group_of(s._module) for s in states],
                                                    allreduce_blocks=False)
-                if drivers and drivers[0].pipe.config.has_quorum:
-                    # a late node's catch-up steps the optimizer for the rounds it missed, which the
-                    # hook, inside DDP's backward, cannot do
-                    raise ConfigError(f"CGX_PS_QUORUM={drivers[0].pipe.config.quorum} works with DistributedOptimizer; "
-                                      f"the DDP hook does not catch a late node up yet")
                 for state, tensors, driver in zip(states, named, drivers):
                     state._params = dict(tensors)
                     state._name_of = {id(t): n for n, t in tensors}

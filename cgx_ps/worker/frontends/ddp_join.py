@@ -37,6 +37,7 @@ import torch
 
 from ..errors import CgxPsError
 from ..pipeline.block_pipeline import BlockPipeline
+from .ddp_catch_up import gradients_of
 from .ddp_hook import DDPHookState
 from .handover import is_ddp
 from .leaving import Leaver
@@ -80,20 +81,24 @@ def hook_leaver(optimizer: torch.optim.Optimizer, state: DDPHookState) -> Leaver
         raise CgxPsError(f"the optimizer given to cgx.join holds {len(foreign)} trainable tensor(s) that are not "
                          f"the DDP model's: give it the optimizer of the DDP model's parameters alone")
 
-    def grad_out(name: str) -> torch.Tensor | None:
-        param = params[name]
-        if param.grad is None:  # zero_grad() set it to None
-            param.grad = torch.zeros_like(param)
-        return param.grad
+    catch_up = state._catch_up  # quorum rounds (ddp_catch_up.py): shadow steps are rounds already, none missed
 
     def before_round() -> None:
+        if catch_up is not None:
+            catch_up.paused = True  # until the join ends: its block's own steps catch up as ever
         # the bucket rebuild of the others' forward (module doc); DDP notes it as its forward does
         if ddp.reducer._rebuild_buckets():
             ddp._has_rebuilt_buckets = True
 
     watch = _StepWatch(optimizer, driver.pipe)
-    return Leaver(state, "this DDPHookState", driver, grad_out, optimizer.step, watch.unfinished, before_round,
-                  watch.close)
+
+    def close() -> None:
+        watch.close()
+        if catch_up is not None:
+            catch_up.paused = False
+
+    return Leaver(state, "this DDPHookState", driver, gradients_of(params), optimizer.step, watch.unfinished,
+                  before_round, close)
 
 
 class _StepWatch:
