@@ -63,7 +63,17 @@ CELLS = (
               (1e8, None, 0.178, (8.110, 4.333, 1.466)), (1e8, 2, 0.213, (8.120, 4.300, 1.895)),
               (1e9, None, 0.179, (1.195, 0.897, 0.606)), (1e9, 2, 0.193, (1.165, 0.863, 0.631)),
               (1e10, None, 0.165, (0.630, 0.579, 0.543)), (1e10, 2, 0.194, (0.545, 0.646, 0.644)))
-          for option, measured in zip(("ddp-fp32", "ddp-fp16", "cgx-4bit"), steps))
+          for option, measured in zip(("ddp-fp32", "ddp-fp16", "cgx-4bit"), steps)) + (
+    # shaped models (cluster.py --scale): the published RTX 3090 compute, slept
+    Cell("Real model shapes", 4, 1e9, None, 0.619, "ddp-fp32", 1.546, "resnet50"),
+    Cell("Real model shapes", 4, 1e9, None, 0.619, "ddp-powersgd", 0.830, "resnet50"),
+    Cell("Real model shapes", 4, 1e9, None, 0.619, "cgx-4bit", 0.650, "resnet50"),
+    Cell("Real model shapes: 8 hosts, 1 Gbit/s", 8, 1e9, None, 0.558, "ddp-fp32", 6.707, "bert-base"),
+    Cell("Real model shapes: 8 hosts, 1 Gbit/s", 8, 1e9, None, 0.558, "ddp-powersgd", 1.107, "bert-base"),
+    Cell("Real model shapes: 8 hosts, 1 Gbit/s", 8, 1e9, None, 0.558, "cgx-4bit", 1.624, "bert-base"),
+    Cell("Real model shapes: 8 hosts, 100 Mbit/s", 8, 1e8, None, 0.619, "ddp-fp32", 15.700, "resnet50"),
+    Cell("Real model shapes: 8 hosts, 100 Mbit/s", 8, 1e8, None, 0.619, "cgx-4bit", 3.624, "resnet50"),
+)
 
 
 def mlp17m(compute_s: float) -> Workload:
