@@ -363,3 +363,19 @@ async def test_a_late_push_is_answered_with_its_rounds_result_and_summed_once_in
     finally:
         for c in clients:
             await c.close()
+
+
+def test_catch_up_with_refuses_what_it_cannot_step():
+    import cgx_ps.worker as cgx
+
+    model = torch.nn.Linear(4, 2)
+    state = cgx.DDPHookState(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(cgx.CgxPsError, match="hook_state takes the DDPHookState"):
+        cgx.catch_up_with(opt, hook_state=model)
+    with pytest.raises(cgx.CgxPsError, match="takes the torch optimizer that steps the DDP model, got Linear"):
+        cgx.catch_up_with(model, hook_state=state)
+    cgx.catch_up_with(opt, hook_state=state)
+    with pytest.raises(cgx.CgxPsError, match="already called"):
+        cgx.catch_up_with(opt, hook_state=state)
+    opt.step()  # not registered with the shards yet: the post-hook has nothing to catch up on
