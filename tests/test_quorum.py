@@ -318,17 +318,22 @@ def test_a_node_late_in_a_quarter_of_its_pushes_is_named_once_per_window():
     assert watch.total["node-3"] == 8
 
 
-async def test_a_late_push_is_answered_with_its_rounds_result_and_summed_once_into_the_next_round(start_shard):
+async def test_a_late_push_is_answered_with_its_rounds_result_and_summed_once_into_the_next_round(start_shard,
+                                                                                                 tmp_path):
     """Exact, with fp32 blocks: round 0 closes with A and B (contributors 2); C's late push of
     round 0 gets that result and a LateNotice, and is summed into round 1 (A1 + B1 + C0, 3);
-    a retry of it is not summed again; a fetch of round 0 gets the same bytes."""
+    a retry of it is not summed again; a fetch of round 0 gets the same bytes. The timeline (shard
+    and workers in this one process) shows the notice and the carried sum."""
     import asyncio
+
+    from cgx_ps import timeline
 
     from cgx_ps.kernels import Codec, contributors_of, dequantize, encode
     from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
     from cgx_ps.worker.shards.client import ShardClient
     from support import SECURITY
 
+    recorder = timeline.start(timeline.Recorder(str(tmp_path / "trace.json"), "shard and workers"))
     shard = await start_shard(round_timeout_s=30)
     layout = build_layout([TensorInfo("w", (1000,))], 1, Compression(bits=None), block_bytes=1 << 20)
     block = layout.blocks[0].block_id
@@ -360,7 +365,13 @@ async def test_a_late_push_is_answered_with_its_rounds_result_and_summed_once_in
         assert len(set(map(bytes, results))) == 1 and contributors_of(results[0]) == 4  # three nodes + C's carried
         expected = grads[(0, 2)] + grads[(1, 2)] + grads[(2, 2)] + grads[(2, 1)]
         assert torch.allclose(dequantize(bytes(results[0])), expected, atol=1e-5, rtol=0)
+        trace = timeline.load(timeline.stop(recorder))
+        events = [(e["name"], e["args"]) for e in trace["traceEvents"] if e.get("ph") == "X"]
+        assert [a for n, a in events if n == "late"] == [{"block": block, "next_round": 2, "step": 1}]
+        assert [a for n, a in events if n == "carry"] == [{"block": block, "node": "node-2", "late_round": 1,
+                                                          "step": 2}]  # once: the retry was not summed again
     finally:
+        timeline.stop(recorder, write=False)
         for c in clients:
             await c.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor
 
+from ... import timeline
 from ...kernels import CodecError, decode_header
 from ..errors import BadRequest, WrongRound
 from .block_state import BlockState, PushOutcome
@@ -30,7 +31,9 @@ async def carry_late_push(block: BlockState, node_id: str, member: int, round_: 
         if header.numel != block.spec.numel:
             raise CodecError(f"{header.numel} elements, the block has {block.spec.numel}")
         if not header.non_finite:  # an overflowed gradient is skipped by its scaler: nothing to carry
-            await asyncio.get_running_loop().run_in_executor(executor, block.sum.add, payload)
+            # on the timeline under the round it is summed into, naming the round it was late for
+            with timeline.span("carry", block.round, block=block.spec.block_id, node=node_id, late_round=round_):
+                await asyncio.get_running_loop().run_in_executor(executor, block.sum.add, payload)
             block.carried += 1
     except CodecError as exc:
         raise BadRequest(f"block {block.spec.block_id} round {round_}: {exc}") from None

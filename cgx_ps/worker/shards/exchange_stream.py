@@ -294,6 +294,8 @@ class ExchangeStream:
                 if kind == "late":  # its result follows
                     n = response.late
                     self.late[n.block_id] = max(self.late.get(n.block_id, 0), n.next_round)
+                    timeline.since(timeline.mark(), "late", n.round, timeline.block_track(n.block_id),
+                                   block=n.block_id, next_round=n.next_round)
                     continue
                 if kind == "everyone_left":  # the round has no result: b"" says so (fetch)
                     future = self._waiting.pop((response.everyone_left.block_id, response.everyone_left.round), None)
