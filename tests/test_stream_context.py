@@ -69,7 +69,10 @@ class GrpcClient:
             metadata=(("authorization", "Bearer " + token.decode()),))
 
     async def send(self, message: bytes) -> None:
-        await self.call.write(message)
+        try:
+            await self.call.write(message)
+        except grpc.aio.AioRpcError:
+            pass  # the call ended before the write (a refusal can beat it): ending() says how
 
     async def close_sending(self) -> None:
         await self.call.done_writing()
