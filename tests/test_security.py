@@ -110,7 +110,7 @@ async def _put_stripes(addresses: list[str], layout: ps_pb2.Layout, writers: lis
         await client.connect()
         async with grpc.aio.insecure_channel(address) as channel:
             await ps_pb2_grpc.ParameterServerStub(channel).PutBlob(
-                iter([ps_pb2.BlobChunk(key="broadcast/0", total_bytes=len(part), offset=0, data=part, node_id=node,
+                iter([ps_pb2.BlobChunk(key="broadcast/0", total_bytes=len(part), offset=0, data=bytes(part), node_id=node,
                                        member=0, session_id=client.session_id)]), metadata=METADATA, timeout=10)
         await client.close()
 

@@ -32,7 +32,7 @@ GRPC_OPTIONS = [
 ]
 
 
-def chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
+def chunks(data: bytes | memoryview) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) pieces of at most CHUNK_BYTES; always at least one (empty data: one
     empty chunk, so a receiver still learns total_bytes)."""
     view = memoryview(data)

@@ -33,7 +33,7 @@ from ..pipeline.buffers import TensorOf
 from .ddp_hook import DDPHookState
 from .optimizer_steps import DistributedMixin
 
-__all__ = ["catch_up_with", "gradients_of"]
+__all__ = ["catch_up_with", "foreign_tensors", "gradients_of"]
 
 
 def gradients_of(params: dict[str, torch.Tensor]) -> TensorOf:
@@ -46,6 +46,14 @@ def gradients_of(params: dict[str, torch.Tensor]) -> TensorOf:
         return param.grad
 
     return grad_out
+
+
+def foreign_tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> int:
+    """How many trainable tensors ``optimizer`` steps that are not among ``params`` (the DDP
+    model's): a step this node takes alone (a catch-up or shadow step) would apply their stale
+    gradients on this node only."""
+    known = {id(p) for p in params.values()}
+    return sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) not in known)
 
 
 def catch_up_with(optimizer: torch.optim.Optimizer, hook_state: DDPHookState) -> None:
@@ -92,11 +100,9 @@ class _CatchUp:
             return
         params = self._state._params
         if not self._checked:
-            known = {id(p) for p in params.values()}
-            foreign = [p for g in self._optimizer.param_groups for p in g["params"]
-                       if p.requires_grad and id(p) not in known]
+            foreign = foreign_tensors(self._optimizer, params)
             if foreign:
-                raise CgxPsError(f"the optimizer given to cgx.catch_up_with holds {len(foreign)} trainable "
+                raise CgxPsError(f"the optimizer given to cgx.catch_up_with holds {foreign} trainable "
                                  f"tensor(s) that are not the DDP model's: give it the DDP model's optimizer")
             self._checked = True
         driver.after_step()  # this step's after-work before the next rounds' fetches, as step() does

@@ -37,7 +37,7 @@ import torch
 
 from ..errors import CgxPsError
 from ..pipeline.block_pipeline import BlockPipeline
-from .ddp_catch_up import gradients_of
+from .ddp_catch_up import foreign_tensors, gradients_of
 from .ddp_hook import DDPHookState
 from .handover import is_ddp
 from .leaving import Leaver
@@ -75,10 +75,9 @@ def hook_leaver(optimizer: torch.optim.Optimizer, state: DDPHookState) -> Leaver
                          "all-reduces which parameters each rank used, which a node out of data has not")
     driver = state.open()
     params = state._params
-    known = {id(p) for p in params.values()}
-    foreign = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) not in known]
-    if foreign:  # a shadow step would apply their stale gradients, on this node alone
-        raise CgxPsError(f"the optimizer given to cgx.join holds {len(foreign)} trainable tensor(s) that are not "
+    foreign = foreign_tensors(optimizer, params)
+    if foreign:
+        raise CgxPsError(f"the optimizer given to cgx.join holds {foreign} trainable tensor(s) that are not "
                          f"the DDP model's: give it the optimizer of the DDP model's parameters alone")
 
     catch_up = state._catch_up  # quorum rounds (ddp_catch_up.py): shadow steps are rounds already, none missed

@@ -47,7 +47,7 @@ def shard_order_problem(position: int, address: str, shard_index: int, num_shard
             f"in index order on every worker")
 
 
-def stripes(data: bytes, n: int) -> list[bytes]:
+def stripes(data: bytes, n: int) -> list[memoryview]:
     """``data`` cut into ``n`` contiguous parts of sizes differing by at most one byte (empty ones
     where it is shorter than ``n``), part ``i`` for shard ``i``.
 
@@ -59,7 +59,7 @@ def stripes(data: bytes, n: int) -> list[bytes]:
     size, extra = divmod(len(data), n)
     view = memoryview(data)
     bounds = [i * size + min(i, extra) for i in range(n + 1)]
-    return [bytes(view[bounds[i]:bounds[i + 1]]) for i in range(n)]
+    return [view[bounds[i]:bounds[i + 1]] for i in range(n)]  # views: the blob is not copied again
 
 
 class CommEngine:
@@ -268,7 +268,7 @@ class CommEngine:
 
     def put_blob(self, key: str, data: bytes) -> None:
         """Publish ``data`` under ``key``, striped over every shard's blob store (``stripes``)."""
-        async def put(shard: ShardClient, part: bytes) -> None:
+        async def put(shard: ShardClient, part: memoryview) -> None:
             pieces = [ps_pb2.BlobChunk(key=key, total_bytes=len(part), offset=o, data=piece, node_id=self.node_id,
                                        member=self.member, session_id=shard.session_id)
                       for o, piece in chunks(part)]
