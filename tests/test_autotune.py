@@ -133,6 +133,9 @@ class _Figures:
     def exposed(self, compress: bool) -> float:
         return 0.0  # the model calls both modes equal: every exploration is plausible
 
+    def step_s(self, compress: bool) -> float:
+        return 0.100
+
 
 @pytest.mark.parametrize("incumbent, ratio, expected", [
     (False, 0.97, False),  # compression 3% faster: not enough to start compressing
@@ -237,6 +240,9 @@ class _Hopeless:
 
     def exposed(self, compress: bool) -> float:
         return 0.150 if compress else 2.0
+
+    def step_s(self, compress: bool) -> float:
+        return 0.050 + self.exposed(compress)
 
 
 def test_auto_never_tries_a_mode_the_model_rules_out():

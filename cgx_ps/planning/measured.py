@@ -147,3 +147,7 @@ class AutoModel:
     def exposed(self, compress: bool) -> float:
         """The communication a step in this mode leaves exposed after backward, in seconds."""
         return self._predictions[compress].exposed_comm_s
+
+    def step_s(self, compress: bool) -> float:
+        """A step in this mode as modelled: backward, then the exposed communication (forward is left out)."""
+        return self._predictions[compress].step_s

@@ -5,7 +5,8 @@ The first choice comes from the library's performance model (``cgx_ps.planning.m
 (``measure``): the tensors and when each one's gradient arrived, the backward time, the upload
 throughput to the shards (the probe, and the last step's pipeline), the codec's speed on this device
 and the node count. It predicts the communication each mode leaves exposed after backward
-(``AutoModel.exposed``), and auto mode compresses only if that is less. Where the uncompressed steps
+(``AutoModel.exposed``), and auto mode compresses only if that makes the predicted step clearly
+shorter (the margin measured steps need, ``keep_or_switch``). Where the uncompressed steps
 skip the shards (an all_reduce on a process group: the optimizer's ``frontends/uncompressed.py``, the
 DDP hook's DDP allreduce), the probe of the shards says nothing about them, so every front end's step
 driver hands the tuner a probe of its uncompressed path (``AutoFigures.uncompressed_bps``:
@@ -57,8 +58,9 @@ _WINDOW = 6  # a mode's median covers the steps of at most its latest this many 
 _PLAUSIBLE = 1.25  # explore the other mode only if the model predicts at most this x the current step time
 
 
-class _Predicts(Protocol):
-    def exposed(self, compress: bool) -> float: ...  # a mode's predicted exposed communication (AutoModel)
+class _Predicts(Protocol):  # AutoModel
+    def exposed(self, compress: bool) -> float: ...  # a mode's predicted exposed communication
+    def step_s(self, compress: bool) -> float: ...  # and its predicted step: backward + exposed
 
 
 def measure(target: Tunable, quantized: list[int], uncompressed_bps: float = 0.0) -> AutoModel:
@@ -160,8 +162,8 @@ class ModeChooser:
         ``model``: both modes predicted for the step just measured (``measure``)."""
         k, self.decisions = self.decisions, self.decisions + 1
         samples, self.samples = self.samples, []
-        if k == 0:
-            return model.exposed(True) < model.exposed(False), "model"
+        if k == 0:  # predicted steps, with the measured steps' margin: exact gradients win near-ties
+            return keep_or_switch(False, {mode: model.step_s(mode) for mode in (True, False)}), "model"
         if not samples:
             return current, "no step measured since the last decision"
         self._extend(current, samples, k)
