@@ -90,6 +90,8 @@ def test_auto_mode_skips_compression_when_communication_hides_behind_compute(loc
     f = first["figures"]
     assert first["compress"] is False and first["reason"] == "model", f
     assert f["throughput_bps"] > 50e6 and f["overlap_s"] > 0  # loopback, real backward
+    # what the performance model was fed besides: this device's codec and copy speeds, the job's shape
+    assert f["codec_eps"] > 0 and f["copy_eps"] > 0 and (f["bits"], f["nodes"], f["ranks"]) == (4, 1, 1), f
     explored = [d for d in decisions if d["reason"].startswith("measuring the other mode")]
     assert explored and explored[0]["compress"] is True, decisions
     later = [d for d in decisions[decisions.index(explored[0]) + 1:] if not d["reason"].startswith("too few")]
@@ -130,6 +132,9 @@ def test_auto_mode_compresses_on_a_throttled_link():
 class _Figures:
     def exposed(self, compress: bool) -> float:
         return 0.0  # the model calls both modes equal: every exploration is plausible
+
+    def step_s(self, compress: bool) -> float:
+        return 0.100
 
 
 @pytest.mark.parametrize("incumbent, ratio, expected", [
@@ -235,6 +240,9 @@ class _Hopeless:
 
     def exposed(self, compress: bool) -> float:
         return 0.150 if compress else 2.0
+
+    def step_s(self, compress: bool) -> float:
+        return 0.050 + self.exposed(compress)
 
 
 def test_auto_never_tries_a_mode_the_model_rules_out():

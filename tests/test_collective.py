@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import cgx_ps.worker as cgx
 from cgx_ps.worker import runtime
-from cgx_ps.worker.tuning.auto_mode import AutoFigures
+from cgx_ps.planning.measured import AutoFigures, AutoModel, workload_of
 from cgx_ps.worker.frontends.route import SHARDS, Route, StepRouter, choose_route, collective_group
 from cgx_ps.worker.frontends.uncompressed import group_problem, launch_order
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
@@ -54,13 +54,17 @@ def test_a_front_ends_router_sends_uncompressed_steps_to_its_group_and_probes_it
 
 
 def test_auto_modes_model_takes_the_all_reduce_rate_for_uncompressed_steps_when_measured():
-    # 64 MB of fp32, 8 MB compressed; the shards move 100 MB/s, the group all-reduces 1 GB/s
-    shards = AutoFigures(1e8, 1e8, 0.0, 64 << 20, 8 << 20, 0.05, 0.1)
+    # 16 M parameters (64 MB of fp32) over 100 ms of backward; the shards move 100 MB/s, the group all-reduces 1 GB/s
+    tensors = [(f"{i}.weight", (2048, 2048)) for i in range(4)]
+    workload = workload_of(tensors, {name: 0.025 * i for i, (name, _) in enumerate(tensors)}, 0.1)
+    shards = AutoFigures(1e8, 1e8, 0.0, 64 << 20, 8 << 20, 0.05, 0.1, codec_eps=1e9, nodes=2, ranks=2)
     group = dataclasses.replace(shards, uncompressed_bps=1e9)
-    assert shards.exposed(False) == pytest.approx(2 * (64 << 20) / 1e8 - 0.1)  # push + pull through the shards
-    assert group.exposed(False) == 0.0  # 67 ms of all_reduce hide behind 100 ms of backward
-    assert group.exposed(True) == shards.exposed(True)  # compressed steps use the shards either way
-    assert shards.exposed(True) < shards.exposed(False) and group.exposed(False) < group.exposed(True)
+    through_shards, through_group = AutoModel(workload, shards), AutoModel(workload, group)
+    assert through_shards.exposed(False) > 0.5  # push + pull of 64 MB at 100 MB/s: most of it after backward
+    assert through_group.exposed(False) < 0.02  # 64 ms of all_reduce, nearly all of it behind backward
+    assert through_group.exposed(True) == through_shards.exposed(True)  # compressed steps use the shards either way
+    assert through_shards.exposed(True) < through_shards.exposed(False)
+    assert through_group.exposed(False) < through_group.exposed(True)
 
 
 def test_blocks_launch_in_reverse_registration_order_of_their_earliest_tensor():

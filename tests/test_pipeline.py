@@ -74,6 +74,7 @@ def _expected(pipe: BlockPipeline, grads: dict[str, torch.Tensor], step: int, co
 
 def test_buckets_of_tensors_drive_it_like_a_ddp_hook(pipe, engine):
     buckets = [["c.weight", "b.weight"], ["a.bias", "a.weight"]]  # DDP's order: last layers first
+    previous_step_end = 0.0
     for step in range(2):  # warm-up (uncompressed), then compressed
         grads, results, futures = _grads(step), {n: torch.zeros(s) for n, s in SHAPES.items()}, []
         for names in buckets:
@@ -94,6 +95,11 @@ def test_buckets_of_tensors_drive_it_like_a_ddp_hook(pipe, engine):
         assert (stats.step, stats.compressed, stats.backward_s) == (step, step >= 1, 0.5)
         assert stats.fp32_bytes == 4 * sum(b.numel for b in pipe.layout.blocks)
         assert (stats.ratio > 5) is (step >= 1)
+        # when each tensor arrived, this step's only (backward's order for auto mode's model)
+        arrived = stats.arrivals
+        assert set(arrived) == set(SHAPES) and min(arrived.values()) > previous_step_end
+        assert max(arrived[n] for n in buckets[0]) < min(arrived[n] for n in buckets[1])
+        previous_step_end = max(arrived.values())
         for name, want in _expected(pipe, grads, step, compressed=step >= 1).items():
             assert torch.equal(results[name], want), (step, name)
             assert torch.equal(pipe.gradient(name), want.view(-1))  # the buffers, without a copy

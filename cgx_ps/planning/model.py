@@ -113,6 +113,7 @@ class Speeds:
 
     encode_eps: float = 4327e6 / 2  # elements quantized (4-bit, stochastic) per CPU-second: 4327 M/s on 2 cores
     decode_eps: float = 4497e6 / 2  # elements decoded and accumulated from wire bytes per CPU-second
+    copy_eps: float | None = None  # fp32 elements of a result copied out per CPU-second; None: decode_eps
     codec_threads: int = 2  # threads a worker's codec call uses (the kernels' default: one per CPU)
     shard_ingest_Bps: float = 1081e6  # compressed push bytes a shard takes in per CPU-second (raw data plane)
     shard_cores: float = 1.0  # cores a shard's work spreads over
@@ -216,15 +217,16 @@ def _ddp_buckets(workload: Workload) -> list[tuple[list[Tensor], float]]:
     return buckets
 
 
-def _cgx_blocks(workload: Workload) -> list[tuple[int, bool, float]]:
+def _cgx_blocks(workload: Workload, compress: bool = True) -> list[tuple[int, bool, float]]:
     """cgx-ps's blocks of at most ``CGX_BLOCK_BYTES`` of fp32, compressed and uncompressed tensors apart (as
     the layout groups them by codec), cut in backward order: (elements, compressed, ready time). The layout
-    orders tensors by name; backward order is the approximation that lets blocks go as backward produces them."""
+    orders tensors by name; backward order is the approximation that lets blocks go as backward produces them.
+    ``compress=False``: every tensor travels as fp32 (compression off)."""
     cap = CGX_BLOCK_BYTES // 4
     blocks: list[tuple[int, bool, float]] = []
     fill, last = {True: 0, False: 0}, {True: 0.0, False: 0.0}
     for tensor, ready in zip(workload.tensors, _ready_times(workload)):
-        kind, left = not uncompressed(tensor.shape), tensor.numel
+        kind, left = compress and not uncompressed(tensor.shape), tensor.numel
         last[kind] = ready
         while left:
             take = min(left, cap - fill[kind])
@@ -311,8 +313,8 @@ def _predict_powersgd(workload: Workload, cluster: Cluster, speeds: Speeds) -> P
                    shard_cpu_s=0.0, cpu_s=2 * nbytes / speeds.net_cpu_Bps, nbytes=nbytes, shards=None)
 
 
-def _predict_cgx(workload: Workload, cluster: Cluster, speeds: Speeds, bits: int) -> Prediction:
-    """cgx-ps at ``bits``: per block, the node's GPUs reduced (G > 1), encode, push, the shard's sum and
+def _predict_cgx(workload: Workload, cluster: Cluster, speeds: Speeds, bits: int | None) -> Prediction:
+    """cgx-ps at ``bits`` (None: every block fp32): per block, the node's GPUs reduced (G > 1), encode, push, the shard's sum and
     re-encode of n pushes, the result back, decode. With colocated shards a host's link carries pushes and
     results in each direction at once; in steady state each gets half of it, so both stages take
     2 (n - 1) / n * wire / B per block (``ps_link_seconds`` twice)."""
@@ -321,10 +323,10 @@ def _predict_cgx(workload: Workload, cluster: Cluster, speeds: Speeds, bits: int
     threads = max(1, speeds.codec_threads)
     share = 2 if cluster.shards is None else 1
     ready, stages, pushed, codec_cpu = [], [], 0, 0.0
-    for numel, compressed, t in _cgx_blocks(workload):
-        wire = HEADER_BYTES + (compressed_bytes(numel, bits) if compressed else 4 * numel)
+    for numel, compressed, t in _cgx_blocks(workload, bits is not None):
+        wire = HEADER_BYTES + (compressed_bytes(numel, bits) if compressed and bits else 4 * numel)
         encode = numel / speeds.encode_eps if compressed else 0.0
-        decode = numel / speeds.decode_eps
+        decode = numel / (speeds.decode_eps if compressed or speeds.copy_eps is None else speeds.copy_eps)
         link = share * ps_link_seconds(wire, cluster) if n > 1 or cluster.shards else 0.0
         shard = n * wire / (shards * speeds.shard_ingest_Bps * speeds.shard_cores)
         item = [("encode", encode / threads), ("push", link), ("shard", shard), ("result", link),
@@ -344,13 +346,18 @@ def _predict_cgx(workload: Workload, cluster: Cluster, speeds: Speeds, bits: int
     shard_cpu = n * pushed / shards / speeds.shard_ingest_Bps
     worker_net = 2 * nbytes if cluster.shards is None else 2 * pushed
     cpu = codec_cpu + worker_net / speeds.net_cpu_Bps + (shard_cpu if cluster.shards is None else 0.0)
-    return _finish(f"cgx-{bits}bit", f"{bits}bit", workload, end, busy, link_s=nbytes / cluster.payload_Bps,
+    name = f"{bits}bit" if bits else "fp32"
+    return _finish(f"cgx-{name}", name, workload, end, busy, link_s=nbytes / cluster.payload_Bps,
                    codec_s=busy.get("encode", 0.0) + busy.get("decode", 0.0), shard_cpu_s=shard_cpu, cpu_s=cpu,
                    nbytes=nbytes, shards=cluster.shards)
 
 
 def predict(workload: Workload, cluster: Cluster, speeds: Speeds, option: str) -> Prediction:
-    """One option's step: ``ddp-fp32``, ``ddp-fp16``, ``ddp-powersgd`` (rank 4) or ``cgx-Nbit``."""
+    """One option's step: ``ddp-fp32``, ``ddp-fp16``, ``ddp-powersgd`` (rank 4), ``cgx-Nbit``, or ``cgx-fp32``
+    (cgx-ps with compression off, every block fp32 through the shards: auto mode's uncompressed steps without a
+    process group; not in ``OPTIONS``, which compares the ways to train)."""
+    if option == "cgx-fp32":
+        return _predict_cgx(workload, cluster, speeds, None)
     if option in ("ddp-fp32", "ddp-fp16"):
         return _predict_ddp(workload, cluster, speeds, option.removeprefix("ddp-"))
     if option == "ddp-powersgd":

@@ -9,7 +9,7 @@ communication thread and taken on the front end's.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["CommSpan", "StepStats"]
 
@@ -25,6 +25,9 @@ class StepStats:
     compressed: bool = True  # False during warm-up steps and when auto mode does not compress
     backward_s: float = 0.0  # the front end's first to last gradient: what communication can hide behind
     comm_window_s: float = 0.0  # this process's first push to its last result
+    # when each tensor's gradient arrived (time.perf_counter()), where the front end said so: backward's
+    # order for auto mode's model; {} where it did not (the DDP hook's steps through DDP's allreduce)
+    arrivals: dict[str, float] = field(default_factory=dict)
     in_place_blocks: int = 0  # blocks encoded from and decoded into the front end's memory: no copies
     early_gradients: int = 0  # DDP hook: gradients it took from autograd before DDP copied them (ddp_hook.py)
     # tensors whose gradient on this rank had NaN/Inf (with allow_non_finite: every rank then

@@ -59,7 +59,7 @@ class StepEnd:
         t0 = time.perf_counter() if waiting_since is None else waiting_since
         waited = timeline.mark()
         stats = StepStats(step=self.steps, compressed=self.compressing, backward_s=backward_s,
-                          in_place_blocks=sum(b.in_place for b in self._blocks))
+                          in_place_blocks=sum(b.in_place for b in self._blocks), arrivals=self.arrivals.times())
         try:
             for block in self._blocks:
                 try:
@@ -113,7 +113,7 @@ class StepEnd:
             raise CgxPsError("a step is averaged either through the shards or elsewhere, not both")
         stats = StepStats(step=self.steps, compressed=False, backward_s=backward_s, path="allreduce",
                           exposed_comm_s=max(0.0, time.perf_counter() - waiting_since),
-                          in_place_blocks=sum(b.in_place for b in self._blocks))
+                          in_place_blocks=sum(b.in_place for b in self._blocks), arrivals=self.arrivals.times())
         self.stats, self.steps = stats, self.steps + 1
         self._next_step()
         return stats

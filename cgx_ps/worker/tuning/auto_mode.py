@@ -1,14 +1,17 @@
 """Auto mode (``compression="auto"``): compress only when it measurably pays.
 
-The first choice comes from a model: after step 0, measure the upload throughput to the shards
-and the codec's cost on this device, and predict the communication each choice leaves exposed
-after overlapping with backward (``AutoFigures``). Where the uncompressed steps skip the shards
-(an all_reduce on a process group: the optimizer's ``frontends/uncompressed.py``, the DDP hook's DDP
-allreduce), the probe of the shards says nothing about them, so every front end's step driver
-hands the tuner a probe of its uncompressed path (``AutoFigures.uncompressed_bps``: ``StepRouter.probe``
-on that group, every rank at the same step): the model sees both paths in every front end, and
-does not rule out, on a fast link, the path that is as fast as DDP (through gRPC it once predicted
-2.3 s for a step DDP's allreduce took 0.38 s).
+The first choice comes from the library's performance model (``cgx_ps.planning.model``, the one
+``cgx-ps plan`` uses), fed by ``cgx_ps.planning.measured`` with what this job measured after step 0
+(``measure``): the tensors and when each one's gradient arrived, the backward time, the upload
+throughput to the shards (the probe, and the last step's pipeline), the codec's speed on this device
+and the node count. It predicts the communication each mode leaves exposed after backward
+(``AutoModel.exposed``), and auto mode compresses only if that makes the predicted step clearly
+shorter (the margin measured steps need, ``keep_or_switch``). Where the uncompressed steps
+skip the shards (an all_reduce on a process group: the optimizer's ``frontends/uncompressed.py``, the
+DDP hook's DDP allreduce), the probe of the shards says nothing about them, so every front end's step
+driver hands the tuner a probe of its uncompressed path (``AutoFigures.uncompressed_bps``:
+``StepRouter.probe`` on that group, every rank at the same step), and the model predicts them as a
+ring allreduce at that rate (``AutoModel``'s doc says why each path maps onto which option).
 
 The model cannot see everything that competes for the machine (the transport's CPU cost per
 byte, a colocated shard), so after that the step time decides (``ModeChooser``), built not to flap
@@ -20,8 +23,9 @@ one interval of the mode in use was slowed by others' load):
 - a switch needs a clear margin both ways (``keep_or_switch``): compressed steps at least 5%
   faster to start compressing, uncompressed ones 3% faster to stop; in between the mode in use
   stays;
-- the other mode is tried for an interval only when the model finds it plausible (at most
-  1.25x the current step time), and again after ``REEXPLORE`` decisions; every try that confirms
+- the other mode is tried for an interval only when the model finds it plausible (the step time
+  now, less this mode's predicted exposed communication, plus the other's: at most 1.25x the
+  current step time), and again after ``REEXPLORE`` decisions; every try that confirms
   the mode in use doubles that gap (up to 4x), so on a steady run the cost of re-trying shrinks
   while a change of conditions is still found.
 """
@@ -30,18 +34,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 import torch
 
 from ...kernels import dequantize, quantize
 from ...kernels.wire import HEADER_SIZE, Codec, body_size
+from ...planning.measured import AutoFigures, AutoModel, pipeline_rate, workload_of
 
 if TYPE_CHECKING:
     from .tuner import Tunable
 
-__all__ = ["AutoFigures", "ModeChooser", "keep_or_switch", "measure", "predict_exposed", "REEXPLORE"]
+__all__ = ["AutoFigures", "AutoModel", "ModeChooser", "keep_or_switch", "measure", "REEXPLORE"]
 
 _PROBE_BYTES = 4 << 20  # per shard: long enough to measure a 1 Gbit/s link (~35 ms)
 _PIPELINE_MIN_BYTES = 4 << 20  # below this a step's transfer is latency-bound: its rate says little
@@ -54,60 +58,46 @@ _WINDOW = 6  # a mode's median covers the steps of at most its latest this many 
 _PLAUSIBLE = 1.25  # explore the other mode only if the model predicts at most this x the current step time
 
 
-@dataclass(frozen=True)
-class AutoFigures:
-    """What auto mode decides from, per step of this node."""
-
-    throughput_bps: float  # the rate used: min of the probe and what the pipeline achieved
-    probe_bps: float  # measured upload bytes/s to all shards together
-    pipeline_bps: float  # 2 x bytes pushed / (first push to last result) of the last step; 0 if unknown
-    fp32_bytes: int  # the gradient uncompressed
-    compressed_bytes: int  # the gradient at the configured bits
-    codec_s: float  # encode + decode of the compressed blocks on this device
-    overlap_s: float  # backward time that communication can hide behind
-    # uncompressed steps through an all_reduce: bytes all-reduced per second (measured on the
-    # group); 0: they go through the shards at ``throughput_bps``
-    uncompressed_bps: float = 0.0
-
-    def exposed(self, compress: bool) -> float:
-        return predict_exposed(self, compress)
+class _Predicts(Protocol):  # AutoModel
+    def exposed(self, compress: bool) -> float: ...  # a mode's predicted exposed communication
+    def step_s(self, compress: bool) -> float: ...  # and its predicted step: backward + exposed
 
 
-def predict_exposed(f: AutoFigures, compress: bool) -> float:
-    """Predicted communication time left exposed: push + pull of the bytes at the measured rate
-    (or the all_reduce of the fp32 bytes at its measured rate), minus what backward hides; the
-    codec's CPU time is counted in full (it competes with compute)."""
-    if not compress and f.uncompressed_bps > 0:
-        wire = f.fp32_bytes / f.uncompressed_bps
-    else:
-        wire = 2 * (f.compressed_bytes if compress else f.fp32_bytes) / f.throughput_bps
-    return max(0.0, wire - f.overlap_s) + (f.codec_s if compress else 0.0)
-
-
-def measure(target: Tunable, quantized: list[int], uncompressed_bps: float = 0.0) -> AutoFigures:
-    """The model's figures now, after a step; ``quantized``: the blocks max-min quantization
+def measure(target: Tunable, quantized: list[int], uncompressed_bps: float = 0.0) -> AutoModel:
+    """The model of both modes now, after a step; ``quantized``: the blocks max-min quantization
     compresses; ``uncompressed_bps``: the all_reduce rate of the uncompressed path, if it has one."""
     probe = target.probe(_PROBE_BYTES)
     # The probe sees the link; the last step saw the whole pipeline (CPU per byte in gRPC, the
     # shard's work, the pull). Trust the pipeline's rate when it moved enough bytes to be
     # bandwidth-bound rather than latency-bound.
     stats = target.stats
-    pipeline = 2 * stats.bytes_pushed / stats.comm_window_s \
-        if stats.bytes_pushed >= _PIPELINE_MIN_BYTES and stats.comm_window_s > 0 else 0.0
+    pipeline = pipeline_rate(stats.bytes_pushed, stats.fp32_bytes, stats.comm_window_s) \
+        if stats.bytes_pushed >= _PIPELINE_MIN_BYTES else 0.0
     throughput = min(probe, pipeline) if pipeline else probe
-    blocks = target.layout.blocks
+    layout = target.layout
+    blocks = layout.blocks
     fp32 = sum(HEADER_SIZE + 4 * b.numel for b in blocks)
     settings = [target.settings(b.block_id) for b in blocks]
     compressed = sum(HEADER_SIZE + body_size(Codec(s.codec), b.numel, s.bits, s.bucket_size)
                      for b, s in zip(blocks, settings))
+    bits = next((settings[b].bits for b in quantized), 4)
     q_numel = sum(blocks[b].numel for b in quantized)
     sample = torch.randn(min(max(q_numel, 1), 1 << 20))
-    codec_s = float("inf")
+    copy = torch.empty_like(sample)
+    best, best_copy = float("inf"), float("inf")
     for _ in range(2):  # the first call pays for first-touch pages and thread start
         t0 = time.perf_counter()
-        dequantize(quantize(sample, 4, stochastic=True), out=sample)
-        codec_s = min(codec_s, (time.perf_counter() - t0) * q_numel / sample.numel())
-    return AutoFigures(throughput, probe, pipeline, fp32, compressed, codec_s, stats.backward_s, uncompressed_bps)
+        dequantize(quantize(sample, bits, stochastic=True), out=sample)
+        t1 = time.perf_counter()
+        copy.copy_(sample)  # what an fp32 result costs instead of a decode
+        best, best_copy = min(best, t1 - t0), min(best_copy, time.perf_counter() - t1)
+    codec_eps, copy_eps = (sample.numel() / s if s > 0 else 0.0 for s in (best, best_copy))
+    config = target.config
+    figures = AutoFigures(throughput, probe, pipeline, fp32, compressed, q_numel / codec_eps if codec_eps else 0.0,
+                          stats.backward_s, uncompressed_bps, codec_eps, bits, config.num_nodes, config.world_size,
+                          copy_eps)
+    workload = workload_of([(t.name, tuple(t.shape)) for t in layout.tensors], stats.arrivals, stats.backward_s)
+    return AutoModel(workload, figures)
 
 
 def keep_or_switch(incumbent: bool, medians: Mapping[bool, float]) -> bool:
@@ -121,8 +111,8 @@ def keep_or_switch(incumbent: bool, medians: Mapping[bool, float]) -> bool:
 
 class ModeChooser:
     """Rank 0's choice between compressing and not: the model first, then measured step times
-    (module doc). It depends only on the step times recorded and the figures given (no clock, no
-    I/O), so tests drive it directly."""
+    (module doc). It depends only on the step times recorded and the predictions given (no clock,
+    no I/O), so tests drive it directly."""
 
     def __init__(self) -> None:
         self.decisions = 0
@@ -167,12 +157,13 @@ class ModeChooser:
     def _medians(self) -> dict[bool, float]:
         return {mode: statistics.median(s for i in w for s in i) for mode, w in self.windows.items() if w}
 
-    def choose(self, current: bool, figures: AutoFigures) -> tuple[bool, str]:
-        """Compress or not from now on, and why; ``current``: whether the steps recorded did."""
+    def choose(self, current: bool, model: _Predicts) -> tuple[bool, str]:
+        """Compress or not from now on, and why; ``current``: whether the steps recorded did;
+        ``model``: both modes predicted for the step just measured (``measure``)."""
         k, self.decisions = self.decisions, self.decisions + 1
         samples, self.samples = self.samples, []
-        if k == 0:
-            return figures.exposed(True) < figures.exposed(False), "model"
+        if k == 0:  # predicted steps, with the measured steps' margin: exact gradients win near-ties
+            return keep_or_switch(False, {mode: model.step_s(mode) for mode in (True, False)}), "model"
         if not samples:
             return current, "no step measured since the last decision"
         self._extend(current, samples, k)
@@ -191,7 +182,7 @@ class ModeChooser:
             return choice, "measured"
         if other not in medians or k - self.measured_at[other] >= self._reexplore:
             now = medians[current]
-            predicted = now - figures.exposed(current) + figures.exposed(other)
+            predicted = now - model.exposed(current) + model.exposed(other)
             if predicted <= _PLAUSIBLE * now:
                 self._incumbent = current
                 return other, f"measuring the other mode (the model predicts {predicted * 1e3:.0f} ms/step)"

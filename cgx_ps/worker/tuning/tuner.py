@@ -36,6 +36,7 @@ from ..errors import CheckpointError
 from ..pipeline.blocks import Compression
 
 if TYPE_CHECKING:
+    from ..config import WorkerConfig
     from ..pipeline.block_pipeline import StepStats
 
 __all__ = ["Decision", "Tunable", "Tuner"]
@@ -59,7 +60,9 @@ class Tunable(Protocol):
     @property
     def compress(self) -> bool: ...  # auto mode's current choice
     @property
-    def stats(self) -> StepStats: ...  # the last finished step: bytes, backward and transfer windows
+    def stats(self) -> StepStats: ...  # the last finished step: bytes, backward and transfer windows, arrivals
+    @property
+    def config(self) -> WorkerConfig: ...  # node and rank counts (auto mode's model)
     @property
     def next_round(self) -> int: ...  # the round the next step's blocks travel in
     def settings(self, block_id: int) -> ps_pb2.CodecSettings: ...  # a block's codec settings now
@@ -193,20 +196,21 @@ class Tuner:
     def _decide(self, auto: bool, adaptive: bool, uncompressed_bps: float = 0.0) -> Decision:
         decision = Decision(self.target.next_round)
         if auto:
-            figures = measure(self.target, list(self.names), uncompressed_bps)
-            compress, reason = self.modes.choose(self.target.compress, figures)
+            model = measure(self.target, list(self.names), uncompressed_bps)
+            figures = model.figures
+            compress, reason = self.modes.choose(self.target.compress, model)
             decision = dataclasses.replace(decision, compress=compress, reason=reason, figures=figures,
                                            measured=self.modes.medians())
             log.info("auto mode: %s (%s; measured step %s; model: rate %.0f MB/s: probe %.0f, pipeline %.0f; "
                      "all_reduce %.0f; %.1f -> %.1f MB/step, codec %.1f ms, overlap %.1f ms; exposed %.1f ms "
-                     "compressed vs %.1f ms not)",
+                     "%s vs %.1f ms %s)",
                      "compress" if compress else "no compression", reason,
                      {k: f"{v * 1e3:.1f} ms" for k, v in decision.measured.items()},
                      figures.throughput_bps / 1e6, figures.probe_bps / 1e6, figures.pipeline_bps / 1e6,
                      figures.uncompressed_bps / 1e6,
                      figures.fp32_bytes / 1e6, figures.compressed_bytes / 1e6,
-                     figures.codec_s * 1e3, figures.overlap_s * 1e3, figures.exposed(True) * 1e3,
-                     figures.exposed(False) * 1e3)
+                     figures.codec_s * 1e3, figures.overlap_s * 1e3, model.exposed(True) * 1e3, model.option(True),
+                     model.exposed(False) * 1e3, model.option(False))
         if adaptive and self.average is not None and self.average.names():
             estimates = {n: estimate_tensor(self.average.average(n), DEFAULT_CANDIDATES,
                                             self.compression.bucket_size, stochastic=True)
