@@ -102,7 +102,10 @@ class World:
         (say, another job holds the shard) leaves an identity that is not a member."""
         member = self.fresh_member()
         stub = ps_pb2_grpc.ParameterServerStub(channel)
-        for _attempt in range(3):
+        # the old job's streams close as their cases' calls end (CALL_DEADLINE_S at most): try
+        # until then, not a fixed count (under load three tries of 0.1 s ran out while they closed)
+        give_up = asyncio.get_running_loop().time() + 2.5 * CALL_DEADLINE_S
+        while True:
             job = self.job
             try:
                 reply = await stub.Register(self.register_request(member=member, job_id=job), metadata=metadata,
@@ -119,6 +122,8 @@ class World:
                     if self.job == job:
                         self.job = f"fuzz-{next(self._jobs)}"
                 elif exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+                if asyncio.get_running_loop().time() > give_up:
                     break
                 await asyncio.sleep(0.1)  # busy with another job: its streams are closing
         self.not_joined += 1
