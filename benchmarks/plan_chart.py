@@ -65,17 +65,17 @@ CELLS = (
               (1e10, None, 0.165, (0.630, 0.579, 0.543)), (1e10, 2, 0.194, (0.545, 0.646, 0.644)))
           for option, measured in zip(("ddp-fp32", "ddp-fp16", "cgx-4bit"), steps)) + (
     # shaped models (cluster.py --scale): the published RTX 3090 compute, slept
-    Cell("Real model shapes", 4, 1e9, None, 0.619, "ddp-fp32", 1.546, "resnet50"),
-    Cell("Real model shapes", 4, 1e9, None, 0.619, "ddp-powersgd", 0.830, "resnet50"),
-    Cell("Real model shapes", 4, 1e9, None, 0.619, "cgx-4bit", 0.650, "resnet50"),
-    Cell("Real model shapes: BERT-base, 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "ddp-fp32", 5.882, "bert-base"),
-    Cell("Real model shapes: BERT-base, 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "ddp-powersgd", 0.951, "bert-base"),
-    Cell("Real model shapes: BERT-base, 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "cgx-4bit", 1.189, "bert-base"),
-    Cell("Real model shapes: 8 hosts, 1 Gbit/s", 8, 1e9, None, 0.558, "ddp-fp32", 6.707, "bert-base"),
-    Cell("Real model shapes: 8 hosts, 1 Gbit/s", 8, 1e9, None, 0.558, "ddp-powersgd", 1.107, "bert-base"),
-    Cell("Real model shapes: 8 hosts, 1 Gbit/s", 8, 1e9, None, 0.558, "cgx-4bit", 1.624, "bert-base"),
-    Cell("Real model shapes: 8 hosts, 100 Mbit/s", 8, 1e8, None, 0.619, "ddp-fp32", 15.700, "resnet50"),
-    Cell("Real model shapes: 8 hosts, 100 Mbit/s", 8, 1e8, None, 0.619, "cgx-4bit", 3.624, "resnet50"),
+    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.619, "ddp-fp32", 1.546, "resnet50"),
+    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.619, "ddp-powersgd", 0.830, "resnet50"),
+    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.619, "cgx-4bit", 0.650, "resnet50"),
+    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "ddp-fp32", 5.882, "bert-base"),
+    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "ddp-powersgd", 0.951, "bert-base"),
+    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "cgx-4bit", 1.189, "bert-base"),
+    Cell("Real model shapes: 8 hosts", 8, 1e9, None, 0.558, "ddp-fp32", 6.707, "bert-base"),
+    Cell("Real model shapes: 8 hosts", 8, 1e9, None, 0.558, "ddp-powersgd", 1.107, "bert-base"),
+    Cell("Real model shapes: 8 hosts", 8, 1e9, None, 0.558, "cgx-4bit", 1.624, "bert-base"),
+    Cell("Real model shapes: 8 hosts", 8, 1e8, None, 0.619, "ddp-fp32", 15.700, "resnet50"),
+    Cell("Real model shapes: 8 hosts", 8, 1e8, None, 0.619, "cgx-4bit", 3.624, "resnet50"),
 )
 
 
@@ -117,7 +117,8 @@ def error_table() -> str:
         floored.append(abs(f))
         rate = f"{c.rate / 1e9:g} Gbit/s" if c.rate >= 1e9 else f"{c.rate / 1e6:g} Mbit/s"
         shards = "colocated" if c.shards is None else f"{c.shards} dedicated"
-        lines.append(f"| {c.source} | {c.nodes} | {rate} | {shards} | {c.compute_s:.3f} | {c.option} | "
+        source = f"{c.source} ({c.model})" if c.model else c.source
+        lines.append(f"| {source} | {c.nodes} | {rate} | {shards} | {c.compute_s:.3f} | {c.option} | "
                      f"{c.measured_s:.3f} | {model:.3f} | {e:+.0%} | {floor:.3f} | {f:+.0%} |")
     lines.append(f"\nMedian |error|: model {statistics.median(errors):.0%}, on shared cores "
                  f"{statistics.median(floored):.0%}; within 15%: {sum(e <= 0.15 for e in errors)} and "

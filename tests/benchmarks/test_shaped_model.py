@@ -62,9 +62,12 @@ def _arrivals(model: ShapedModel, batch: int = 16) -> tuple[list[str], list[floa
     return order, [s - t1 for s in stamps], t1 - t0, t2 - t1
 
 
-def test_gradients_arrive_in_the_workloads_order_each_after_its_compute():
+def test_gradients_arrive_in_the_workloads_order_each_after_its_compute(monkeypatch):
     job = workload("resnet50", 0.45)
     model = ShapedModel(job, scale=0.01)
+    slept = []  # what the passes asked to sleep: a load on the machine cannot lengthen it
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), real_sleep(s))[1])
     order, stamps, forward_s, backward_s = _arrivals(model)
     assert order == [t.name for t in job.tensors]
     # each gradient is ready once backward has spent its share (and the shares before it)
@@ -72,10 +75,12 @@ def test_gradients_arrive_in_the_workloads_order_each_after_its_compute():
     for (name, share), stamp in zip(backward_split(job), stamps):
         due += share
         assert stamp >= due - 1e-3, f"{name} arrived at {stamp:.4f} s, before its compute ended at {due:.4f} s"
-    # the sleeps add up to the compute: forward 1/3, backward 2/3 (tolerance: a loaded 2-core machine)
-    assert 0.15 <= forward_s < 0.15 + 0.15
-    assert 0.30 <= backward_s < 0.30 + 0.15
-    assert stamps[-1] == pytest.approx(0.30, abs=0.15)
+    # the passes last the compute, forward 1/3 and backward 2/3, and sleep no more than it: each
+    # sleeps to deadlines from its start, so the overshoot of many short sleeps does not add up
+    # (wall times only from below: on a loaded 2-core machine the layers' own arithmetic can outlast
+    # the deadlines, and then nothing sleeps)
+    assert forward_s >= 0.15 and backward_s >= 0.30 and stamps[-1] >= 0.30 - 1e-3
+    assert sum(slept) <= 0.45 + 1e-6, sum(slept)
 
 
 def test_evaluation_does_not_sleep():
