@@ -41,6 +41,37 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 BATCH = 32
+LR, MOMENTUM = 0.05, 0.9
+
+
+def task():
+    """The job's model (seeded), its teacher (the linear map it learns) and the optimizer's
+    settings; benchmarks/staleness.py trains the same task without cgx-ps."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10))
+    teacher = torch.nn.Linear(64, 10)
+    torch.nn.init.normal_(teacher.weight, std=0.5, generator=torch.Generator().manual_seed(7))
+    return model, teacher
+
+
+def batch(teacher, data):
+    """One node's next batch from its seeded generator ``data``."""
+    import torch
+
+    x = torch.randn(BATCH, 64, generator=data)
+    return x, teacher(x).detach()
+
+
+def eval_loss(model, teacher) -> float:
+    """The loss on a fixed held-out set."""
+    import torch
+
+    with torch.no_grad():
+        x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(99))
+        return float(torch.nn.functional.mse_loss(model(x), teacher(x)))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -50,15 +81,11 @@ def worker(args: argparse.Namespace) -> None:
     import cgx_ps.worker as cgx
 
     config = cgx.init()
-    torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 10))
-    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    model, teacher = task()
+    opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                                    model.named_parameters(), compression="4bit")
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
-    teacher = torch.nn.Linear(64, 10)
-    torch.nn.init.normal_(teacher.weight, std=0.5, generator=torch.Generator().manual_seed(7))
     data = torch.Generator().manual_seed(1000 + config.node_rank)
     stalls = random.Random(args.seed * 1000 + config.node_rank)
     compute_s = args.compute_ms / 1000 * (2.0 if config.node_rank == args.slow_node else 1.0)
@@ -69,8 +96,7 @@ def worker(args: argparse.Namespace) -> None:
             started = time.perf_counter()  # from the first finished step: start-up is not timed
         if args.stall_p and stalls.random() < args.stall_p:
             time.sleep(args.stall_s)
-        x = torch.randn(BATCH, 64, generator=data)
-        y = teacher(x).detach()
+        x, y = batch(teacher, data)
         time.sleep(compute_s / 3)  # forward
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
@@ -79,12 +105,9 @@ def worker(args: argparse.Namespace) -> None:
         opt.step()
         computed += 1
     wall = time.perf_counter() - started
-    with torch.no_grad():
-        x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(99))
-        eval_loss = float(torch.nn.functional.mse_loss(model(x), teacher(x)))
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()
     print(json.dumps({"node": config.node_rank, "steps": pipe.steps, "computed": computed, "wall_s": wall,
-                      "eval_loss": eval_loss, "digest": digest}), flush=True)
+                      "eval_loss": eval_loss(model, teacher), "digest": digest}), flush=True)
     cgx.shutdown()
 
 
