@@ -160,3 +160,17 @@ def plane(request) -> str:
     ``clusters[plane]`` or ``local_cluster(..., **plane_settings(plane))``, workers with
     ``support.plane_env(plane)``. A test that takes it runs once per plane."""
     return request.param
+
+
+# The files whose tests take longest (scripts/test.sh prints the slowest tests), longest first.
+# `--dist loadfile` hands files to the test processes in collection order, each to the first one
+# free: a long file collected last (test_worker.py, by its name) ran alone at the end while the
+# other process idled. Handed out first, long files overlap each other and short ones fill in.
+LONGEST_FILES = ("test_worker.py", "test_abandoned_step.py", "test_quorum.py", "test_resilience.py",
+                 "test_frameworks.py", "test_demo.py", "test_cold_start.py", "test_ddp_hook.py", "test_security.py",
+                 "test_checkpoint.py", "test_cli.py", "test_dataplane.py", "test_autotune.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -127,3 +127,17 @@ def test_rates_per_cpu_second_are_not_measured_below_one_clock_tick():
     assert cpu_ratio(0.0, 1.0) is None and cpu_ratio(1.0, 0.0) is None  # 0 over anything says nothing
     assert cpu_ratio(1.0, 0.5) == 2.0
     assert figure(None, ".2f", " MB/s") == "n/a" and figure(2.0, ".1f", " MB/s") == "2.0 MB/s"
+
+
+def test_shard_scale_replays_nodes_against_the_shards_and_compares_the_model(tmp_path):
+    out = tmp_path / "scale.json"
+    stdout = ran_to_the_end(bench("shard_scale.py", "--nodes", "1", "3", "--shards", "2", "--rounds", "1",
+                                  "--block-mb", "16", "--json", str(out)))
+    doc = json.loads(out.read_text())
+    assert [r["nodes"] for r in doc["rows"]] == [1, 3]
+    one, three = doc["rows"]
+    # every replayed node pushes ResNet-50's gradient (25.6M parameters, about 13 MB at 4 bits) over 2 shards
+    assert 12 < doc["pushed_per_node_MB"] < 14.5 and three["input_per_shard_MB"] == pytest.approx(
+        3 * doc["pushed_per_node_MB"] / 2)
+    assert three["model_shard_cpu_s"] == pytest.approx(3 * one["model_shard_cpu_s"])  # the model: linear in N
+    assert three["shard_cpu_s"] > 0 and "3 nodes: round" in stdout
