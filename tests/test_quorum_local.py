@@ -19,7 +19,7 @@ import torch
 from cgx_ps.worker import WorkerConfig
 from cgx_ps.worker.intranode.reduction import NodeReducer
 from cgx_ps.worker.pipeline.catch_up import node_closed, node_late_at
-from support import env_for, wait_until_stopped
+from support import env_for, free_port, wait_until_stopped
 from workers import reduce_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,13 +104,17 @@ def test_without_a_stall_quorum_rounds_on_local_ranks_match_a_run_without_quorum
 
 
 @pytest.mark.slow
-def test_a_node_with_a_sigstopped_rank_is_passed_and_its_ranks_catch_up_together(local_cluster, tmp_path):
+@pytest.mark.parametrize("front_end", ["optimizer", "ddp hook"])
+def test_a_node_with_a_sigstopped_rank_is_passed_and_its_ranks_catch_up_together(local_cluster, tmp_path, front_end):
     # local rank 1 of node 2 stops itself: its node's other rank waits for its gradient, so the
     # node pushes nothing, and the other nodes' rounds close without it
     cluster = local_cluster(2, round_timeout=30)
     steps, stopped = 30, NODES * LOCAL - 1
-    procs = start_ranks(cluster, lambda rank: ["--steps", str(steps)] + (["--sigstop-at", "5"] if rank == stopped else []),
-                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    ddp = ["--ddp"] if front_end == "ddp hook" else []
+    gloo = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())) if ddp else {}
+    procs = start_ranks(cluster, lambda rank: ["--steps", str(steps), *ddp]
+                        + (["--sigstop-at", "5"] if rank == stopped else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **gloo)
     try:
         wait_until_stopped(procs[stopped].pid, timeout=120)
         # ~10 of the others' 50 ms rounds: fewer than the 16 a shard keeps for late nodes
