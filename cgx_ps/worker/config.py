@@ -140,9 +140,6 @@ class WorkerConfig:
             (bool(self.servers), "no shard addresses: set CGX_PS_SERVERS (e.g. 127.0.0.1:7070,127.0.0.1:7071)"),
             (quorum_problem(self.quorum, self.grace_ms, self.num_nodes) is None,
              quorum_problem(self.quorum, self.grace_ms, self.num_nodes) or ""),
-            (not self.has_quorum or self.local_world_size == 1,
-             f"CGX_PS_QUORUM={self.quorum} needs one process per node (LOCAL_WORLD_SIZE={self.local_world_size}): "
-             f"a late node's catch-up does not reach its other local ranks yet"),
         ]
         for ok, message in checks:
             if not ok:

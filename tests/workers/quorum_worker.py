@@ -22,16 +22,18 @@ import torch
 import cgx_ps.worker as cgx
 
 
-def small_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
+def small_job(compression: str = "4bit", same_data: bool = False) -> tuple[cgx.WorkerConfig, torch.nn.Module,
+                                                                         torch.optim.Optimizer, torch.Generator]:
     """``cgx.init()``, a small model, the same on every node, its DistributedOptimizer (SGD with
-    momentum, 4 bits) and this node's seeded data (also tests/workers/join_worker.py's)."""
+    momentum, 4 bits) and this rank's seeded data (also tests/workers/join_worker.py's);
+    ``same_data``: every node draws its local ranks' batches alike."""
     config = cgx.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   model.named_parameters(), compression="4bit", block_bytes=4096)
+                                   model.named_parameters(), compression=compression, block_bytes=4096)
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
-    return config, model, opt, torch.Generator().manual_seed(1000 + config.node_rank)
+    return config, model, opt, torch.Generator().manual_seed(1000 + (config.local_rank if same_data else config.rank))
 
 
 def ddp_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator, cgx.DDPHookState]:
@@ -48,7 +50,7 @@ def ddp_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer,
     ddp.register_comm_hook(state, cgx.ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     cgx.catch_up_with(opt, hook_state=state)
-    return config, ddp, opt, torch.Generator().manual_seed(1000 + config.node_rank), state
+    return config, ddp, opt, torch.Generator().manual_seed(1000 + config.rank), state
 
 
 def main() -> None:
@@ -60,13 +62,15 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=-1, help="computed step in whose backward this node is killed")
     p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
     p.add_argument("--ddp", action="store_true", help="DDP with the cgx-ps comm hook instead of DistributedOptimizer")
+    p.add_argument("--compression", default="4bit", help="DistributedOptimizer's compression")
+    p.add_argument("--same-data", action="store_true", help="every node draws the same batches (per local rank)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.ddp:
         config, model, opt, data, state = ddp_job()
         steps_taken = lambda: state.open().pipe.steps  # noqa: E731
     else:
-        config, model, opt, data = small_job()
+        config, model, opt, data = small_job(args.compression, args.same_data)
         steps_taken = lambda: opt._cgx_pipe.steps  # noqa: E731
     computed = 0
     started = time.monotonic()
@@ -90,7 +94,7 @@ def main() -> None:
                    for i, p in enumerate(model.parameters()) if p in opt.state})
     torch.save(params, args.out)
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in params.values())).hexdigest()
-    print(json.dumps({"node": config.node_rank, "steps": steps_taken(), "computed": computed,
+    print(json.dumps({"node": config.node_rank, "rank": config.rank, "steps": steps_taken(), "computed": computed,
                       "digest": digest, "train_s": time.monotonic() - started}), flush=True)
     cgx.shutdown()
 

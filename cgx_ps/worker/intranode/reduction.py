@@ -127,6 +127,7 @@ class NodeReducer:
 
             self._gpu = CudaIpcBuffer(numel, nblocks, torch.device(device))
             export = self._gpu.export()
+        self._votes = 0  # votes taken so far (``vote``): the same count on every local rank
         self.segments: list[Segment | None] = [None] * local_world_size
         own, own_fd = Segment.create(nblocks, self.transport, export, numel if self.transport == "shm" else 0,
                                       name=f"cgxps-n{node_rank}-r{local_rank}")
@@ -211,6 +212,18 @@ class NodeReducer:
                 return relayed_error(r, *posted)
         return None
 
+    def vote(self, value: int, what: str) -> list[int]:
+        """Every local rank's ``value`` for a decision the node's ranks must take alike (quorum
+        rounds: whether the node was late, pipeline/catch_up.py), by local rank. Every rank calls
+        it at the same point of its steps; a rank waits for the others as for its owner's result."""
+        self._votes += 1
+        tag = self._votes
+        self.own.post_vote(tag, value)
+        self._wait(lambda: all(s.vote(tag) is not None for s in self.segments), what,
+                   behind=lambda: [r for r, s in enumerate(self.segments) if s.vote(tag) is None],
+                   timeout_s=self.result_timeout_s)
+        return [s.vote(tag) for s in self.segments]  # type: ignore[misc]
+
     def before_write(self, block_id: int, seq: int) -> None:
         """Owner only: peers must have copied the previous result out of our buffer."""
         if self.owner(block_id) == self.local_rank:
@@ -288,11 +301,12 @@ class NodeReducer:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
-    def _wait(self, condition, what: str, only: int | None = None, behind=lambda: []) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait(self, condition, what: str, only: int | None = None, behind=lambda: [],
+              timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         delay = 20e-6
         while not condition():
-            self._check(what, deadline, only, behind)
+            self._check(what, deadline, only, behind, timeout_s)
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 

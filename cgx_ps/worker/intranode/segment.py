@@ -8,6 +8,8 @@ Two data planes carry the block buffers, one control plane orders them:
   ``consumed`` (I copied the owner's result). Flags hold the step number + 1, so they never
   need resetting. One error slot: the first error that ended this rank's exchange with the
   shards (``post_error``), so the node's other ranks raise it instead of a timeout of their own.
+  Two vote slots: a value each rank posts for a decision the node's ranks must take alike
+  (``post_vote``; ``NodeReducer.vote`` reads every rank's).
 * data, ``shm``: every block's float32 buffer lives in the same segment; peers read it directly.
 * data, ``cuda``: buffers stay on the GPUs; the segment carries the CUDA IPC memory handle, its
   offset from the allocation base and one IPC event handle per block (see ``cuda_ipc.py``).
@@ -30,9 +32,10 @@ __all__ = ["Segment", "TRANSPORT_CODES"]
 
 _MAGIC = 0x43475850534E4F44  # "CGXPSNOD"
 # header words: magic, pid, mapped (diagnostic), transport, blocks, export bytes, host floats, detached,
-# bytes in the error slot (0: none posted)
-_HEADER_WORDS = 9
+# bytes in the error slot (0: none posted), then the two vote slots' tags and their two values
+_HEADER_WORDS = 13
 _ERROR_WORD = 8
+_VOTE_TAGS = 9  # a vote's tag (its number, from 1) in slot tag % 2, its value two words on
 ERROR_BYTES = 1024  # "Kind\0message", UTF-8, cut to fit: a shard error's message is a few hundred bytes
 # a peer must not be able to shrink its segment under our mapping (reads past the end are SIGBUS)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -74,7 +77,7 @@ class Segment:
             mapping[at:at + len(export)] = export
             # complete before anyone can see it: it leaves this process only after this
             np.frombuffer(mapping, dtype=np.int64, count=_HEADER_WORDS)[:] = [
-                _MAGIC, os.getpid(), 0, TRANSPORT_CODES[transport], nblocks, len(export), host_numel, 0, 0]
+                _MAGIC, os.getpid(), 0, TRANSPORT_CODES[transport], nblocks, len(export), host_numel, 0, 0, 0, 0, 0, 0]
             return cls(mapping, "this rank"), fd
         except BaseException:
             os.close(fd)
@@ -121,6 +124,20 @@ class Segment:
         kind, _, message = bytes(self.map[self._error_at:self._error_at + length]).decode(errors="replace") \
             .partition("\0")
         return kind[:64], message
+
+    # ---- the vote slots: a value for a decision the node's ranks take alike ------------------------
+
+    def post_vote(self, tag: int, value: int) -> None:
+        """Ours only: this rank's value of vote ``tag`` (1, 2, ...). Two slots suffice: a rank posts
+        vote t + 2 only after reading every rank's t + 1, which each posts after reading t."""
+        slot = _VOTE_TAGS + tag % 2
+        self.header[slot + 2] = value
+        store_release(self.header, slot, tag)  # the value is visible before its tag
+
+    def vote(self, tag: int) -> int | None:
+        """This rank's value of vote ``tag``, or None while it has not posted it."""
+        slot = _VOTE_TAGS + tag % 2
+        return int(self.header[slot + 2]) if load_acquire(self.header, slot) == tag else None
 
     @property
     def pid(self) -> int:

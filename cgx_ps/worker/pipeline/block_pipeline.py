@@ -275,7 +275,8 @@ class BlockPipeline(StepEnd):
     def missed_rounds(self) -> Iterator[int]:
         """Quorum rounds: each round this node missed, decoded into the block buffers when yielded,
         for the front end to apply (catch_up.py)."""
-        return missed_rounds(self._blocks, self._engine, self._exchange, self.config, self._count_step, self._pace)
+        return missed_rounds(self._blocks, self._engine, self._exchange, self.config, self._count_step, self._pace,
+                             self._reducer)
 
     def shadow_rounds(self) -> Iterator[int]:
         """Uneven inputs, this node out of data: each round until every node has left, decoded
