@@ -22,18 +22,16 @@ import torch
 import cgx_ps.worker as cgx
 
 
-def small_job(compression: str = "4bit", same_data: bool = False) -> tuple[cgx.WorkerConfig, torch.nn.Module,
-                                                                         torch.optim.Optimizer, torch.Generator]:
+def small_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
     """``cgx.init()``, a small model, the same on every node, its DistributedOptimizer (SGD with
-    momentum, 4 bits) and this rank's seeded data (also tests/workers/join_worker.py's);
-    ``same_data``: every node draws its local ranks' batches alike."""
+    momentum, 4 bits) and this rank's seeded data (also tests/workers/join_worker.py's)."""
     config = cgx.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   model.named_parameters(), compression=compression, block_bytes=4096)
+                                   model.named_parameters(), compression="4bit", block_bytes=4096)
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
-    return config, model, opt, torch.Generator().manual_seed(1000 + (config.local_rank if same_data else config.rank))
+    return config, model, opt, torch.Generator().manual_seed(1000 + config.rank)
 
 
 def ddp_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator, cgx.DDPHookState]:
@@ -62,15 +60,13 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=-1, help="computed step in whose backward this node is killed")
     p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
     p.add_argument("--ddp", action="store_true", help="DDP with the cgx-ps comm hook instead of DistributedOptimizer")
-    p.add_argument("--compression", default="4bit", help="DistributedOptimizer's compression")
-    p.add_argument("--same-data", action="store_true", help="every node draws the same batches (per local rank)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.ddp:
         config, model, opt, data, state = ddp_job()
         steps_taken = lambda: state.open().pipe.steps  # noqa: E731
     else:
-        config, model, opt, data = small_job(args.compression, args.same_data)
+        config, model, opt, data = small_job()
         steps_taken = lambda: opt._cgx_pipe.steps  # noqa: E731
     computed = 0
     started = time.monotonic()
