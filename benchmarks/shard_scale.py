@@ -83,6 +83,31 @@ async def replay(addresses: list[str], pids: list[int], nodes: int, layout, payl
     return {"round_s": statistics.median(walls[1:]), "shard_cpu_s": shard_s / rounds, "nodes_cpu_s": client_s / rounds}
 
 
+async def sweep(args: argparse.Namespace, layout, payloads: dict[int, bytes], pushed: int, speeds: Speeds) -> list[dict]:
+    """Every node count in turn, each on shards of its own, in one event loop (grpc.aio keeps a
+    poller bound to the first loop: a second ``asyncio.run`` in the process left its callbacks
+    failing on a closed loop)."""
+    rows = []
+    for nodes in args.nodes:
+        extra = ["--log-level", "WARNING"]  # otherwise a shard as `cgx-ps server` starts, as benchmarks/server.py runs it
+        with LocalCluster(args.shards, extra_args=extra, token_file="",
+                          data_base_port=0 if args.plane == "raw" else -1) as cluster:
+            got = await replay(cluster.addresses, [proc.pid for proc in cluster.procs], nodes, layout, payloads,
+                               args.rounds, args.plane)
+        per_shard_in = nodes * pushed / args.shards
+        model_cpu = per_shard_in / speeds.shard_ingest_Bps  # one shard's CPU per round, as the model has it
+        shard_cpu = got["shard_cpu_s"] * args.rounds / args.shards  # one shard's, over the timed rounds
+        ingest = per_cpu(per_shard_in * args.rounds / 1e6, shard_cpu)  # None: under /proc's resolution
+        ratio = shard_cpu / (model_cpu * args.rounds) if ingest is not None else None
+        rows.append({"nodes": nodes, **got, "input_per_shard_MB": per_shard_in / 1e6, "ingest_MBps_per_cpu_s": ingest,
+                     "model_shard_cpu_s": model_cpu, "measured_over_model": ratio})
+        print(f"{nodes:4d} nodes: round {got['round_s']:.3f} s; per shard per round {per_shard_in / 1e6:.0f} MB in, "
+              f"CPU {shard_cpu / args.rounds * 1e3:.0f} ms ({figure(ingest, '.0f', ' MB')} of input per CPU-second), "
+              f"the model's {model_cpu * 1e3:.0f} ms (x{figure(ratio, '.2f')}); the nodes' process "
+              f"{got['nodes_cpu_s'] * 1e3:.0f} ms", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=at_least(1), nargs="+", default=[2, 4, 8, 16, 32])
@@ -98,24 +123,7 @@ def main() -> None:
     layout, payloads = model_blocks(args.model, args.shards, args.bits, args.block_mb)
     pushed = sum(len(v) for v in payloads.values())  # bytes one node pushes per round, all shards
     speeds, load_before = Speeds(), os.getloadavg()
-    rows = []
-    for nodes in args.nodes:
-        extra = ["--log-level", "WARNING", "--kernel-threads", "1"]
-        with LocalCluster(args.shards, extra_args=extra, token_file="",
-                          data_base_port=0 if args.plane == "raw" else -1) as cluster:
-            got = asyncio.run(replay(cluster.addresses, [proc.pid for proc in cluster.procs], nodes, layout,
-                                     payloads, args.rounds, args.plane))
-        per_shard_in = nodes * pushed / args.shards
-        model_cpu = per_shard_in / speeds.shard_ingest_Bps  # one shard's CPU per round, as the model has it
-        shard_cpu = got["shard_cpu_s"] * args.rounds / args.shards  # one shard's, over the timed rounds
-        ingest = per_cpu(per_shard_in * args.rounds / 1e6, shard_cpu)  # None: under /proc's resolution
-        ratio = shard_cpu / (model_cpu * args.rounds) if ingest is not None else None
-        rows.append({"nodes": nodes, **got, "input_per_shard_MB": per_shard_in / 1e6, "ingest_MBps_per_cpu_s": ingest,
-                     "model_shard_cpu_s": model_cpu, "measured_over_model": ratio})
-        print(f"{nodes:4d} nodes: round {got['round_s']:.3f} s; per shard per round {per_shard_in / 1e6:.0f} MB in, "
-              f"CPU {shard_cpu / args.rounds * 1e3:.0f} ms ({figure(ingest, '.0f', ' MB')} of input per CPU-second), "
-              f"the model's {model_cpu * 1e3:.0f} ms (x{figure(ratio, '.2f')}); the nodes' process "
-              f"{got['nodes_cpu_s'] * 1e3:.0f} ms", flush=True)
+    rows = asyncio.run(sweep(args, layout, payloads, pushed, speeds))
     tcp_s = copy_seconds(b"".join(payloads.values()), 8) / 8
     print(f"{args.model}: {len(layout.blocks)} blocks, {pushed / 1e6:.1f} MB pushed per node per round at "
           f"{args.bits}-bit, {args.shards} shard(s), {args.plane}; peer: raw TCP copy of one node's bytes "
