@@ -140,8 +140,9 @@ def test_a_node_late_once_by_more_than_the_grace_is_not_late_from_then_on(local_
     for address in cluster.addresses:
         status = shard_status(address)
         late = dict(zip(status.late_nodes, status.late_pushes))
-        # once, and now and then by scheduling jitter: not on most of the 35 rounds after it
-        assert 1 <= late.get("node-2", 0) <= 10, late
+        # once, and now and then by scheduling jitter (more of it on a loaded machine): not on most
+        # of the 35 rounds after it, as it would be without its resync
+        assert 1 <= late.get("node-2", 0) <= 17, late
 
 
 @pytest.mark.slow
