@@ -104,8 +104,9 @@ def missed_rounds(blocks: list[BlockState], engine: CommEngine | EngineShare, ex
     late_at = engine.late_notice([b.spec.block_id for b in blocks])
     if reducer is not None:
         late_at = node_late_at(reducer.vote(-1 if late_at is None else late_at, "the node's late notices"))
-    owned = [b for b in blocks if reducer is None or reducer.owner(b.spec.block_id) == config.local_rank]
-    copied = [b for b in blocks if b not in owned]
+    owned, copied = [], []  # this rank's blocks, fetched; its node's other ranks', copied from them
+    for b in blocks:
+        (owned if reducer is None or reducer.owner(b.spec.block_id) == config.local_rank else copied).append(b)
     timeout = 2 * engine.round_timeout_s + 10  # each round closes within the round timeout
     for round_ in range(start, start + catch_up_rounds(start, late_at)):
         seq = round_ - blocks[0].base + 1  # the intra-node flags' count, as a step's (BlockPipeline.submit)
@@ -139,14 +140,14 @@ def _apply_owned(owned: list[BlockState], fetching: list[concurrent.futures.Futu
     """The results of this node's own blocks (all of them, alone on the node) decoded into their
     buffers, and published to the other local ranks."""
     results = [f.result(timeout) for f in fetching]
-    for block in owned:
-        if reducer is not None:  # the others took the last result out of our buffer
+    if reducer is not None:
+        for block in owned:  # the others took the last result out of our buffer
             reducer.before_write(block.spec.block_id, seq)
     decoding = [engine.submit(_decode(engine, exchange, b, r)) for b, r in zip(owned, results)]
     for done in decoding:
         done.result(timeout)
-    for block in owned:
-        if reducer is not None:
+    if reducer is not None:
+        for block in owned:
             reducer.publish(block.spec.block_id, seq)
 
 
