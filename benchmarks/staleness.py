@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.argtypes import at_least  # noqa: E402
 from benchmarks.stragglers import MOMENTUM, batch, eval_loss, task  # noqa: E402
 
 SCHEDULES = ("fresh", "carried", "skipped", "dropped")
@@ -77,9 +78,9 @@ def train(schedule: str, nodes: int, steps: int, lr: float, seed: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--nodes", type=at_least(2), default=8, help="nodes, the last of them the slow one")
+    p.add_argument("--steps", type=at_least(1), default=200)
+    p.add_argument("--seeds", type=at_least(1), default=3)
     p.add_argument("--lrs", type=float, nargs="+", default=[0.05, 0.02])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
