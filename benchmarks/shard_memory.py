@@ -10,7 +10,7 @@ Every measurement starts a fresh shard process,
         --token-file T --max-inflight-mb M --kernel-threads 1 [--error-feedback]
 
 and reads VmRSS (now) and VmHWM (peak) from /proc/PID/status, plus RssAnon (heap, tensors,
-buffers) and RssFile (mapped shared libraries: torch, numba/LLVM, grpc; they count against a
+buffers) and RssFile (mapped shared libraries: numba/LLVM, grpc; a shard never imports torch; they count against a
 container's memory cgroup too). Scenarios, for each M:
 
   idle      started, nothing connected
@@ -111,7 +111,6 @@ def show(what):
 show('python')
 import grpc, grpc_health.v1.health, google.protobuf; show('grpc+protobuf')
 import numpy; show('numpy')
-import torch; show('torch')
 import numba; show('numba')
 import uvloop, prometheus_client; show('uvloop+prometheus')
 import cgx_ps.server.main; show('cgx_ps.server.main (all the shard imports)')

@@ -239,6 +239,25 @@ def test_float_codecs() -> None:
     assert torch.equal(dequantize(encode(x.half(), Codec.FP32).to_bytes()), x.half().float())
 
 
+def test_half_precision_codecs_round_as_torch_does_at_every_edge() -> None:
+    """fp16 and bf16 bodies are rounded with numpy (a shard has no torch): the bits of torch's own
+    .half() and .bfloat16() for every kind of float32 (random bit patterns: subnormals, ties,
+    values just under each format's largest), and numpy input encodes as the tensor does."""
+    gen = np.random.default_rng(7)
+    bits = gen.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32)
+    ties = (gen.integers(0, 2**16, 50_000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000  # bf16 halfway
+    x = np.concatenate([bits, ties]).view(np.float32)
+    for codec, limit, to in ((Codec.FP16, 65504.0, torch.float16), (Codec.BF16, 3.38e38, torch.bfloat16)):
+        values = torch.from_numpy(x[np.isfinite(x) & (np.abs(x) < limit)].copy())
+        want = values.to(to).view(torch.uint8).numpy().tobytes()
+        for given in (values, values.numpy()):
+            assert encode(given, codec).to_bytes()[HEADER_SIZE:] == want, (codec, type(given))
+    y = _data(3001)
+    for codec in Codec:
+        assert encode(y.numpy(), codec, bits=4, bucket_size=64, stochastic=True, seed=3).to_bytes() == \
+            encode(y, codec, bits=4, bucket_size=64, stochastic=True, seed=3).to_bytes()
+
+
 def test_dequantize_accumulate_and_out_dtypes() -> None:
     x = _data(4000)
     payload = quantize(x, 4, 1024).to_bytes()
@@ -253,6 +272,11 @@ def test_dequantize_accumulate_and_out_dtypes() -> None:
         dequantize(payload, out=torch.zeros(3999))
     with pytest.raises(CodecError, match="needs out"):
         dequantize(payload, accumulate=True)
+    acc = np.full(4000, 2.0, dtype=np.float32)  # a shard's accumulator
+    assert dequantize(payload, out=acc, accumulate=True) is acc
+    assert np.array_equal(acc, 2.0 + decoded.numpy())
+    with pytest.raises(CodecError, match="numpy array: float32"):
+        dequantize(payload, out=np.zeros(4000, dtype=np.float64))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])

@@ -187,6 +187,44 @@ async def test_drain_after_a_failed_round_does_not_wait_for_it() -> None:
     await close([a, b])
 
 
+def test_a_shard_process_sums_and_re_encodes_without_loading_torch(tmp_path) -> None:
+    """A shard never imports torch (kernels/arrays.py): its ~190 MiB and its second of start-up are
+    a worker's business. Rounds through a real ``cgx-ps server`` process, with server-side error
+    feedback and a float block, give the right aggregates, and torch's library is not mapped."""
+    port_file = tmp_path / "ports.json"
+    proc = launch_shard(["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--token-file", TOKEN_FILE,
+                         "--error-feedback"], port_file, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        try:
+            port = wait_for_port_file(proc, port_file, time.monotonic() + 60)["port"]
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"shard {exc}: {proc.stdout.read()}") from None
+        layout = make_layout()
+        assert {b.codec.codec for b in layout.blocks} == {ps_pb2.CODEC_FP32, ps_pb2.CODEC_MAXMIN}
+
+        async def rounds() -> None:
+            clients = [ShardClient(f"127.0.0.1:{port}", f"node-{i}", 2, layout, connect_timeout_s=10,
+                                   security=SECURITY) for i in range(2)]
+            try:
+                for c in clients:
+                    await c.connect()
+                for round_ in range(3):
+                    pushed, results = await asyncio.wait_for(run_round(clients, layout, round_), 60)
+                    for block in layout.blocks:
+                        assert results[0][block.block_id] == results[1][block.block_id]
+                        if round_ == 0:  # later rounds add the shard's residual to the sum
+                            check_aggregate(block, pushed[block.block_id], results[0][block.block_id], round_)
+            finally:
+                await close(clients)
+
+        asyncio.run(rounds())
+        maps = open(f"/proc/{proc.pid}/maps").read()
+        assert "libtorch" not in maps and "numba" in maps, "the shard process loaded torch (or no kernels)"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as probe:

@@ -4,6 +4,7 @@ arrival order (the first overwrites), then encode the sum once, with error feedb
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,9 +14,11 @@ from cgx_ps.kernels import Codec, CodecError, EncodedSum, ErrorFeedback, Payload
 
 
 def accumulator_path(payloads: list[bytes], numel: int, codec: Codec, bits: int, bucket: int, stochastic: bool,
-                     seed: int, feedback: ErrorFeedback | None, allow_non_finite: bool = False) -> bytes:
-    """What the shard did before EncodedSum (aggregator.py up to a3d4b79)."""
-    acc = torch.empty(numel, dtype=torch.float32)
+                     seed: int, feedback: ErrorFeedback | None, allow_non_finite: bool = False,
+                     numpy: bool = False) -> bytes:
+    """What the shard did before EncodedSum (aggregator.py up to a3d4b79), in a torch tensor as a
+    worker would, or (``numpy``) in a numpy array as a shard, which never imports torch, does."""
+    acc = np.empty(numel, dtype=np.float32) if numpy else torch.empty(numel, dtype=torch.float32)
     for i, payload in enumerate(payloads):
         dequantize(payload, out=acc, accumulate=i > 0)
     return encode_block(acc, codec, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed,
@@ -43,11 +46,14 @@ def test_fused_sum_writes_the_accumulator_paths_bytes(numel: int, bits: int, buc
     gen = torch.Generator().manual_seed(seed % 2**31)
     total = EncodedSum(numel, parts=max(1, nodes if keep is None else keep), keep_bytes=0 if keep == 0 else None,
                        threads=threads)
-    want_fb, got_fb = (ErrorFeedback(), ErrorFeedback()) if feedback else (None, None)
+    want_fb, got_fb, np_fb = (ErrorFeedback(), ErrorFeedback(), ErrorFeedback()) if feedback else (None, None, None)
     scratch = PayloadScratch()  # encoded into round after round, as a shard's block does
     for round_ in range(3):
         payloads = pushes(gen, nodes, numel, Codec.MAXMIN, bits, bucket, round_)
         want = accumulator_path(payloads, numel, Codec.MAXMIN, bits, bucket, stochastic, seed + round_, want_fb)
+        # numpy's float32 arithmetic (a shard's) writes torch's bytes
+        assert accumulator_path(payloads, numel, Codec.MAXMIN, bits, bucket, stochastic, seed + round_, np_fb,
+                                numpy=True) == want
         for payload in payloads:
             total.add(payload)
         got = total.encode(Codec.MAXMIN, bits=bits, bucket_size=bucket, stochastic=stochastic, seed=seed + round_,
@@ -55,7 +61,8 @@ def test_fused_sum_writes_the_accumulator_paths_bytes(numel: int, bits: int, buc
         total.clear()
         assert got == want
         if feedback:
-            assert torch.equal(got_fb.residual, want_fb.residual)
+            assert np.asarray(got_fb.residual).tobytes() == want_fb.residual.numpy().tobytes()
+            assert np_fb.residual.tobytes() == want_fb.residual.numpy().tobytes()
 
 
 @pytest.mark.parametrize("codec", [Codec.FP32, Codec.FP16, Codec.BF16])

@@ -5,16 +5,18 @@ each push before it keeps it).
 A payload from the wire is hostile: its header, size, crc32, max-min metadata and the values of
 a float body are all checked before anything is written, so a bad payload raises CodecError and
 leaves the output untouched. The output's device picks the implementation as for encoding
-(``encoding.pick_impl``): CuPy kernels for CUDA, fused numba kernels for the CPU, or the
-plain-torch reference.
+(``encoding.pick_impl``): CuPy kernels for CUDA, fused numba kernels for the CPU (a torch
+tensor's memory, or a numpy array: a shard's sums, ``arrays.py``), or the plain-torch reference.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import Any
 
-from . import cpu, reference, wire
+import numpy as np
+
+from . import cpu, wire
+from .arrays import device_type, host_view, is_tensor, torch_module
 from .encoding import BytesLike, EncodedBlock, Impl, pick_impl
 from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header, split_maxmin_body
@@ -45,17 +47,18 @@ def check_payload(payload: BytesLike) -> Header:
 def dequantize(
     block_or_bytes: EncodedBlock | BytesLike,
     *,
-    out: torch.Tensor | None = None,
+    out: Any = None,
     accumulate: bool = False,
     impl: Impl = "auto",
     scale: float = 1.0,
-) -> torch.Tensor:
+) -> Any:
     """Decode an EncodedBlock or a wire payload into a float32 tensor of ``numel`` elements.
 
-    With ``out`` the result is written there (any shape with numel elements, contiguous);
-    with ``accumulate=True`` it is added into ``out`` instead (the server's hot path). A payload
-    from the wire is fully validated (header, size, crc32, metadata, NaN/Inf) before anything is
-    written, so a bad payload raises CodecError and leaves ``out`` untouched.
+    With ``out`` (a torch tensor, or a float32 numpy array) the result is written there (any
+    shape with numel elements, contiguous) and ``out`` is returned; with ``accumulate=True`` it
+    is added into ``out`` instead (the server's hot path). Without ``out``, a new torch tensor.
+    A payload from the wire is fully validated (header, size, crc32, metadata, NaN/Inf) before
+    anything is written, so a bad payload raises CodecError and leaves ``out`` untouched.
 
     ``scale`` (with ``out``, not accumulating): the result multiplied by it, the same bits as
     ``out.mul_(scale)`` after the decode (a worker's division by the world size); the CPU kernel
@@ -71,58 +74,82 @@ def dequantize(
         payload = block_or_bytes
         header = wire.parse_header(payload)
         wire.check_crc(payload, header)
-    target = out
-    if target is not None:
-        if target.numel() != header.numel:
-            raise CodecError(f"out has {target.numel()} elements, the block holds {header.numel}")
-        if not target.is_contiguous():
-            raise CodecError("out must be contiguous")
-        if not target.is_floating_point():
-            raise CodecError(f"out must be a floating-point tensor, got {target.dtype}")
-    device = target.device if target is not None else (
-        payload.device if isinstance(payload, torch.Tensor) else torch.device("cpu"))
-    impl = pick_impl(impl, device)
+    if out is not None:
+        _check_out(out, header.numel)
+    impl = pick_impl(impl, device_type(out if out is not None else payload))
+    if out is None:
+        torch = torch_module()
+        if header.non_finite:
+            return torch.full((header.numel,), float("nan"), dtype=torch.float32,
+                              device=payload.device if is_tensor(payload) else "cpu")
+        if impl == "cuda":
+            from . import cuda
+
+            return cuda.decode(payload, header, None, accumulate)
+        values = np.empty(header.numel, dtype=np.float32)
+        _decode_cpu(_body(payload), header, values, False, impl)
+        return torch.from_numpy(values)
     if header.non_finite:  # NaN + anything is NaN: accumulating or not, the result is NaN
-        if target is None:
-            return torch.full((header.numel,), float("nan"), dtype=torch.float32, device=device)
-        return target.fill_(float("nan"))
+        out.fill_(float("nan")) if is_tensor(out) else out.fill(np.nan)
+        return out
     if impl == "cuda":
         from . import cuda
 
-        result = cuda.decode(payload, header, target, accumulate)
-        return _scaled(target, scale) if target is not None else result
-    if isinstance(payload, torch.Tensor):
-        payload = payload.cpu().numpy()
-    body = np.frombuffer(payload, dtype=np.uint8, offset=HEADER_SIZE)
-    if target is None:
-        return _decode_cpu(body, header, None, False, impl)
-    flat = target.view(-1)
-    if flat.dtype == torch.float32:
-        _decode_cpu(body, header, flat, accumulate, impl, scale)
-        return target
+        cuda.decode(payload, header, out, accumulate)
+        return _scaled(out, scale)
+    if not is_tensor(out) or out.dtype == torch_module().float32:
+        _decode_cpu(_body(payload), header, host_view(out).reshape(-1), accumulate, impl, scale)
+        return out
     # decode in float32, then round once into the caller's dtype
-    decoded = _decode_cpu(body, header, None, False, impl)
-    flat.add_(decoded) if accumulate else flat.copy_(decoded)
-    return _scaled(target, scale)
+    decoded = np.empty(header.numel, dtype=np.float32)
+    _decode_cpu(_body(payload), header, decoded, False, impl)
+    flat, values = out.view(-1), torch_module().from_numpy(decoded)
+    flat.add_(values) if accumulate else flat.copy_(values)
+    return _scaled(out, scale)
 
 
-def _scaled(out: torch.Tensor, scale: float) -> torch.Tensor:
-    return out.mul_(scale) if scale != 1.0 else out
+def _check_out(out: Any, numel: int) -> None:
+    if is_tensor(out):
+        size, contiguous, floating = out.numel(), out.is_contiguous(), out.is_floating_point()
+    elif isinstance(out, np.ndarray):
+        size, contiguous, floating = out.size, out.flags.c_contiguous, out.dtype == np.float32
+    else:
+        raise CodecError(f"out must be a torch tensor or a numpy array, got {type(out).__name__}")
+    if size != numel:
+        raise CodecError(f"out has {size} elements, the block holds {numel}")
+    if not contiguous:
+        raise CodecError("out must be contiguous")
+    if not floating:
+        raise CodecError(f"out must be a floating-point tensor (a numpy array: float32), got {out.dtype}")
 
 
-def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulate: bool,
-                impl: str, scale: float = 1.0) -> torch.Tensor:
-    """Decode into float32 ``out`` (or a new tensor), times ``scale`` (only with ``out``)."""
+def _body(payload: Any) -> np.ndarray:
+    """A CPU payload's body (after the header) as uint8, without a copy."""
+    if is_tensor(payload):
+        payload = payload.cpu().numpy()
+    return np.frombuffer(payload, dtype=np.uint8, offset=HEADER_SIZE)
+
+
+def _scaled(out: Any, scale: float) -> Any:
+    if scale != 1.0:
+        if is_tensor(out):
+            out.mul_(scale)
+        else:
+            np.multiply(out, np.float32(scale), out=out)
+    return out
+
+
+def _decode_cpu(body: np.ndarray, h: Header, out: np.ndarray, accumulate: bool, impl: str,
+                scale: float = 1.0) -> None:
+    """Decode into float32 ``out`` (flat), or add into it, times ``scale``."""
     if h.codec != Codec.MAXMIN:
         values = _float_values(body, h)
-        if out is None:
-            return torch.from_numpy(values.astype(np.float32, copy=True))
-        target = out.numpy()
         if accumulate:
-            np.add(target, values, out=target)
+            np.add(out, values, out=out)
         else:
-            target[:] = values
-        return _scaled(out, scale)
+            out[:] = values
+        _scaled(out, scale)
+        return
     meta, packed = split_maxmin_body(body, h.numel, h.bucket_size)
     if not meta.flags.aligned:
         # a payload viewed inside a received message (the worker's results: client.read_result)
@@ -133,16 +160,18 @@ def _decode_cpu(body: np.ndarray, h: Header, out: torch.Tensor | None, accumulat
         meta.flags.writeable = False
     _validate_meta(meta, h.bits)
     if impl == "reference":
-        m = torch.from_numpy(meta.copy()).view(-1, 2)
-        values = reference.decode_maxmin(m, torch.from_numpy(packed.copy()), h.numel, h.bits,
-                                         h.bucket_size)
-        if out is None:
-            return values
-        return out.add_(values) if accumulate else _scaled(out.copy_(values), scale)
-    if out is None:
-        out = torch.empty(h.numel, dtype=torch.float32)
-    cpu.decode_maxmin_into(meta, packed, out.numpy(), accumulate, h.bits, h.bucket_size, scale)
-    return out
+        from . import reference
+
+        torch = torch_module()
+        values = reference.decode_maxmin(torch.from_numpy(meta.copy()).view(-1, 2), torch.from_numpy(packed.copy()),
+                                         h.numel, h.bits, h.bucket_size).numpy()
+        if accumulate:
+            np.add(out, values, out=out)
+        else:
+            out[:] = values
+            _scaled(out, scale)
+        return
+    cpu.decode_maxmin_into(meta, packed, out, accumulate, h.bits, h.bucket_size, scale)
 
 
 def _float_values(body: np.ndarray, h: Header) -> np.ndarray:

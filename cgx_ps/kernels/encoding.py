@@ -2,8 +2,9 @@
 (``decoding.py`` reads it back).
 
 The device of the input picks the implementation (``pick_impl``): CUDA tensors use the CuPy
-kernels (``cuda.py``), CPU tensors the fused numba kernels (``cpu.py``); ``impl="reference"``
-forces the plain-torch reference for tests. All three write the same bytes (docs/wire-format.md).
+kernels (``cuda.py``), CPU tensors and numpy arrays the fused numba kernels (``cpu.py``; a shard
+encodes numpy arrays and never imports torch: ``arrays.py``); ``impl="reference"`` forces the
+plain-torch reference for tests. All three write the same bytes (docs/wire-format.md).
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import numpy as np
-import torch
 
-from . import cpu, reference, wire
+from . import cpu, wire
+from .arrays import device_type, host_view, is_tensor, torch_module
 from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header, split_maxmin_body
 
@@ -39,7 +40,7 @@ class EncodedBlock:
     """
 
     header: Header
-    payload: np.ndarray | torch.Tensor
+    payload: Any  # np.ndarray, or a CUDA torch.Tensor
 
     @property
     def codec(self) -> Codec:
@@ -62,10 +63,9 @@ class EncodedBlock:
         return HEADER_SIZE + self.header.body_size
 
     @property
-    def device(self) -> torch.device:
-        if isinstance(self.payload, torch.Tensor):
-            return self.payload.device
-        return torch.device("cpu")
+    def device(self) -> Any:
+        """The payload's torch.device (imports torch)."""
+        return self.payload.device if is_tensor(self.payload) else torch_module().device("cpu")
 
     def to_bytes(self) -> bytes:
         """The wire payload: header (with the body's crc32) followed by the body."""
@@ -76,12 +76,12 @@ class EncodedBlock:
         payload's own memory (a CPU payload; a CUDA one is copied to the host first) viewed.
         It changes when its ``PayloadScratch`` is encoded into again: frame or copy it before."""
         host = self.payload
-        if isinstance(host, torch.Tensor) and host.is_cuda:
+        if device_type(host) == "cuda":
             from . import cuda
 
             host = cuda.to_host(host)  # pinned, waiting on the encoding stream only
-        elif isinstance(host, torch.Tensor):
-            host = host.cpu().numpy()
+        elif is_tensor(host):
+            host = host.numpy()
         header = dataclasses.replace(self.header, crc32=wire.body_crc32(host))
         host[:HEADER_SIZE] = np.frombuffer(wire.pack_header(header), dtype=np.uint8)
         self.header = header
@@ -89,7 +89,7 @@ class EncodedBlock:
 
 
 def quantize(
-    tensor: torch.Tensor,
+    tensor: Any,
     bits: int = 4,
     bucket_size: int = 1024,
     *,
@@ -108,7 +108,7 @@ def quantize(
 
 
 def encode(
-    tensor: torch.Tensor,
+    tensor: Any,
     codec: Codec | int = Codec.MAXMIN,
     *,
     bits: int = 4,
@@ -119,7 +119,8 @@ def encode(
     allow_non_finite: bool = False,
     scratch: PayloadScratch | None = None,
 ) -> EncodedBlock:
-    """Encode ``tensor`` with any codec of the wire format (FP32, FP16, BF16, MAXMIN).
+    """Encode ``tensor`` (a torch tensor or a numpy array, any floating-point dtype) with any
+    codec of the wire format (FP32, FP16, BF16, MAXMIN).
 
     A tensor holding NaN/Inf, or values the codec cannot represent (a bucket's range or an
     fp16 value overflowing), raises CodecError; with ``allow_non_finite`` it becomes instead a
@@ -129,26 +130,36 @@ def encode(
     payload is then that memory, valid until the next encode into the same scratch.
     """
     codec = _as_codec(codec)
-    if not isinstance(tensor, torch.Tensor):
-        raise CodecError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_floating_point():
-        raise CodecError(f"expected a floating-point tensor, got {tensor.dtype}")
+    x = _flat_float32(tensor)
+    numel = x.numel() if is_tensor(x) else x.size
     wire.validate_settings(codec, bits, bucket_size)
     if codec != Codec.MAXMIN:
         bits, bucket_size = _FP_BITS[codec], 0
-    impl = pick_impl(impl, tensor.device)
-    x = tensor.detach().reshape(-1)
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.to(torch.float32).contiguous()
+    impl = pick_impl(impl, device_type(x))
     header = Header(codec, bits, wire.FLAG_STOCHASTIC if stochastic and codec == Codec.MAXMIN else 0,
-                    x.numel(), bucket_size, 0)
+                    numel, bucket_size, 0)
     try:
         # Settings and dtype are checked above: what the kernels refuse now is the values.
         return _encode_values(x, header, seed, impl, scratch)
     except CodecError:
         if not allow_non_finite:
             raise
-        return non_finite_block(codec, bits, bucket_size, x.numel())
+        return non_finite_block(codec, bits, bucket_size, numel)
+
+
+def _flat_float32(tensor: Any) -> Any:
+    """``tensor`` flat, contiguous and float32, of its own kind (a view where it is already)."""
+    if is_tensor(tensor):
+        if not tensor.is_floating_point():
+            raise CodecError(f"expected a floating-point tensor, got {tensor.dtype}")
+        torch = torch_module()
+        x = tensor.detach().reshape(-1)
+        return x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    if isinstance(tensor, np.ndarray):
+        if tensor.dtype.kind != "f":
+            raise CodecError(f"expected a floating-point array, got {tensor.dtype}")
+        return np.ascontiguousarray(tensor.reshape(-1), dtype=np.float32)
+    raise CodecError(f"expected a torch.Tensor or a numpy array, got {type(tensor).__name__}")
 
 
 def non_finite_block(codec: Codec | int, bits: int, bucket_size: int, numel: int) -> EncodedBlock:
@@ -177,7 +188,7 @@ class PayloadScratch:
         return self._payload
 
 
-def _encode_values(x: torch.Tensor, header: Header, seed: int, impl: str,
+def _encode_values(x: Any, header: Header, seed: int, impl: str,
                    scratch: PayloadScratch | None = None) -> EncodedBlock:
     if impl == "cuda":
         from . import cuda
@@ -190,14 +201,13 @@ def _encode_values(x: torch.Tensor, header: Header, seed: int, impl: str,
     payload[:HEADER_SIZE] = np.frombuffer(wire.pack_header(header), dtype=np.uint8)
     body = payload[HEADER_SIZE:]
     if header.codec == Codec.MAXMIN:
-        _encode_maxmin_cpu(x, body, header, seed, impl)
+        _encode_maxmin_cpu(host_view(x), body, header, seed, impl)
     else:
-        _encode_float_cpu(x, body, header.codec)
+        _encode_float_cpu(host_view(x), body, header.codec)
     return EncodedBlock(header, payload)
 
 
 _FP_BITS = {Codec.FP32: 32, Codec.FP16: 16, Codec.BF16: 16}
-_FP_DTYPES = {Codec.FP32: torch.float32, Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}
 
 
 def _as_codec(codec: Codec | int) -> Codec:
@@ -207,51 +217,66 @@ def _as_codec(codec: Codec | int) -> Codec:
         raise CodecError(f"unknown codec id {int(codec)}") from None
 
 
-def pick_impl(impl: Impl, device: torch.device) -> str:
-    """The implementation that runs for a tensor on ``device`` ("auto": its device's), or
-    CodecError if the one asked for cannot."""
+def pick_impl(impl: Impl, device: str) -> str:
+    """The implementation that runs for an array on ``device`` ("cpu" or "cuda"; "auto": its
+    device's), or CodecError if the one asked for cannot."""
     if impl == "auto":
-        return "cuda" if device.type == "cuda" else "cpu"
-    if impl == "cuda" and device.type != "cuda":
+        return "cuda" if device == "cuda" else "cpu"
+    if impl == "cuda" and device != "cuda":
         raise CodecError("impl='cuda' needs a CUDA tensor")
-    if impl in ("cpu", "reference") and device.type != "cpu":
+    if impl in ("cpu", "reference") and device != "cpu":
         raise CodecError(f"impl={impl!r} needs a CPU tensor, got one on {device}")
     if impl not in ("cpu", "reference", "cuda"):
         raise CodecError(f"unknown impl {impl!r}")
     return impl
 
 
-def _encode_maxmin_cpu(x: torch.Tensor, body: np.ndarray, h: Header, seed: int, impl: str) -> None:
+def _encode_maxmin_cpu(x: np.ndarray, body: np.ndarray, h: Header, seed: int, impl: str) -> None:
     meta, packed = split_maxmin_body(body, h.numel, h.bucket_size)
     if impl == "reference":
-        if not bool(torch.isfinite(x).all()):
-            bad = int((~torch.isfinite(x)).nonzero()[0, 0])
+        from . import reference
+
+        if not np.isfinite(x).all():
+            bad = int(np.flatnonzero(~np.isfinite(x))[0])
             raise CodecError(f"gradient contains NaN/Inf (first at element {bad}: {float(x[bad])})")
         try:
-            m, p = reference.encode_maxmin(x, h.bits, h.bucket_size, h.stochastic, seed)
+            m, p = reference.encode_maxmin(torch_module().from_numpy(x), h.bits, h.bucket_size, h.stochastic, seed)
         except OverflowError:
             raise CodecError("a bucket's max - min overflows float32; gradient out of range") from None
         meta[:] = m.reshape(-1).numpy()
         packed[:] = p.numpy()
         return
-    bad, overflow = cpu.encode_maxmin_into(x.numpy(), meta, packed, h.bits, h.bucket_size,
-                                           h.stochastic, seed)
+    bad, overflow = cpu.encode_maxmin_into(x, meta, packed, h.bits, h.bucket_size, h.stochastic, seed)
     if bad >= 0:
         chunk = x[bad * h.bucket_size: (bad + 1) * h.bucket_size]
-        first = bad * h.bucket_size + int((~torch.isfinite(chunk)).nonzero()[0, 0])
+        first = bad * h.bucket_size + int(np.flatnonzero(~np.isfinite(chunk))[0])
         raise CodecError(f"gradient contains NaN/Inf (first at element {first}: {float(x[first])})")
     if overflow >= 0:
         raise CodecError(f"bucket {overflow}: max - min overflows float32; gradient out of range")
 
 
-def _encode_float_cpu(x: torch.Tensor, body: np.ndarray, codec: Codec) -> None:
-    bad = cpu.first_nonfinite(x.numpy(), "<f4")
+def _encode_float_cpu(x: np.ndarray, body: np.ndarray, codec: Codec) -> None:
+    bad = cpu.first_nonfinite(x, "<f4")
     if bad >= 0:
         raise CodecError(f"tensor contains NaN/Inf (first at element {bad}: {float(x[bad])})")
-    y = x if codec == Codec.FP32 else x.to(_FP_DTYPES[codec])
-    raw = y.view(torch.uint8).numpy()
+    if codec == Codec.FP32:
+        raw = x.view(np.uint8)
+    elif codec == Codec.FP16:
+        with np.errstate(over="ignore"):  # a value past fp16's range becomes Inf, refused below
+            raw = x.astype(np.float16).view(np.uint8)  # round to nearest even, as torch's .half()
+    else:
+        raw = _to_bfloat16(x).view(np.uint8)
     if codec != Codec.FP32:
         bad = cpu.first_nonfinite(raw, "<f2" if codec == Codec.FP16 else "bf16")
         if bad >= 0:
             raise CodecError(f"element {bad} ({float(x[bad])}) overflows {codec.name.lower()}")
     body[:] = raw
+
+
+def _to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """Finite float32 values as bfloat16 bits: the top half of each, rounded to nearest even, as
+    torch's float -> bfloat16 conversion (c10/util/BFloat16.h) rounds them (numpy has no bfloat16).
+    A value that rounds past the largest bfloat16 becomes Inf, which the caller refuses."""
+    u = x.view(np.uint32)
+    one, sixteen = np.uint32(1), np.uint32(16)
+    return ((u + (np.uint32(0x7FFF) + ((u >> sixteen) & one))) >> sixteen).astype(np.uint16)

@@ -13,8 +13,11 @@ buffer sent uncompressed for a round (warm-up, auto mode) keeps its residual for
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
+import numpy as np
+
+from .arrays import host_view, is_tensor, torch_module
 from .decoding import dequantize
 from .encoding import EncodedBlock, PayloadScratch, encode
 from .wire import Codec
@@ -26,10 +29,10 @@ class ErrorFeedback:
     """What the lossy encodings of one buffer left out so far: zero until the first one."""
 
     def __init__(self) -> None:
-        self.residual: torch.Tensor | None = None
+        self.residual: Any = None  # of the encoded buffer's kind: a torch tensor, or a numpy array
 
 
-def encode_block(tensor: torch.Tensor, codec: Codec | int, *, bits: int, bucket_size: int, stochastic: bool,
+def encode_block(tensor: Any, codec: Codec | int, *, bits: int, bucket_size: int, stochastic: bool,
                  seed: int, feedback: ErrorFeedback | None = None, allow_non_finite: bool = False,
                  scratch: PayloadScratch | None = None) -> EncodedBlock:
     """Encode ``tensor`` with ``codec``. With ``feedback`` and max-min quantization, encode
@@ -41,24 +44,32 @@ def encode_block(tensor: torch.Tensor, codec: Codec | int, *, bits: int, bucket_
         return encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed,
                       allow_non_finite=allow_non_finite, scratch=scratch)
     if feedback.residual is None:
-        feedback.residual = torch.zeros_like(tensor)
+        feedback.residual = torch_module().zeros_like(tensor) if is_tensor(tensor) else np.zeros_like(tensor)
     return encode_with_feedback(tensor, feedback.residual, codec, bits=bits, bucket_size=bucket_size,
                                 stochastic=stochastic, seed=seed, allow_non_finite=allow_non_finite,
                                 scratch=scratch)
 
 
-def encode_with_feedback(tensor: torch.Tensor, residual: torch.Tensor, codec: Codec | int, *, bits: int,
+def encode_with_feedback(tensor: Any, residual: Any, codec: Codec | int, *, bits: int,
                          bucket_size: int, stochastic: bool, seed: int,
                          allow_non_finite: bool = False, scratch: PayloadScratch | None = None) -> EncodedBlock:
     """Error feedback: encode ``tensor + residual`` and leave in ``residual`` what the encoding
     left out, to be added next time. ``tensor`` is updated in place (it holds the sum). A
     non-finite block (``allow_non_finite``) leaves the residual as it was: that step's gradient
     is thrown away by every rank (a loss scaler skips it), its error with it."""
-    tensor.add_(residual)
+    tensors = is_tensor(tensor)  # a worker's; a shard's are numpy arrays (the same float32 arithmetic)
+    if tensors:
+        tensor.add_(residual)
+    else:
+        residual = host_view(residual)
+        np.add(tensor, residual, out=tensor)
     encoded = encode(tensor, codec, bits=bits, bucket_size=bucket_size, stochastic=stochastic, seed=seed,
                      allow_non_finite=allow_non_finite, scratch=scratch)
     if encoded.header.non_finite:
         return encoded
     dequantize(encoded, out=residual)
-    residual.neg_().add_(tensor)
+    if tensors:
+        residual.neg_().add_(tensor)
+    else:
+        np.add(np.negative(residual, out=residual), tensor, out=residual)
     return encoded

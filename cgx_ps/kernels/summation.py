@@ -35,9 +35,9 @@ until the sum is cleared.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from . import cpu
+from .arrays import host_view
 from .decoding import check_payload, dequantize
 from .encoding import BytesLike, EncodedBlock, PayloadScratch, non_finite_block
 from .errors import CodecError
@@ -71,7 +71,7 @@ class EncodedSum:
         self._levels: list[np.ndarray] = []
         self._levels_hold = 0  # bytes those views keep alive: whole payloads, or the copies
         self._kept_format: tuple[int, int] | None = None  # (bits, bucket_size) of those pushes
-        self._acc: torch.Tensor | None = None  # fp32 sum of what was folded or decoded so far
+        self._acc: np.ndarray | None = None  # fp32 sum of what was folded or decoded so far
         self._acc_holds_sum = False
 
     def add(self, payload: BytesLike) -> Header:
@@ -152,7 +152,7 @@ class EncodedSum:
     def held_bytes(self) -> int:
         """Bytes of buffers this sum holds (kept pushes, their metadata rows, the accumulator)."""
         return (0 if self._metas is None else self._metas.nbytes) + self._levels_hold + \
-            (0 if self._acc is None else self._acc.numel() * self._acc.element_size())
+            (0 if self._acc is None else self._acc.nbytes)
 
     # ---- internals --------------------------------------------------------------------------------
 
@@ -170,9 +170,9 @@ class EncodedSum:
                 self._acc = None  # the kept pushes replace it (module doc: one or the other)
         return self._metas
 
-    def _accumulator(self) -> torch.Tensor:
+    def _accumulator(self) -> np.ndarray:
         if self._acc is None:
-            self._acc = torch.empty(self.numel, dtype=torch.float32)
+            self._acc = np.empty(self.numel, dtype=np.float32)
         return self._acc
 
     def _fold(self) -> None:
@@ -180,7 +180,7 @@ class EncodedSum:
         if not self._levels:
             return
         bits, bucket = self._kept_format
-        cpu.sum_maxmin_into(self._levels, self._metas, self.numel, bits, bucket, self._accumulator().numpy(),
+        cpu.sum_maxmin_into(self._levels, self._metas, self.numel, bits, bucket, self._accumulator(),
                             self._acc_holds_sum, None, None, False, 0, self.threads)
         self._acc_holds_sum, self._levels, self._levels_hold = True, [], 0
 
@@ -194,10 +194,10 @@ class EncodedSum:
         residual = None
         if feedback is not None:
             if feedback.residual is None:
-                feedback.residual = torch.zeros(self.numel, dtype=torch.float32)
-            residual = feedback.residual.numpy()
+                feedback.residual = np.zeros(self.numel, dtype=np.float32)
+            residual = host_view(feedback.residual)
         bad, overflow = cpu.sum_maxmin_into(self._levels, self._metas, self.numel, bits, bucket_size,
-                                            self._acc.numpy() if self._acc_holds_sum else None,
+                                            self._acc if self._acc_holds_sum else None,
                                             self._acc_holds_sum, (meta, packed), residual, stochastic, seed,
                                             self.threads)
         if bad >= 0 or overflow >= 0:

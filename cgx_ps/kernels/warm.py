@@ -23,15 +23,14 @@ import time
 from typing import Iterable, Literal, Optional
 
 import numpy as np
-import torch
 
 from . import cpu
 from .decoding import dequantize
-from .encoding import quantize
+from .encoding import EncodedBlock
 from .feedback import ErrorFeedback, encode_block
 from .prebuilt import seed_once, write_manifest
 from .summation import EncodedSum
-from .wire import Codec
+from .wire import HEADER_SIZE, Codec, Header, pack_header, split_maxmin_body
 
 __all__ = ["ALL_WIDTHS", "DEFAULT_WIDTH", "Role", "warm_in_background", "warm_kernels", "warm_width"]
 
@@ -45,14 +44,14 @@ log = logging.getLogger(__name__)
 def warm_width(bits: int, role: Role = "both") -> None:
     """Run, on a tiny block, every kernel a round of ``bits``-bit max-min quantization uses in a
     shard (validating pushes, summing and re-encoding them) or a worker (encoding with error
-    feedback, validating and decoding the result)."""
-    values = torch.linspace(-1.0, 1.0, 1024)
+    feedback, validating and decoding the result). The arrays are numpy's, whose memory the
+    kernels see as they see a torch tensor's: one compiled kernel serves both."""
     cpu.first_bad_meta(np.zeros(2, dtype=np.float32), bits)
     if role == "shard":  # a push as a worker sends it; a shard compiles no encoding kernel of its own
-        push = quantize(values, bits, 512, stochastic=True, seed=1, impl="reference").to_bytes()
+        push = _constant_push(bits, 1024, 512)
     else:  # the encoding, and the decoding into the residual
-        push = encode_block(values.clone(), Codec.MAXMIN, bits=bits, bucket_size=512, stochastic=True, seed=1,
-                            feedback=ErrorFeedback()).to_bytes()
+        push = encode_block(np.linspace(-1.0, 1.0, 1024, dtype=np.float32), Codec.MAXMIN, bits=bits,
+                            bucket_size=512, stochastic=True, seed=1, feedback=ErrorFeedback()).to_bytes()
     if role in ("shard", "both"):
         total = EncodedSum(1024, parts=2)  # the round's sum (server/rounds/aggregator.py)
         total.add(push)
@@ -60,12 +59,22 @@ def warm_width(bits: int, role: Role = "both") -> None:
         total.encode(Codec.MAXMIN, bits=bits, bucket_size=512, stochastic=True, seed=1, feedback=ErrorFeedback())
 
 
+def _constant_push(bits: int, numel: int, bucket_size: int) -> bytes:
+    """A valid max-min payload without an encoding kernel: every bucket's levels 0, min -1, unit 1."""
+    header = Header(Codec.MAXMIN, bits, 0, numel, bucket_size, 0)
+    payload = np.zeros(HEADER_SIZE + header.body_size, dtype=np.uint8)
+    payload[:HEADER_SIZE] = np.frombuffer(pack_header(header), dtype=np.uint8)
+    meta = split_maxmin_body(payload[HEADER_SIZE:], numel, bucket_size)[0]
+    meta[0::2], meta[1::2] = -1.0, 1.0
+    return EncodedBlock(header, payload).to_bytes()
+
+
 def warm_kernels(widths: Iterable[int] = ALL_WIDTHS) -> None:
     """Every kernel of these widths, and the float codecs' non-finite scans, now."""
-    values = torch.linspace(-1.0, 1.0, 1024)
+    values = np.linspace(-1.0, 1.0, 1024, dtype=np.float32)
     for codec, bits in ((Codec.FP32, 32), (Codec.FP16, 16), (Codec.BF16, 16)):  # mixed precision's gradients
         dequantize(encode_block(values, codec, bits=bits, bucket_size=512, stochastic=False, seed=1).to_bytes(),
-                   out=torch.empty_like(values))
+                   out=np.empty_like(values))
     for bits in widths:
         warm_width(bits)
 

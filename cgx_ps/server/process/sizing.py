@@ -1,9 +1,9 @@
 """How much memory a shard needs: the measured rule, as one function the docs, the manifests'
 tests and operators use (benchmarks/shard_memory.py measures it; BENCHMARKS.md has the runs).
 
-Measured on a real shard process (VmRSS, 2026-11-23):
-- 308 MiB idle (torch 190, numba 55, the rest grpc/numpy/uvloop), ~390 MiB after the first
-  session loaded the numba kernels;
+Measured on a real shard process (VmRSS; the runtime 2026-11-29, the rest 2026-11-23):
+- 179 MiB idle (numba/LLVM 55, grpc, numpy, uvloop; a shard never imports torch), ~210 MiB
+  after the first session loaded the numba kernels;
 - owned fp32 model state F: +1.1 x F, peaking at 1.7 x F while a round is summed; server-side
   error feedback another +1.1 x F;
 - pushes buffered up to --max-inflight-mb M: +1.1 x M;
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 __all__ = ["BASE_MIB", "shard_memory_mib"]
 
-BASE_MIB = 390.0  # runtime after the first session
+BASE_MIB = 210.0  # runtime after the first session
 _MODEL_PEAK = 1.7  # x F: accumulators plus the re-encode while a round is summed
 _FEEDBACK = 1.1  # x F: server-side error-feedback residuals
 _PUSHES = 1.1  # x M
