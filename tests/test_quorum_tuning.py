@@ -20,6 +20,8 @@ from support import env_for, free_port, wait_until_stopped
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/quorum_worker.py"
 
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=30)  # the refusal test's shards (conftest.cluster)
+
 
 async def test_a_late_push_encoded_before_two_setcodecs_changes_is_carried_into_the_round_under_way(start_shard):
     """Rank 0 announces new bits before each round (3, 2, 5, 6 bits in rounds 1..4); node C stalls
@@ -73,3 +75,81 @@ async def test_a_late_push_encoded_before_two_setcodecs_changes_is_carried_into_
     finally:
         for c in clients:
             await c.close()
+
+
+def run_with_a_stall(cluster, tmp_path: Path, args: list[str], steps: int, stop_at: int = 5, **env: str
+                     ) -> list[dict]:
+    """3 nodes train ``steps`` steps with ``args``, CGX_PS_QUORUM=2; node 2 (not rank 0) SIGSTOPs
+    itself before its step ``stop_at`` for ~0.6 s, at most 12 of the others' 50 ms rounds (fewer than the 16
+    a shard keeps for late nodes), and catches up after SIGCONT. Each node's JSON line."""
+    job = {"CGX_PS_JOB_ID": f"qtune-{uuid.uuid4().hex[:8]}", "CGX_PS_QUORUM": "2", "CGX_PS_GRACE_MS": "20", **env}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path / f"n{r}.pt"), "--steps", str(steps),
+                               *args, *(["--sigstop-at", str(stop_at)] if r == 2 else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env_for(r, 3, cluster.addresses, **job)) for r in range(3)]
+    try:
+        wait_until_stopped(procs[2].pid, timeout=120)
+        time.sleep(0.6)
+        procs[2].send_signal(signal.SIGCONT)
+        outs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for r, proc in enumerate(procs):
+        assert proc.returncode == 0, f"node {r}:\n{outs[r][1][-4000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def assert_in_step(results: list[dict], steps: int, interval: int) -> None:
+    """Every node ends as one: the same steps, parameters (and momentum), tuner decisions, block
+    settings, compression and checkpoint state, though node 2 caught up on rounds holding
+    decisions instead of computing them."""
+    assert [r["steps"] for r in results] == [steps] * 3
+    for key in ("digest", "decisions", "bits", "compress", "checkpoint"):
+        assert len({json.dumps(r[key]) for r in results}) == 1, (key, [r[key] for r in results])
+    assert len(results[0]["decisions"]) >= steps // interval - 1
+    caught_up = results[2]["caught_up"]
+    assert results[2]["computed"] < min(r["computed"] for r in results[:2]), results
+    # several of the tuner's decision boundaries (after step s, (s + 1) % interval == 0) fell in the
+    # rounds node 2 applied without computing them
+    assert sum(1 for s in caught_up if (s + 1) % interval == 0) >= 2, caught_up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["optimizer", "ddp hook"])
+def test_adaptive_bits_decided_while_a_node_is_stalled_reach_it_as_it_catches_up(local_cluster, tmp_path, front_end):
+    cluster = local_cluster(2, round_timeout=30)
+    ddp = ["--ddp"] if front_end == "ddp hook" else []
+    gloo = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())) if ddp else {}
+    steps = 30
+    results = run_with_a_stall(cluster, tmp_path, ["--compression", "adaptive:2", *ddp], steps, stop_at=7,
+                               **gloo)
+    assert_in_step(results, steps, 2)
+    # the worker's data makes the bits swing every 4 steps: some changed (SetCodecs) at decisions
+    # node 2 applied while catching up, and its late push (stopped in round 7, at 2 and 5 bits)
+    # reached the shards after two more changes (the shards keep its round's settings)
+    decisions = results[0]["decisions"]
+    changed = [d["from_round"] - 1 for prev, d in zip(decisions, decisions[1:]) if d["bits"] != prev["bits"]]
+    assert sum(1 for s in changed if s in results[2]["caught_up"]) >= 2, (changed, results[2]["caught_up"])
+    params = [torch.load(tmp_path / f"n{r}.pt") for r in range(3)]
+    assert all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+
+
+@pytest.mark.slow
+def test_auto_mode_through_the_shards_switches_while_a_node_is_stalled_and_the_node_follows(local_cluster, tmp_path):
+    cluster = local_cluster(2, round_timeout=30)
+    steps = 36
+    results = run_with_a_stall(cluster, tmp_path, ["--compression", "auto:2", "--via", "shards"], steps)
+    assert_in_step(results, steps, 2)
+    modes = [d["compress"] for d in results[0]["decisions"]]
+    assert any(a != b for a, b in zip(modes, modes[1:])), modes  # a switch, which node 2 applied alike
+
+
+def test_auto_mode_with_uncompressed_steps_on_an_allreduce_is_refused_under_a_quorum(cluster, tmp_path):
+    env = env_for(0, 2, cluster.addresses, CGX_PS_JOB_ID=f"qtune-{uuid.uuid4().hex[:8]}", CGX_PS_QUORUM="1")
+    done = subprocess.run([sys.executable, str(WORKER), "--out", str(tmp_path / "n0.pt"), "--compression", "auto",
+                           "--via", "allreduce"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = json.loads(done.stdout.strip().splitlines()[-1])["refused"]
+    assert refused.startswith('CGX_PS_QUORUM=1 with compression="auto" needs uncompressed_via="shards"'), refused
+    assert "all_reduce, which waits for every rank" in refused

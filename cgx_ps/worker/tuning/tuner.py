@@ -144,6 +144,18 @@ class Tuner:
         finally:
             self._last_step_end = time.perf_counter()  # the decision's own cost is not a step's
 
+    def after_caught_up_round(self, step: int) -> None:
+        """Called by the front end after each round it applied without computing it (quorum
+        rounds' catch-up, ``StepDriver.missed_rounds``), ``step`` being that round's step: the
+        decisions due there are made (rank 0, from what it has: that round's averages, its last
+        computed step's figures) or read, and applied, as ``after_step`` would, so every rank
+        makes the same broadcasts and has the same settings at every round. Not a sample of auto
+        mode's step times: the next computed step is timed from here."""
+        try:
+            self._after_step(step)
+        finally:
+            self._last_step_end = time.perf_counter()
+
     def _after_step(self, step: int) -> None:
         if self.average is not None:
             gradients = {name: self.target.gradient(name) for name in set(self.names.values())}
