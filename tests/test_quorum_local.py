@@ -134,3 +134,31 @@ def test_a_node_with_a_sigstopped_rank_is_passed_and_its_ranks_catch_up_together
     params = [torch.load(tmp_path / f"r{rank}.pt") for rank in range(6)]
     assert any(k.startswith("momentum/") for k in params[0])  # the optimizer's state is compared too
     assert all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+
+
+@pytest.mark.slow
+def test_a_node_whose_ranks_catch_up_applies_the_adaptive_bits_decided_meanwhile_on_every_local_rank(local_cluster,
+                                                                                                    tmp_path):
+    # as above, with adaptive bits every 2 steps (the worker's data makes them change every 4):
+    # each of node 2's ranks reads the decisions of the rounds it catches up on, rank 0 included
+    # among the ranks of another node, so every rank ends with the same decisions and settings
+    cluster = local_cluster(2, round_timeout=30)
+    steps, stopped = 24, NODES * LOCAL - 1
+    procs = start_ranks(cluster, lambda rank: ["--steps", str(steps), "--compression", "adaptive:2"]
+                        + (["--sigstop-at", "7"] if rank == stopped else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    try:
+        wait_until_stopped(procs[stopped].pid, timeout=120)
+        time.sleep(0.5)
+        procs[stopped].send_signal(signal.SIGCONT)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    results = finish(procs)
+    assert [r["steps"] for r in results] == [steps] * 6
+    for key in ("digest", "decisions", "bits", "checkpoint"):
+        assert len({json.dumps(r[key]) for r in results}) == 1, (key, [r[key] for r in results])
+    node_2 = results[4:]
+    assert node_2[0]["caught_up"] == node_2[1]["caught_up"]
+    assert sum(1 for s in node_2[0]["caught_up"] if s % 2 == 1) >= 2, node_2[0]["caught_up"]  # decision steps
