@@ -5,17 +5,17 @@ and a late push encoded with its own round's settings is carried after SetCodecs
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from support import env_for, free_port, wait_until_stopped
+from support import env_for, free_port
+from test_quorum import start_nodes
+from test_quorum_local import finish, stop_then_continue
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/quorum_worker.py"
@@ -77,27 +77,30 @@ async def test_a_late_push_encoded_before_two_setcodecs_changes_is_carried_into_
             await c.close()
 
 
+def test_the_codec_schedule_keeps_the_settings_of_every_round_a_late_push_may_still_come_for():
+    from cgx_ps.server.rounds.block_state import prune_schedule
+    from cgx_ps.v1 import ps_pb2
+
+    bits = lambda b: ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=b, bucket_size=512)  # noqa: E731
+    schedule = []
+    for round_ in range(1, 41):  # a change every round; the block at round_ when it comes
+        oldest = round_ - 16  # under a quorum: the oldest closed round kept for late nodes
+        schedule = prune_schedule(schedule, oldest, round_) + [(round_, bits(2 + round_ % 7))]
+    # rounds 24..40 each have their entry; none older is kept: bounded by the rounds kept
+    assert [r for r, _ in schedule] == list(range(24, 41))
+    assert [r for r, _ in prune_schedule(schedule, 39, 41)] == [39, 40]  # without a quorum: the previous round's
+
+
 def run_with_a_stall(cluster, tmp_path: Path, args: list[str], steps: int, stop_at: int = 5, **env: str
                      ) -> list[dict]:
     """3 nodes train ``steps`` steps with ``args``, CGX_PS_QUORUM=2; node 2 (not rank 0) SIGSTOPs
-    itself before its step ``stop_at`` for ~0.6 s, at most 12 of the others' 50 ms rounds (fewer than the 16
-    a shard keeps for late nodes), and catches up after SIGCONT. Each node's JSON line."""
-    job = {"CGX_PS_JOB_ID": f"qtune-{uuid.uuid4().hex[:8]}", "CGX_PS_QUORUM": "2", "CGX_PS_GRACE_MS": "20", **env}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path / f"n{r}.pt"), "--steps", str(steps),
-                               *args, *(["--sigstop-at", str(stop_at)] if r == 2 else [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env_for(r, 3, cluster.addresses, **job)) for r in range(3)]
-    try:
-        wait_until_stopped(procs[2].pid, timeout=120)
-        time.sleep(0.6)
-        procs[2].send_signal(signal.SIGCONT)
-        outs = [proc.communicate(timeout=120) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for r, proc in enumerate(procs):
-        assert proc.returncode == 0, f"node {r}:\n{outs[r][1][-4000:]}"
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    itself before its step ``stop_at`` for ~0.6 s, at most 12 of the others' 50 ms rounds (fewer
+    than the 16 a shard keeps for late nodes), and catches up after SIGCONT. Each node's JSON line."""
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), *args]
+                        + (["--sigstop-at", str(stop_at)] if r == 2 else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **env)
+    stop_then_continue(procs, 2, 0.6)
+    return finish(procs)
 
 
 def assert_in_step(results: list[dict], steps: int, interval: int) -> None:
