@@ -91,15 +91,15 @@ def test_the_codec_schedule_keeps_the_settings_of_every_round_a_late_push_may_st
     assert [r for r, _ in prune_schedule(schedule, 39, 41)] == [39, 40]  # without a quorum: the previous round's
 
 
-def run_with_a_stall(cluster, tmp_path: Path, args: list[str], steps: int, stop_at: int = 5, **env: str
-                     ) -> list[dict]:
-    """3 nodes train ``steps`` steps with ``args``, CGX_PS_QUORUM=2; node 2 (not rank 0) SIGSTOPs
-    itself before its step ``stop_at`` for ~0.6 s, at most 12 of the others' 50 ms rounds (fewer
+def run_with_a_stall(cluster, tmp_path: Path, args: list[str], steps: int, stop_at: int = 5, node: int = 2,
+                     **env: str) -> list[dict]:
+    """3 nodes train ``steps`` steps with ``args``, CGX_PS_QUORUM=2; ``node`` (2: not rank 0)
+    SIGSTOPs itself before its step ``stop_at`` for ~0.6 s, at most 12 of the others' 50 ms rounds (fewer
     than the 16 a shard keeps for late nodes), and catches up after SIGCONT. Each node's JSON line."""
     procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), *args]
-                        + (["--sigstop-at", str(stop_at)] if r == 2 else []),
+                        + (["--sigstop-at", str(stop_at)] if r == node else []),
                         tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **env)
-    stop_then_continue(procs, 2, 0.6)
+    stop_then_continue(procs, node, 0.6)
     return finish(procs)
 
 
@@ -136,6 +136,24 @@ def test_adaptive_bits_decided_while_a_node_is_stalled_reach_it_as_it_catches_up
     assert sum(1 for s in changed if s in results[2]["caught_up"]) >= 2, (changed, results[2]["caught_up"])
     params = [torch.load(tmp_path / f"n{r}.pt") for r in range(3)]
     assert all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_0_holds_the_others_at_the_next_decision_and_decides_as_it_catches_up(local_cluster,
+                                                                                              tmp_path):
+    # rank 0 stops before its step 6: the others close rounds 6 and 7 without it, then wait for
+    # its decision after step 7; it pushes round 6 late, and decides after step 7 as it applies
+    # that round without computing it, then skips round 8 (under way) as any late node does
+    cluster = local_cluster(2, round_timeout=30)
+    steps = 20
+    results = run_with_a_stall(cluster, tmp_path, ["--compression", "adaptive:2"], steps, stop_at=6, node=0)
+    assert [r["steps"] for r in results] == [steps] * 3
+    for key in ("digest", "decisions", "bits", "checkpoint"):
+        assert len({json.dumps(r[key]) for r in results}) == 1, (key, [r[key] for r in results])
+    caught_up = results[0]["caught_up"]
+    assert any(s % 2 == 1 for s in caught_up), caught_up  # a decision made by rank 0 while catching up
+    # the others waited for it there: they computed no more than a couple of rounds without it
+    assert all(r["computed"] >= steps - 4 for r in results[1:]), results
 
 
 @pytest.mark.slow

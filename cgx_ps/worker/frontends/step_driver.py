@@ -16,6 +16,9 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
     driver.finish(waiting_since)             # every block done: the step's stats
     driver.finish_elsewhere(waiting_since)   # or: the step was averaged without the shards
     driver.after_step()                      # the tuner (its broadcast blocks) and metrics
+    for round_ in driver.missed_rounds():    # quorum rounds: each round this node missed, to
+        ...                                  # apply (copy_out, an optimizer step); the tuner's
+                                             # decisions of each follow, as after a step
     driver.abandon()                         # or: give the step up on every rank (a failed
                                              # backward; BlockPipeline.abandon_step)
 
