@@ -9,6 +9,10 @@ One place decides, rank 0, and every rank applies the decision at the same step 
 3. it broadcasts the decision through the shards' blob stores; every other rank reads it at the
    same step boundary before its next backward.
 
+Under quorum rounds a node that fell behind applies the rounds it missed without computing them;
+at each one's step boundary it reads (rank 0: makes) the decisions due there
+(``after_caught_up_round``), so every rank still makes the same broadcasts in the same order.
+
 The tuner reads and changes a ``Tunable`` (the block pipeline is one): step figures, block
 settings, averaged gradients, and a way to announce and apply settings from a round on.
 
