@@ -52,6 +52,19 @@ def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
+def stop_then_continue(procs: list[subprocess.Popen], stopped: int, seconds: float) -> None:
+    """Wait until ``procs[stopped]`` has SIGSTOPped itself (the worker's --sigstop-at), leave it
+    stopped ``seconds``, SIGCONT it; if that fails, every process is killed."""
+    try:
+        wait_until_stopped(procs[stopped].pid, timeout=120)
+        time.sleep(seconds)
+        procs[stopped].send_signal(signal.SIGCONT)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+
+
 def test_quorum_rounds_are_accepted_with_several_local_ranks_per_node():
     env = {"CGX_PS_SERVERS": "127.0.0.1:7070", "CGX_PS_NUM_NODES": "3", "CGX_PS_NODE_RANK": "1", "RANK": "3",
            "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
@@ -115,15 +128,7 @@ def test_a_node_with_a_sigstopped_rank_is_passed_and_its_ranks_catch_up_together
     procs = start_ranks(cluster, lambda rank: ["--steps", str(steps), *ddp]
                         + (["--sigstop-at", "5"] if rank == stopped else []),
                         tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **gloo)
-    try:
-        wait_until_stopped(procs[stopped].pid, timeout=120)
-        # ~10 of the others' 50 ms rounds: fewer than the 16 a shard keeps for late nodes
-        time.sleep(0.5)
-        procs[stopped].send_signal(signal.SIGCONT)
-    except BaseException:
-        for proc in procs:
-            proc.kill()
-        raise
+    stop_then_continue(procs, stopped, 0.5)  # ~10 of the others' 50 ms rounds: fewer than the 16 a shard keeps
     results = finish(procs)
     assert [r["steps"] for r in results] == [steps] * 6
     assert len({r["digest"] for r in results}) == 1, results  # replicas bit-identical on every rank
@@ -134,3 +139,24 @@ def test_a_node_with_a_sigstopped_rank_is_passed_and_its_ranks_catch_up_together
     params = [torch.load(tmp_path / f"r{rank}.pt") for rank in range(6)]
     assert any(k.startswith("momentum/") for k in params[0])  # the optimizer's state is compared too
     assert all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+
+
+@pytest.mark.slow
+def test_a_node_whose_ranks_catch_up_applies_the_adaptive_bits_decided_meanwhile_on_every_local_rank(local_cluster,
+                                                                                                    tmp_path):
+    # as above, with adaptive bits every 2 steps (the worker's data makes them change every 4):
+    # each of node 2's ranks reads the decisions of the rounds it catches up on, rank 0 included
+    # among the ranks of another node, so every rank ends with the same decisions and settings
+    cluster = local_cluster(2, round_timeout=30)
+    steps, stopped = 24, NODES * LOCAL - 1
+    procs = start_ranks(cluster, lambda rank: ["--steps", str(steps), "--compression", "adaptive:2"]
+                        + (["--sigstop-at", "7"] if rank == stopped else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
+    stop_then_continue(procs, stopped, 0.5)
+    results = finish(procs)
+    assert [r["steps"] for r in results] == [steps] * 6
+    for key in ("digest", "decisions", "bits", "checkpoint"):
+        assert len({json.dumps(r[key]) for r in results}) == 1, (key, [r[key] for r in results])
+    node_2 = results[4:]
+    assert node_2[0]["caught_up"] == node_2[1]["caught_up"]
+    assert sum(1 for s in node_2[0]["caught_up"] if s % 2 == 1) >= 2, node_2[0]["caught_up"]  # decision steps

@@ -4,8 +4,11 @@ the steps it computes; --sigstop-at makes it SIGSTOP itself there instead (the w
 threads too, until the test sends SIGCONT); --die-at makes it SIGKILL itself after that step's backward (its pushes
 under way).
 
-Prints one JSON line: the node's steps, how many it computed itself (the rest it caught up on),
-a digest of its final parameters and the seconds its training loop took; saves them with torch.save to --out.
+Prints one JSON line: the node's steps, how many it computed itself and which it caught up on,
+a digest of its final parameters, the seconds its training loop took, and what the tuner left
+(--compression adaptive:N or auto:N): each block's bits, auto mode's choice, the decisions and the
+checkpoint's counters and settings; saves the parameters with torch.save to --out. A ConfigError
+at setup prints {"refused": message} instead.
 """
 
 from __future__ import annotations
@@ -22,19 +25,31 @@ import torch
 import cgx_ps.worker as cgx
 
 
-def small_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
+def small_model(compression: str) -> torch.nn.Module:
+    """The model, the same on every node; with adaptive bits a layer more, so that two tensors are
+    quantized and the bits chosen for them differ and change (one alone always gets 4 bits)."""
+    if compression.startswith("adaptive"):
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 4))
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def small_job(compression: str = "4bit", via: str = "allreduce"
+              ) -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator]:
     """``cgx.init()``, a small model, the same on every node, its DistributedOptimizer (SGD with
     momentum, 4 bits) and this rank's seeded data (also tests/workers/join_worker.py's)."""
     config = cgx.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model = small_model(compression)
     opt = cgx.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   model.named_parameters(), compression="4bit", block_bytes=4096)
+                                   model.named_parameters(), compression=compression, block_bytes=4096,
+                                   uncompressed_via=via)
     cgx.broadcast_parameters(model.state_dict(), root_rank=0)
     return config, model, opt, torch.Generator().manual_seed(1000 + config.rank)
 
 
-def ddp_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator, cgx.DDPHookState]:
+def ddp_job(compression: str = "4bit", via: str = "allreduce"
+            ) -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator, cgx.DDPHookState]:
     """``small_job``'s model and data under DDP (gloo: MASTER_ADDR/PORT from the test) with the cgx-ps hook."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,9 +57,9 @@ def ddp_job() -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer,
     config = cgx.init()
     dist.init_process_group("gloo", rank=config.rank, world_size=config.world_size)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model = small_model(compression)
     ddp = DDP(model)  # broadcasts rank 0's parameters
-    state = cgx.DDPHookState(ddp, compression="4bit", block_bytes=4096)
+    state = cgx.DDPHookState(ddp, compression=compression, block_bytes=4096, uncompressed_via=via)
     ddp.register_comm_hook(state, cgx.ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     cgx.catch_up_with(opt, hook_state=state)
@@ -60,15 +75,23 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=-1, help="computed step in whose backward this node is killed")
     p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
     p.add_argument("--ddp", action="store_true", help="DDP with the cgx-ps comm hook instead of DistributedOptimizer")
+    p.add_argument("--compression", default="4bit", help="e.g. adaptive:3, auto:3 (tuned every 3 steps)")
+    p.add_argument("--via", default="shards", help="uncompressed_via (auto mode's uncompressed steps)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if args.ddp:
-        config, model, opt, data, state = ddp_job()
-        steps_taken = lambda: state.open().pipe.steps  # noqa: E731
-    else:
-        config, model, opt, data = small_job()
-        steps_taken = lambda: opt._cgx_pipe.steps  # noqa: E731
-    computed = 0
+    try:
+        if args.ddp:
+            config, model, opt, data, state = ddp_job(args.compression, args.via)
+            driver = lambda: state.open()  # noqa: E731
+        else:
+            config, model, opt, data = small_job(args.compression, args.via)
+            driver = lambda: opt._cgx_driver  # noqa: E731
+        steps_taken = lambda: driver().pipe.steps  # noqa: E731
+        steps_taken()
+    except cgx.ConfigError as refused:  # the DDP hook's driver opens at the first backward
+        print(json.dumps({"refused": str(refused)}), flush=True)
+        return
+    computed, caught_up = 0, []
     started = time.monotonic()
     while steps_taken() < args.steps:  # finished steps, those caught up on included
         if computed == args.stall_at:
@@ -76,6 +99,10 @@ def main() -> None:
         if computed == args.sigstop_at:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen until the test's SIGCONT
         x = torch.randn(16, 32, generator=data)
+        if args.compression.startswith("adaptive") and steps_taken() // 4 % 2:
+            # every other 4 steps of the job, the first layer's gradients 30x smaller: the bits
+            # chosen for the two quantized tensors change back and forth, SetCodecs after SetCodecs
+            x = x / 30
         loss = (model(x) - x[:, :4]).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -83,15 +110,25 @@ def main() -> None:
             time.sleep(0.01)  # its pushes under way: a node killed mid-round
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(args.step_s)
+        before = steps_taken()
         opt.step()
+        caught_up += range(before + 1, steps_taken())  # the steps of the rounds it applied without computing
         computed += 1
     params = {n: t.detach().clone() for n, t in model.state_dict().items()}
     params.update({f"momentum/{i}": opt.state[p]["momentum_buffer"].clone()
                    for i, p in enumerate(model.parameters()) if p in opt.state})
     torch.save(params, args.out)
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in params.values())).hexdigest()
+    # what the tuner left: the settings and mode each round travels with, and the checkpoint's state
+    pipe, saved = driver().pipe, driver().state_dict()
     print(json.dumps({"node": config.node_rank, "rank": config.rank, "steps": steps_taken(), "computed": computed,
-                      "digest": digest, "train_s": time.monotonic() - started}), flush=True)
+                      "caught_up": caught_up, "digest": digest, "train_s": time.monotonic() - started,
+                      "bits": [pipe.settings(b).bits for b in range(pipe.num_blocks)], "compress": pipe.compress,
+                      "decisions": [{k: d[k] for k in ("from_round", "compress", "bits") if k in d}
+                                    for d in (d.as_dict() for d in driver().tuner.history)]
+                      if driver().tuner is not None else [],
+                      "checkpoint": {k: saved["pipeline"][k] for k in ("steps", "compress", "rounds", "settings")}}),
+          flush=True)
     cgx.shutdown()
 
 

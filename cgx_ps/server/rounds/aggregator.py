@@ -114,7 +114,8 @@ class Aggregator:
                 raise BadRequest(f"block {block_id}: {exc}") from None
         for block_id, settings in changes:
             block = self.blocks[block_id]
-            block.schedule = prune_schedule(block.schedule, block.round, from_round) + [(from_round, settings)]
+            oldest = block.round - (self.rule.keep_rounds if self.rule.active else 1)  # a push still checked
+            block.schedule = prune_schedule(block.schedule, oldest, from_round) + [(from_round, settings)]
             if self.metrics:
                 self.metrics.block_bits.labels(shard=self.metrics.shard, block=str(block_id)).set(
                     settings.bits if settings.codec == ps_pb2.CODEC_MAXMIN else 32)

@@ -94,13 +94,16 @@ class BlockState:
         return current
 
 
-def prune_schedule(schedule: list[tuple[int, ps_pb2.CodecSettings]], current_round: int,
+def prune_schedule(schedule: list[tuple[int, ps_pb2.CodecSettings]], oldest: int,
                    from_round: int) -> list[tuple[int, ps_pb2.CodecSettings]]:
-    """The entries still needed before ``from_round``: of those that started by the previous
-    round (a retried push of it is still checked against its settings) only the latest."""
+    """The entries still needed before ``from_round``: of those that started by ``oldest``, the
+    oldest round a push may still be checked against, only the latest. That is the previous
+    round (a retried push of it), or under quorum rounds the oldest closed round kept for late
+    nodes: a late push travels with its own round's settings, however many changes came since
+    (rounds/late_rounds.py). The schedule stays bounded: one entry per round from ``oldest``."""
     kept = [(r, c) for r, c in schedule if r < from_round]
-    past = [e for e in kept if e[0] <= current_round - 1]
-    return past[-1:] + [e for e in kept if e[0] > current_round - 1]
+    past = [e for e in kept if e[0] <= oldest]
+    return past[-1:] + [e for e in kept if e[0] > oldest]
 
 
 def resume_conflict(block: BlockState, from_round: int, settings: ps_pb2.CodecSettings) -> ProtocolError | None:

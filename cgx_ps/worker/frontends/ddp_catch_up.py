@@ -110,7 +110,7 @@ class _CatchUp:
         grad_out = gradients_of(params)
         self.paused = True
         try:
-            for round_ in pipe.missed_rounds():
+            for round_ in driver.missed_rounds():
                 for block in range(pipe.num_blocks):
                     pipe.copy_out(block, grad_out)
                 with timeline.span("catch-up", round_):

@@ -268,7 +268,7 @@ class DistributedMixin(FrontEndView):
         self._cgx_driver.after_step()
         # Quorum rounds: a node that was late applies the rounds it missed (the other nodes'
         # averages, the same bytes they applied) without computing them (pipeline/catch_up.py)
-        for round_ in self._cgx_pipe.missed_rounds():
+        for round_ in self._cgx_driver.missed_rounds():
             for block in range(self._cgx_pipe.num_blocks):
                 self._cgx_pipe.copy_out(block, self._cgx_grad_out)
             with timeline.span("catch-up", round_):

@@ -16,6 +16,9 @@ future per DDP bucket) differ only in where gradients come from and go to. Each 
     driver.finish(waiting_since)             # every block done: the step's stats
     driver.finish_elsewhere(waiting_since)   # or: the step was averaged without the shards
     driver.after_step()                      # the tuner (its broadcast blocks) and metrics
+    for round_ in driver.missed_rounds():    # quorum rounds: each round this node missed, to
+        ...                                  # apply (copy_out, an optimizer step); the tuner's
+                                             # decisions of each follow, as after a step
     driver.abandon()                         # or: give the step up on every rank (a failed
                                              # backward; BlockPipeline.abandon_step)
 
@@ -38,7 +41,7 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
@@ -105,11 +108,12 @@ class StepDriver:
         all_reduce path through it."""
         self.pipe, self.options, self.router = pipe, options, router
         compression = options.compression
-        if pipe.config.has_quorum and (compression.adaptive or compression.auto):
-            # the tuner's decisions are collectives of every node at the same step: a late node's
-            # catch-up would have it skip them
-            raise ConfigError(f"CGX_PS_QUORUM={pipe.config.quorum} works with a fixed compression, not adaptive bits or "
-                              f"auto mode")
+        if pipe.config.has_quorum and compression.auto and options.uncompressed_via == "allreduce":
+            # a collective waits for every rank by nature: a stalled node would hold every other
+            # node at auto mode's uncompressed steps, which quorum rounds exist to avoid
+            raise ConfigError(f"CGX_PS_QUORUM={pipe.config.quorum} with compression=\"auto\" needs "
+                              f"uncompressed_via=\"shards\": with uncompressed_via=\"allreduce\" its uncompressed "
+                              f"steps are a process group's all_reduce, which waits for every rank, a stalled one too")
         self.tuner = Tuner(pipe, compression, router.probe) if compression.adaptive or compression.auto else None
         # blocks whose gradients lie end to end in the front end's memory (a slice of one .grad,
         # a DDP bucket) are encoded from and decoded into it, not copied through the block
@@ -265,6 +269,16 @@ class StepDriver:
             self.tuner.after_step()
         report_non_finite(self.pipe.stats, self.pipe.rank)
         export_step_metrics(self.pipe.stats, self.tuner.history if self.tuner is not None else ())
+
+    def missed_rounds(self) -> Iterator[int]:
+        """Quorum rounds: each round this node missed (``BlockPipeline.missed_rounds``: its
+        averages in the block buffers), for the front end to apply (``copy_out`` and an optimizer
+        step) before asking for the next one; after each, the tuner's decisions due at that
+        round's step (``Tuner.after_caught_up_round``), as a computed step's ``after_step``."""
+        for round_ in self.pipe.missed_rounds():
+            yield round_
+            if self.tuner is not None:
+                self.tuner.after_caught_up_round(self.pipe.steps - 1)
 
     # ---- checkpoints (both front ends put this under their "cgx_ps" entry) --------------------
 

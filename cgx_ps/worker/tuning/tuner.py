@@ -9,6 +9,10 @@ One place decides, rank 0, and every rank applies the decision at the same step 
 3. it broadcasts the decision through the shards' blob stores; every other rank reads it at the
    same step boundary before its next backward.
 
+Under quorum rounds a node that fell behind applies the rounds it missed without computing them;
+at each one's step boundary it reads (rank 0: makes) the decisions due there
+(``after_caught_up_round``), so every rank still makes the same broadcasts in the same order.
+
 The tuner reads and changes a ``Tunable`` (the block pipeline is one): step figures, block
 settings, averaged gradients, and a way to announce and apply settings from a round on.
 
@@ -143,6 +147,18 @@ class Tuner:
             self._after_step(step)
         finally:
             self._last_step_end = time.perf_counter()  # the decision's own cost is not a step's
+
+    def after_caught_up_round(self, step: int) -> None:
+        """Called by the front end after each round it applied without computing it (quorum
+        rounds' catch-up, ``StepDriver.missed_rounds``), ``step`` being that round's step: the
+        decisions due there are made (rank 0, from what it has: that round's averages, its last
+        computed step's figures) or read, and applied, as ``after_step`` would, so every rank
+        makes the same broadcasts and has the same settings at every round. Not a sample of auto
+        mode's step times: the next computed step is timed from here."""
+        try:
+            self._after_step(step)
+        finally:
+            self._last_step_end = time.perf_counter()
 
     def _after_step(self, step: int) -> None:
         if self.average is not None:

@@ -1,0 +1,176 @@
+"""Adaptive bits and auto mode under quorum rounds: a stalled node's catch-up applies the tuner's
+decisions it missed (every rank the same broadcasts, settings and compression at every round),
+and a late push encoded with its own round's settings is carried after SetCodecs changed them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import env_for, free_port
+from test_quorum import start_nodes
+from test_quorum_local import finish, stop_then_continue
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests/workers/quorum_worker.py"
+
+CLUSTER_SETTINGS = dict(shards=2, round_timeout=30)  # the refusal test's shards (conftest.cluster)
+
+
+async def test_a_late_push_encoded_before_two_setcodecs_changes_is_carried_into_the_round_under_way(start_shard):
+    """Rank 0 announces new bits before each round (3, 2, 5, 6 bits in rounds 1..4); node C stalls
+    in round 1, which closes without it, and so do rounds 2 and 3. C's late push of round 1, in
+    round 1's 3 bits, is checked against round 1's settings (which the shard keeps as long as it
+    keeps round 1's result for late nodes) and summed into round 4 with A's and B's 6-bit pushes."""
+    import asyncio
+
+    from cgx_ps.kernels import contributors_of, dequantize, quantize
+    from cgx_ps.v1 import ps_pb2
+    from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+    from cgx_ps.worker.shards.client import ShardClient
+    from support import SECURITY
+
+    shard = await start_shard(round_timeout_s=30)
+    layout = build_layout([TensorInfo("w", (64, 64))], 1, Compression(bits=4, bucket_size=256), block_bytes=1 << 20)
+    spec = layout.blocks[0]
+    block = spec.block_id
+    job = f"late-settings-{uuid.uuid4().hex[:6]}"
+    clients = [ShardClient(f"127.0.0.1:{shard.port}", f"node-{i}", 3, layout, connect_timeout_s=5, security=SECURITY,
+                           job_id=job, quorum=2, grace_ms=50) for i in range(3)]
+    grads = {(i, r): torch.randn(4096, generator=torch.Generator().manual_seed(10 * i + r)) for i in range(3)
+             for r in range(5)}
+
+    def push(i: int, r: int, bits: int) -> bytes:
+        return bytes(quantize(grads[(i, r)], bits, 256, stochastic=True, seed=10 * i + r).to_bytes())
+
+    def codec(bits: int) -> list[ps_pb2.BlockCodec]:
+        return [ps_pb2.BlockCodec(block_id=block, codec=ps_pb2.CodecSettings(
+            codec=ps_pb2.CODEC_MAXMIN, bits=bits, bucket_size=256, stochastic=True))]
+
+    try:
+        for c in clients:
+            await c.connect()
+        await asyncio.gather(*[c.exchange(block, 0, push(i, 0, 4)) for i, c in enumerate(clients)])
+        bits = {1: 3, 2: 2, 3: 5, 4: 6}  # each round's, announced by rank 0 before it
+        for round_ in (1, 2, 3):  # C stalls: A and B push, each round closes without it
+            await clients[0].set_codecs(round_, codec(bits[round_]))
+            await asyncio.gather(*[clients[i].exchange(block, round_, push(i, round_, bits[round_])) for i in (0, 1)])
+        await clients[0].set_codecs(4, codec(bits[4]))
+        # C wakes up: its push of round 1 in round 1's 3 bits, late: round 1's result, carried
+        late = await clients[2].exchange(block, 1, push(2, 1, 3))
+        assert contributors_of(late) == 2 and clients[2].stream.late == {block: 4}
+        results = await asyncio.gather(clients[0].exchange(block, 4, push(0, 4, 6)),
+                                       clients[1].exchange(block, 4, push(1, 4, 6)))
+        assert bytes(results[0]) == bytes(results[1]) and contributors_of(results[0]) == 3  # A4 + B4 + C's round 1
+        expected = sum(dequantize(p) for p in (push(0, 4, 6), push(1, 4, 6), push(2, 1, 3)))
+        got = dequantize(bytes(results[0]))
+        unit = (expected.max() - expected.min()) / 63  # the result's 6-bit step, at most, per bucket
+        assert torch.allclose(got, expected, atol=float(unit), rtol=0)
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def test_the_codec_schedule_keeps_the_settings_of_every_round_a_late_push_may_still_come_for():
+    from cgx_ps.server.rounds.block_state import prune_schedule
+    from cgx_ps.v1 import ps_pb2
+
+    bits = lambda b: ps_pb2.CodecSettings(codec=ps_pb2.CODEC_MAXMIN, bits=b, bucket_size=512)  # noqa: E731
+    schedule = []
+    for round_ in range(1, 41):  # a change every round; the block at round_ when it comes
+        oldest = round_ - 16  # under a quorum: the oldest closed round kept for late nodes
+        schedule = prune_schedule(schedule, oldest, round_) + [(round_, bits(2 + round_ % 7))]
+    # rounds 24..40 each have their entry; none older is kept: bounded by the rounds kept
+    assert [r for r, _ in schedule] == list(range(24, 41))
+    assert [r for r, _ in prune_schedule(schedule, 39, 41)] == [39, 40]  # without a quorum: the previous round's
+
+
+def run_with_a_stall(cluster, tmp_path: Path, args: list[str], steps: int, stop_at: int = 5, node: int = 2,
+                     **env: str) -> list[dict]:
+    """3 nodes train ``steps`` steps with ``args``, CGX_PS_QUORUM=2; ``node`` (2: not rank 0)
+    SIGSTOPs itself before its step ``stop_at`` for ~0.6 s, at most 12 of the others' 50 ms rounds (fewer
+    than the 16 a shard keeps for late nodes), and catches up after SIGCONT. Each node's JSON line."""
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), *args]
+                        + (["--sigstop-at", str(stop_at)] if r == node else []),
+                        tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **env)
+    stop_then_continue(procs, node, 0.6)
+    return finish(procs)
+
+
+def assert_in_step(results: list[dict], steps: int, interval: int) -> None:
+    """Every node ends as one: the same steps, parameters (and momentum), tuner decisions, block
+    settings, compression and checkpoint state, though node 2 caught up on rounds holding
+    decisions instead of computing them."""
+    assert [r["steps"] for r in results] == [steps] * 3
+    for key in ("digest", "decisions", "bits", "compress", "checkpoint"):
+        assert len({json.dumps(r[key]) for r in results}) == 1, (key, [r[key] for r in results])
+    assert len(results[0]["decisions"]) >= steps // interval - 1
+    caught_up = results[2]["caught_up"]
+    assert results[2]["computed"] < min(r["computed"] for r in results[:2]), results
+    # several of the tuner's decision boundaries (after step s, (s + 1) % interval == 0) fell in the
+    # rounds node 2 applied without computing them
+    assert sum(1 for s in caught_up if (s + 1) % interval == 0) >= 2, caught_up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["optimizer", "ddp hook"])
+def test_adaptive_bits_decided_while_a_node_is_stalled_reach_it_as_it_catches_up(local_cluster, tmp_path, front_end):
+    cluster = local_cluster(2, round_timeout=30)
+    ddp = ["--ddp"] if front_end == "ddp hook" else []
+    gloo = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())) if ddp else {}
+    steps = 30
+    results = run_with_a_stall(cluster, tmp_path, ["--compression", "adaptive:2", *ddp], steps, stop_at=7,
+                               **gloo)
+    assert_in_step(results, steps, 2)
+    # the worker's data makes the bits swing every 4 steps: some changed (SetCodecs) at decisions
+    # node 2 applied while catching up, and its late push (stopped in round 7, at 2 and 5 bits)
+    # reached the shards after two more changes (the shards keep its round's settings)
+    decisions = results[0]["decisions"]
+    changed = [d["from_round"] - 1 for prev, d in zip(decisions, decisions[1:]) if d["bits"] != prev["bits"]]
+    assert sum(1 for s in changed if s in results[2]["caught_up"]) >= 2, (changed, results[2]["caught_up"])
+    params = [torch.load(tmp_path / f"n{r}.pt") for r in range(3)]
+    assert all(torch.equal(params[0][k], p[k]) for p in params[1:] for k in params[0])
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_0_holds_the_others_at_the_next_decision_and_decides_as_it_catches_up(local_cluster,
+                                                                                              tmp_path):
+    # rank 0 stops before its step 6: the others close rounds 6 and 7 without it, then wait for
+    # its decision after step 7; it pushes round 6 late, and decides after step 7 as it applies
+    # that round without computing it, then skips round 8 (under way) as any late node does
+    cluster = local_cluster(2, round_timeout=30)
+    steps = 20
+    results = run_with_a_stall(cluster, tmp_path, ["--compression", "adaptive:2"], steps, stop_at=6, node=0)
+    assert [r["steps"] for r in results] == [steps] * 3
+    for key in ("digest", "decisions", "bits", "checkpoint"):
+        assert len({json.dumps(r[key]) for r in results}) == 1, (key, [r[key] for r in results])
+    caught_up = results[0]["caught_up"]
+    assert any(s % 2 == 1 for s in caught_up), caught_up  # a decision made by rank 0 while catching up
+    # the others waited for it there: they computed no more than a couple of rounds without it
+    assert all(r["computed"] >= steps - 4 for r in results[1:]), results
+
+
+@pytest.mark.slow
+def test_auto_mode_through_the_shards_switches_while_a_node_is_stalled_and_the_node_follows(local_cluster, tmp_path):
+    cluster = local_cluster(2, round_timeout=30)
+    steps = 36
+    results = run_with_a_stall(cluster, tmp_path, ["--compression", "auto:2", "--via", "shards"], steps)
+    assert_in_step(results, steps, 2)
+    modes = [d["compress"] for d in results[0]["decisions"]]
+    assert any(a != b for a, b in zip(modes, modes[1:])), modes  # a switch, which node 2 applied alike
+
+
+def test_auto_mode_with_uncompressed_steps_on_an_allreduce_is_refused_under_a_quorum(cluster, tmp_path):
+    env = env_for(0, 2, cluster.addresses, CGX_PS_JOB_ID=f"qtune-{uuid.uuid4().hex[:8]}", CGX_PS_QUORUM="1")
+    done = subprocess.run([sys.executable, str(WORKER), "--out", str(tmp_path / "n0.pt"), "--compression", "auto",
+                           "--via", "allreduce"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = json.loads(done.stdout.strip().splitlines()[-1])["refused"]
+    assert refused.startswith('CGX_PS_QUORUM=1 with compression="auto" needs uncompressed_via="shards"'), refused
+    assert "all_reduce, which waits for every rank" in refused
