@@ -166,7 +166,8 @@ def plane(request) -> str:
 # `--dist loadfile` hands files to the test processes in collection order, each to the first one
 # free: a long file collected last (test_worker.py, by its name) ran alone at the end while the
 # other process idled. Handed out first, long files overlap each other and short ones fill in.
-LONGEST_FILES = ("test_worker.py", "test_abandoned_step.py", "test_quorum.py", "test_resilience.py",
+LONGEST_FILES = ("test_worker.py", "test_abandoned_step.py", "test_quorum.py", "test_quorum_tuning.py",
+                 "test_quorum_local.py", "test_resilience.py",
                  "test_frameworks.py", "test_demo.py", "test_cold_start.py", "test_ddp_hook.py", "test_security.py",
                  "test_checkpoint.py", "test_cli.py", "test_dataplane.py", "test_autotune.py")
 
