@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Callable
 from pathlib import Path
 
 import pytest
@@ -52,17 +53,29 @@ def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
-def stop_then_continue(procs: list[subprocess.Popen], stopped: int, seconds: float) -> None:
+def stop_then_continue(procs: list[subprocess.Popen], stopped: int, seconds: float,
+                       until: Callable[[], bool] | None = None) -> None:
     """Wait until ``procs[stopped]`` has SIGSTOPped itself (the worker's --sigstop-at), leave it
-    stopped ``seconds``, SIGCONT it; if that fails, every process is killed."""
+    stopped ``seconds`` (or, with ``until``, until that holds, ``seconds`` at most), SIGCONT it;
+    if that fails, every process is killed."""
     try:
         wait_until_stopped(procs[stopped].pid, timeout=120)
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (until is not None and until()):
+            time.sleep(0.01)
         procs[stopped].send_signal(signal.SIGCONT)
     except BaseException:
         for proc in procs:
             proc.kill()
         raise
+
+
+def steps_done(progress: Path) -> int:
+    """The steps a quorum worker run with --progress wrote it had finished (0 before its first)."""
+    try:
+        return int(progress.read_text() or 0)
+    except (FileNotFoundError, ValueError):  # not written yet, or caught mid-write
+        return 0
 
 
 def test_quorum_rounds_are_accepted_with_several_local_ranks_per_node():
@@ -149,10 +162,13 @@ def test_a_node_whose_ranks_catch_up_applies_the_adaptive_bits_decided_meanwhile
     # among the ranks of another node, so every rank ends with the same decisions and settings
     cluster = local_cluster(2, round_timeout=30)
     steps, stopped = 24, NODES * LOCAL - 1
-    procs = start_ranks(cluster, lambda rank: ["--steps", str(steps), "--compression", "adaptive:2"]
+    progress = [tmp_path / f"progress{r}" for r in range(NODES * LOCAL)]
+    procs = start_ranks(cluster, lambda rank: ["--steps", str(steps), "--compression", "adaptive:2",
+                                               "--progress", str(progress[rank])]
                         + (["--sigstop-at", "7"] if rank == stopped else []),
                         tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20")
-    stop_then_continue(procs, stopped, 0.5)
+    # stopped until the other nodes have finished 10 rounds without node 2, on a loaded machine too
+    stop_then_continue(procs, stopped, 60.0, until=lambda: steps_done(progress[0]) >= steps_done(progress[stopped]) + 10)
     results = finish(procs)
     assert [r["steps"] for r in results] == [steps] * 6
     for key in ("digest", "decisions", "bits", "checkpoint"):

@@ -15,7 +15,7 @@ import torch
 
 from support import env_for, free_port
 from test_quorum import start_nodes
-from test_quorum_local import finish, stop_then_continue
+from test_quorum_local import finish, steps_done, stop_then_continue
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/quorum_worker.py"
@@ -93,13 +93,23 @@ def test_the_codec_schedule_keeps_the_settings_of_every_round_a_late_push_may_st
 
 def run_with_a_stall(cluster, tmp_path: Path, args: list[str], steps: int, stop_at: int = 5, node: int = 2,
                      **env: str) -> list[dict]:
-    """3 nodes train ``steps`` steps with ``args``, CGX_PS_QUORUM=2; ``node`` (2: not rank 0)
-    SIGSTOPs itself before its step ``stop_at`` for ~0.6 s, at most 12 of the others' 50 ms rounds (fewer
-    than the 16 a shard keeps for late nodes), and catches up after SIGCONT. Each node's JSON line."""
-    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), *args]
-                        + (["--sigstop-at", str(stop_at)] if r == node else []),
+    """3 nodes train ``steps`` steps with ``args``, CGX_PS_QUORUM=2; ``node`` SIGSTOPs itself before its
+    step ``stop_at`` (or the first later one of its parity: the worker's --sigstop-at-step) and catches
+    up after SIGCONT. Each node's JSON line.
+
+    Node 2 stays stopped until the others have finished 10 rounds without it (their progress files):
+    several decision boundaries, and fewer rounds than the 16 a shard keeps for late nodes, however
+    fast or slow the machine runs the others' rounds. Rank 0 (node 0) holds the others at its next
+    decision, so it stays stopped 0.6 s."""
+    progress = [tmp_path / f"progress{r}" for r in range(3)]
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), "--progress", str(progress[r]), *args]
+                        + (["--sigstop-at-step", str(stop_at)] if r == node else []),
                         tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **env)
-    stop_then_continue(procs, node, 0.6)
+    if node == 0:
+        stop_then_continue(procs, node, 0.6)
+    else:  # the stopped node's file holds its steps (it may have caught up on rounds before it stopped)
+        stop_then_continue(procs, node, 60.0,
+                           until=lambda: steps_done(progress[0]) >= steps_done(progress[node]) + 10)
     return finish(procs)
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -72,12 +73,17 @@ def main() -> None:
     p.add_argument("--stall-at", type=int, default=-1, help="computed step before which this node stalls")
     p.add_argument("--stall-s", type=float, default=0.0)
     p.add_argument("--sigstop-at", type=int, default=-1, help="computed step before which this node stops itself")
+    p.add_argument("--sigstop-at-step", type=int, default=-1,
+                   help="stops itself before the first step numbered this or later and of its parity (a node that caught "
+                        "up on rounds before may have passed the number itself; the parity keeps the stop where it is "
+                        "in a tuning interval of 2)")
     p.add_argument("--die-at", type=int, default=-1, help="computed step in whose backward this node is killed")
     p.add_argument("--step-s", type=float, default=0.05, help="emulated compute per step (a sleep)")
     p.add_argument("--ddp", action="store_true", help="DDP with the cgx-ps comm hook instead of DistributedOptimizer")
     p.add_argument("--compression", default="4bit", help="e.g. adaptive:3, auto:3 (tuned every 3 steps)")
     p.add_argument("--via", default="shards", help="uncompressed_via (auto mode's uncompressed steps)")
     p.add_argument("--out", required=True)
+    p.add_argument("--progress", help="a file this node writes its finished step count to after each step")
     args = p.parse_args()
     try:
         if args.ddp:
@@ -98,6 +104,9 @@ def main() -> None:
             time.sleep(args.stall_s)  # a stalled node: the others go on without it
         if computed == args.sigstop_at:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen until the test's SIGCONT
+        if 0 <= args.sigstop_at_step <= steps_taken() and (steps_taken() - args.sigstop_at_step) % 2 == 0:
+            args.sigstop_at_step = -1  # once
+            os.kill(os.getpid(), signal.SIGSTOP)
         x = torch.randn(16, 32, generator=data)
         if args.compression.startswith("adaptive") and steps_taken() // 4 % 2:
             # every other 4 steps of the job, the first layer's gradients 30x smaller: the bits
@@ -114,6 +123,8 @@ def main() -> None:
         opt.step()
         caught_up += range(before + 1, steps_taken())  # the steps of the rounds it applied without computing
         computed += 1
+        if args.progress:  # a test that stalls another node waits on it (test_quorum_tuning.run_with_a_stall)
+            Path(args.progress).write_text(str(steps_taken()))
     params = {n: t.detach().clone() for n, t in model.state_dict().items()}
     params.update({f"momentum/{i}": opt.state[p]["momentum_buffer"].clone()
                    for i, p in enumerate(model.parameters()) if p in opt.state})
