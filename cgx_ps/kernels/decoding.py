@@ -143,12 +143,7 @@ def _decode_cpu(body: np.ndarray, h: Header, out: np.ndarray, accumulate: bool, 
                 scale: float = 1.0) -> None:
     """Decode into float32 ``out`` (flat), or add into it, times ``scale``."""
     if h.codec != Codec.MAXMIN:
-        values = _float_values(body, h)
-        if accumulate:
-            np.add(out, values, out=out)
-        else:
-            out[:] = values
-        _scaled(out, scale)
+        _store(out, _float_values(body, h), accumulate, scale)
         return
     meta, packed = split_maxmin_body(body, h.numel, h.bucket_size)
     if not meta.flags.aligned:
@@ -165,13 +160,19 @@ def _decode_cpu(body: np.ndarray, h: Header, out: np.ndarray, accumulate: bool, 
         torch = torch_module()
         values = reference.decode_maxmin(torch.from_numpy(meta.copy()).view(-1, 2), torch.from_numpy(packed.copy()),
                                          h.numel, h.bits, h.bucket_size).numpy()
-        if accumulate:
-            np.add(out, values, out=out)
-        else:
-            out[:] = values
-            _scaled(out, scale)
+        _store(out, values, accumulate, scale)
         return
     cpu.decode_maxmin_into(meta, packed, out, accumulate, h.bits, h.bucket_size, scale)
+
+
+def _store(out: np.ndarray, values: np.ndarray, accumulate: bool, scale: float) -> None:
+    """``values`` written into ``out``, or added to it, then times ``scale`` (1 when accumulating:
+    ``dequantize`` refuses the two together)."""
+    if accumulate:
+        np.add(out, values, out=out)
+    else:
+        out[:] = values
+    _scaled(out, scale)
 
 
 def _float_values(body: np.ndarray, h: Header) -> np.ndarray:
