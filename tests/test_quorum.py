@@ -132,10 +132,12 @@ def test_a_node_late_once_by_more_than_the_grace_is_not_late_from_then_on(local_
     # node 2 is held up once by a little less than a step, more than the grace: its push of that
     # round is late, and it would start every later compute that much after the others (late
     # on every round, each costing the grace) had it not skipped the round under way to resync
+    # steps of 100 ms and a 90 ms stall: 75 ms past the grace, which the others' own scheduling delays
+    # on a loaded machine do not make up (with 50 ms and 45 ms the node was once in time)
     cluster = local_cluster(2, round_timeout=30)
     steps = 40
-    results = run_nodes(cluster, 3, node_2_stalls(steps, 5, 0.045), tmp_path, CGX_PS_QUORUM="2",
-                        CGX_PS_GRACE_MS="15")
+    results = run_nodes(cluster, 3, lambda r: node_2_stalls(steps, 5, 0.09)(r) + ["--step-s", "0.1"], tmp_path,
+                        CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="15")
     assert len({r["digest"] for r in results}) == 1, results
     for address in cluster.addresses:
         status = shard_status(address)
