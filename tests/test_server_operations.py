@@ -188,7 +188,7 @@ async def test_drain_after_a_failed_round_does_not_wait_for_it() -> None:
 
 
 def test_a_shard_process_sums_and_re_encodes_without_loading_torch(tmp_path) -> None:
-    """A shard never imports torch (kernels/arrays.py): its ~190 MiB and its second of start-up are
+    """A shard never imports torch (kernels/encoding.py): its ~190 MiB and its second of start-up are
     a worker's business. Rounds through a real ``cgx-ps server`` process, with server-side error
     feedback and a float block, give the right aggregates, and torch's library is not mapped."""
     port_file = tmp_path / "ports.json"

@@ -8,7 +8,7 @@
 
 Implementations: plain-torch reference (``reference``), fused multithreaded CPU kernels (``cpu``,
 numba) and CuPy kernels for CUDA tensors (``cuda``); the input's device picks one. Inputs are torch
-tensors or numpy arrays: a shard sums numpy arrays and never imports torch (``arrays``). Modules:
+tensors or numpy arrays: a shard sums numpy arrays and never imports torch (``encoding``). Modules:
 ``encoding`` and ``decoding`` (one tensor to and from the wire format, ``wire``), ``feedback``
 (encoding with error feedback), ``summation`` (a shard's sum of pushes). This package imports
 nothing else of cgx_ps, so it can be reused on its own.

@@ -6,7 +6,7 @@ A payload from the wire is hostile: its header, size, crc32, max-min metadata an
 a float body are all checked before anything is written, so a bad payload raises CodecError and
 leaves the output untouched. The output's device picks the implementation as for encoding
 (``encoding.pick_impl``): CuPy kernels for CUDA, fused numba kernels for the CPU (a torch
-tensor's memory, or a numpy array: a shard's sums, ``arrays.py``), or the plain-torch reference.
+tensor's memory, or a numpy array: a shard's sums, ``encoding.is_tensor``), or the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import cpu, wire
-from .arrays import device_type, host_view, is_tensor, torch_module
-from .encoding import BytesLike, EncodedBlock, Impl, pick_impl
+from .encoding import BytesLike, EncodedBlock, Impl, device_type, host_view, is_tensor, pick_impl, torch_module
 from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header, split_maxmin_body
 

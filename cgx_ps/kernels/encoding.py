@@ -3,8 +3,10 @@
 
 The device of the input picks the implementation (``pick_impl``): CUDA tensors use the CuPy
 kernels (``cuda.py``), CPU tensors and numpy arrays the fused numba kernels (``cpu.py``; a shard
-encodes numpy arrays and never imports torch: ``arrays.py``); ``impl="reference"`` forces the
-plain-torch reference for tests. All three write the same bytes (docs/wire-format.md).
+encodes numpy arrays and never imports torch, which spares each shard process torch's ~190 MiB and
+a second or more of CPU at every start; ``is_tensor`` and ``host_view`` tell the two kinds apart
+without importing it); ``impl="reference"`` forces the plain-torch reference for tests. All three
+write the same bytes (docs/wire-format.md).
 """
 
 from __future__ import annotations
@@ -17,15 +19,42 @@ from typing import Any, Literal, Union
 import numpy as np
 
 from . import cpu, wire
-from .arrays import device_type, host_view, is_tensor, torch_module
 from .errors import CodecError
 from .wire import HEADER_SIZE, Codec, Header, split_maxmin_body
 
-__all__ = ["BytesLike", "EncodedBlock", "Impl", "PayloadScratch", "encode", "non_finite_block", "pick_impl",
-           "quantize"]
+__all__ = ["BytesLike", "EncodedBlock", "Impl", "PayloadScratch", "device_type", "encode", "host_view", "is_tensor",
+           "non_finite_block", "pick_impl", "quantize", "torch_module"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host runs torch training today
     raise ImportError("cgx_ps.kernels reads and writes little-endian buffers in place")
+
+# ---- the arrays the codecs take: numpy arrays, or torch tensors where the caller has torch ----------
+
+
+def is_tensor(x: Any) -> bool:
+    """Is ``x`` a torch tensor? (False, without importing torch, where nothing imported it.)"""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def device_type(x: Any) -> str:
+    """"cuda" for a CUDA tensor, else "cpu" (numpy arrays, bytes, CPU tensors)."""
+    return x.device.type if is_tensor(x) else "cpu"
+
+
+def host_view(x: Any) -> np.ndarray:
+    """A CPU array's memory as a numpy array: a numpy array as it is, a CPU tensor's ``.numpy()``
+    view (writes through to the tensor)."""
+    return x.numpy() if is_tensor(x) else x
+
+
+def torch_module() -> Any:
+    """torch, imported on first use: only the plain-torch reference implementation and results
+    returned to a caller without an ``out`` need it."""
+    import torch
+
+    return torch
+
 
 Impl = Literal["auto", "reference", "cpu", "cuda"]
 BytesLike = Union[bytes, bytearray, memoryview]

@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import host_view, is_tensor, torch_module
 from .decoding import dequantize
-from .encoding import EncodedBlock, PayloadScratch, encode
+from .encoding import EncodedBlock, PayloadScratch, encode, host_view, is_tensor, torch_module
 from .wire import Codec
 
 __all__ = ["ErrorFeedback", "encode_block", "encode_with_feedback"]

@@ -37,9 +37,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import cpu
-from .arrays import host_view
 from .decoding import check_payload, dequantize
-from .encoding import BytesLike, EncodedBlock, PayloadScratch, non_finite_block
+from .encoding import BytesLike, EncodedBlock, PayloadScratch, host_view, non_finite_block
 from .errors import CodecError
 from .feedback import ErrorFeedback, encode_block
 from .wire import FLAG_STOCHASTIC, HEADER_SIZE, Codec, Header, pack_header, split_maxmin_body
