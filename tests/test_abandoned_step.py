@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from support import env_for, plane_env, until
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/abandon_worker.py"
@@ -33,8 +34,8 @@ def run(cluster, world: int, args_for, timeout: float = 300, plane: str = "grpc"
     """``world`` ranks of abandon_worker.py, rank r with ``args_for(r)``, streaming on ``plane``;
     their JSON lines."""
     job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}", **plane_env(plane)}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), *args_for(r)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env_for(r, world, cluster.addresses, **job))
+    procs = [start_worker([sys.executable, str(WORKER), *args_for(r)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env_for(r, world, cluster.addresses, **job))
              for r in range(world)]
     out = []
     try:
@@ -189,9 +190,9 @@ def test_a_loop_that_does_not_catch_a_non_finite_gradient_stops_every_rank_promp
     timeout, rank 0 naming the tensor, rank 1 saying the step was abandoned. Before, rank 1 sat
     until the 120 s round timeout."""
     job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--steps", str(STEPS), "--fail-at", str(FAIL_AT),
-                               "--no-catch", *(["--nan"] if r == 0 else [])], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env_for(r, 2, cluster.addresses, **job))
+    procs = [start_worker([sys.executable, str(WORKER), "--steps", str(STEPS), "--fail-at", str(FAIL_AT),
+                           "--no-catch", *(["--nan"] if r == 0 else [])], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env_for(r, 2, cluster.addresses, **job))
              for r in range(2)]
     try:
         errs = []
@@ -234,9 +235,9 @@ def test_ranks_that_differ_in_allow_non_finite_are_refused_at_start(cluster):
     at start, naming the setting and both values. Before, both trained, each ready to end such a
     step its own way."""
     job = {"CGX_PS_JOB_ID": f"abandon-{uuid.uuid4().hex[:8]}"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--steps", str(STEPS),
-                               *(["--allow-non-finite"] if r == 0 else [])], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env=env_for(r, 2, cluster.addresses, **job))
+    procs = [start_worker([sys.executable, str(WORKER), "--steps", str(STEPS),
+                           *(["--allow-non-finite"] if r == 0 else [])], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, env=env_for(r, 2, cluster.addresses, **job))
              for r in range(2)]
     try:
         # the refused rank exits; the other, registered, would wait for it at its first round

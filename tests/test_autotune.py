@@ -20,6 +20,7 @@ from cgx_ps.worker.tuning.tuner import Decision
 from cgx_ps.worker.tuning.auto_mode import REEXPLORE, AutoFigures, ModeChooser, keep_or_switch
 from cgx_ps.worker.broadcast.blob_format import decode_object, encode_object
 from cgx_ps.worker.pipeline.blocks import Compression
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -42,9 +43,9 @@ def test_adaptive_bits_change_on_the_same_round_everywhere(tmp_path, local_clust
     job = uuid.uuid4().hex[:8]
     c = local_cluster(2, round_timeout=20, metrics_base_port=0)
     outs = [tmp_path / f"{r}.pt" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--compression",
-                               "adaptive:2", "--steps", "6", "--hidden", "512", "--out", str(outs[r])],
-                              env=_env(r, 2, c.addresses, job), stderr=subprocess.PIPE, text=True)
+    procs = [start_worker([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--compression",
+                           "adaptive:2", "--steps", "6", "--hidden", "512", "--out", str(outs[r])],
+                          env=_env(r, 2, c.addresses, job), stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errs[0][-2000:] + errs[1][-2000:]
@@ -72,7 +73,7 @@ def _run_auto(model: str, servers: list[str], spawn=None, steps: int = 3, interv
     argv = [sys.executable, str(ROOT / "tests/workers/auto_worker.py"), "--model", model, "--steps", str(steps),
             "--interval", str(interval)]
     env = _env(0, 1, servers, job)
-    proc = spawn(argv, env) if spawn else subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+    proc = spawn(argv, env) if spawn else start_worker(argv, env=env, stdout=subprocess.PIPE,
                                                             stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]

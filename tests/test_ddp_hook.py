@@ -23,6 +23,7 @@ from cgx_ps.server import LocalCluster
 from cgx_ps.v1 import ps_pb2
 from support import plane_env
 from workers.step_worker import rank_gradient
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,9 +46,9 @@ def run_ddp_workers(cluster: LocalCluster, out: Path, *args: str, timeout: float
                    LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES=str(WORLD),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1",
                    CGX_PS_CONNECT_TIMEOUT="20", **(env_extra or {}))
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/ddp_worker.py"),
-                                       "--out", str(out / f"rank{rank}.pt"), *args],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_worker([sys.executable, str(ROOT / "tests/workers/ddp_worker.py"),
+                                   "--out", str(out / f"rank{rank}.pt"), *args],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         errs = [p.communicate(timeout=timeout)[1] for p in procs]
     finally:

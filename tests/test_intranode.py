@@ -32,6 +32,7 @@ from cgx_ps.worker.intranode.reduction import NodeReducer, choose_transport
 from cgx_ps.worker.intranode.rendezvous import _HELLO, _RDV_MAGIC, rendezvous_name
 from cgx_ps.worker.intranode.segment import _MAGIC, Segment
 from workers import reduce_worker
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,12 +77,12 @@ def _names() -> tuple[str, str]:
 
 def _worker(rank: int, size: int, job: str, tag: str, out: Path, *, device: str = "cpu", transport: str = "auto",
             steps: int = 3, timeout: float = 30) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "tests/workers/reduce_worker.py"), "--local-rank", str(rank),
-                             "--size", str(size), "--job", job, "--run-tag", tag, "--device", device,
-                             "--transport", transport, "--steps", str(steps), "--timeout", str(timeout),
-                             "--out", str(out)],
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return start_worker([sys.executable, str(ROOT / "tests/workers/reduce_worker.py"), "--local-rank", str(rank),
+                         "--size", str(size), "--job", job, "--run-tag", tag, "--device", device,
+                         "--transport", transport, "--steps", str(steps), "--timeout", str(timeout),
+                         "--out", str(out)],
+                        env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
 
 
 def run_node(tmp_path: Path, size: int, device: str = "cpu", transport: str = "auto", steps: int = 3) -> list[dict]:

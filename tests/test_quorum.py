@@ -21,6 +21,7 @@ from cgx_ps.server.rounds.quorum import LateWatch, QuorumRule, RoundHistory
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker import ConfigError, WorkerConfig
 from support import METADATA, env_for, free_port, wait_until_stopped
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/quorum_worker.py"
@@ -30,9 +31,9 @@ CLUSTER_SETTINGS = dict(shards=2, round_timeout=30)  # the refusal test's shards
 
 def start_nodes(cluster, nodes: int, args_for, tmp_path: Path, **env: str) -> list[subprocess.Popen]:
     job = {"CGX_PS_JOB_ID": f"quorum-{uuid.uuid4().hex[:8]}", **env}
-    return [subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path / f"n{r}.pt"), *args_for(r)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env_for(r, nodes, cluster.addresses, **job))
+    return [start_worker([sys.executable, str(WORKER), "--out", str(tmp_path / f"n{r}.pt"), *args_for(r)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env_for(r, nodes, cluster.addresses, **job))
             for r in range(nodes)]
 
 

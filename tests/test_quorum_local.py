@@ -22,6 +22,7 @@ from cgx_ps.worker.intranode.reduction import NodeReducer
 from cgx_ps.worker.pipeline.catch_up import node_closed, node_late_at
 from support import env_for, free_port, wait_until_stopped
 from workers import reduce_worker
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/workers/quorum_worker.py"
@@ -36,9 +37,9 @@ def start_ranks(cluster, args_for, tmp_path: Path, nodes: int = NODES, **env: st
         node, local = divmod(rank, LOCAL)
         rank_env = env_for(rank, nodes * LOCAL, cluster.addresses, LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(LOCAL),
                            CGX_PS_NODE_RANK=str(node), CGX_PS_NUM_NODES=str(nodes), **job)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path / f"r{rank}.pt"),
-                                       *args_for(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env=rank_env))
+        procs.append(start_worker([sys.executable, str(WORKER), "--out", str(tmp_path / f"r{rank}.pt"),
+                                   *args_for(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=rank_env))
     return procs
 
 

@@ -29,6 +29,7 @@ import torch
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from support import METADATA, SECURITY, plane_env, plane_settings, until
 from test_worker import env_for, expected_params
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_WORKER = ROOT / "tests/workers/step_worker.py"
@@ -117,10 +118,10 @@ def wait_for_rounds(address: str, rounds: int, workers: list[subprocess.Popen], 
 def start_workers(servers: list[str], tmp_path: Path, steps: int, **env: str) -> list[subprocess.Popen]:
     job = {"CGX_PS_JOB_ID": f"chaos-{uuid.uuid4().hex[:8]}", **env}
     # a small model in many blocks (both shards own several), so the reference replay is quick
-    return [subprocess.Popen([sys.executable, str(STEP_WORKER), "--steps", str(steps), "--step-sleep", "0.05",
-                              "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"rank{r}.pt")],
-                             env=env_for(r, 2, servers, **job), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    return [start_worker([sys.executable, str(STEP_WORKER), "--steps", str(steps), "--step-sleep", "0.05",
+                          "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"rank{r}.pt")],
+                         env=env_for(r, 2, servers, **job), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
             for r in range(2)]
 
 
@@ -257,11 +258,11 @@ def test_a_stopped_shard_is_named_by_every_local_rank_of_a_node(tmp_path: Path, 
     round_timeout = 3
     job = f"chaos-{uuid.uuid4().hex[:8]}"
     cluster = local_cluster(2, round_timeout=round_timeout)
-    workers = [subprocess.Popen([sys.executable, str(STEP_WORKER), "--steps", "10000", "--step-sleep", "0.05",
-                                 "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"r{r}.pt")],
-                                env=env_for(r, 2, cluster.addresses, CGX_PS_JOB_ID=job, LOCAL_RANK=str(r),
-                                            LOCAL_WORLD_SIZE="2", CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [start_worker([sys.executable, str(STEP_WORKER), "--steps", "10000", "--step-sleep", "0.05",
+                             "--hidden", "100", "--block-bytes", "8192", "--out", str(tmp_path / f"r{r}.pt")],
+                            env=env_for(r, 2, cluster.addresses, CGX_PS_JOB_ID=job, LOCAL_RANK=str(r),
+                                        LOCAL_WORLD_SIZE="2", CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for r in range(2)]
     wait_for_rounds(cluster.addresses[1], 3, workers)
     results, stopped = finish_with_shard_stopped(cluster, 1, workers, timeout_s=60)

@@ -38,6 +38,7 @@ from cgx_ps.worker.shards.exchange_stream import ExchangeStream
 from cgx_ps.worker.errors import ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from support import METADATA, SECURITY, TOKEN_FILE
+from workers.warm_start import start_worker
 
 SHARD_SETTINGS = dict(round_timeout_s=3.0, drain_timeout_s=2.0)  # conftest.start_shard
 
@@ -130,8 +131,8 @@ def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer, local_
                LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK="1", CGX_PS_NUM_NODES=str(nodes), CGX_PS_JOB_ID=job,
                OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
     layout_file = tmp_path / "layout.pb"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests/workers/broadcast_worker.py"), "--layout-out",
-                             str(layout_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_worker([sys.executable, str(ROOT / "tests/workers/broadcast_worker.py"), "--layout-out",
+                         str(layout_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not layout_file.exists():
@@ -427,9 +428,9 @@ def test_workers_train_bit_identically_over_mutual_tls(pki, tmp_path, local_clus
                    LOCAL_WORLD_SIZE="1", CGX_PS_NODE_RANK=str(rank), CGX_PS_NUM_NODES="2", CGX_PS_JOB_ID=job,
                    OMP_NUM_THREADS="1", CGX_PS_TLS_CA=pki["ca"], CGX_PS_TLS_CERT=pki["client"],
                    CGX_PS_TLS_KEY=pki["client_key"])
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--steps", "3",
-                                       "--out", str(tmp_path / f"{rank}.pt")], env=env, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(start_worker([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--steps", "3",
+                                   "--out", str(tmp_path / f"{rank}.pt")], env=env, stderr=subprocess.PIPE,
+                                  text=True))
     errors = [p.communicate(timeout=180)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errors
     a, b = (torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2))

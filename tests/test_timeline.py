@@ -19,6 +19,7 @@ from cgx_ps import cli, timeline
 from cgx_ps.server.config import ServerConfig
 from cgx_ps.worker import ConfigError
 from support import env_for, wait_until_stopped
+from workers.warm_start import start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,10 +60,10 @@ def test_a_two_worker_job_traces_every_process_on_one_clock(tmp_path, local_clus
                                                           "--timeline-steps", "1:3"])
     # rank 0 trains 4 steps and ends normally; rank 1 stops itself before a 5th step and is
     # then killed with SIGTERM, as torchrun stops the workers of a failed job
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
-                               str(tmp_path / f"rank{r}.pt"), *args],
-                              env=env_for(r, 2, cluster.addresses, **job), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    procs = [start_worker([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
+                           str(tmp_path / f"rank{r}.pt"), *args],
+                          env=env_for(r, 2, cluster.addresses, **job), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
              for r, args in enumerate([["--steps", "4"], ["--steps", "5", "--stall-at-step", "4"]])]
     try:
         out, err = procs[0].communicate(timeout=240)

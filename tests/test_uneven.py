@@ -20,6 +20,7 @@ from cgx_ps.worker.errors import CgxPsError
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from cgx_ps.worker.shards.client import ShardClient
 from support import SECURITY, env_for
+from workers.warm_start import start_worker
 
 NUMEL = 1000
 WORKER = Path(__file__).resolve().parent / "workers/join_worker.py"
@@ -112,8 +113,8 @@ async def test_a_gradient_from_a_node_that_left_is_refused_naming_it(start_shard
 
 def run_nodes(cluster, batches: list[int], timeout: float = 240, **env: str) -> list[dict]:
     job = {"CGX_PS_JOB_ID": f"uneven-{uuid.uuid4().hex[:8]}", **env}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--batches", str(n)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env_for(r, len(batches), cluster.addresses, **job))
+    procs = [start_worker([sys.executable, str(WORKER), "--batches", str(n)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env_for(r, len(batches), cluster.addresses, **job))
              for r, n in enumerate(batches)]
     outs = [proc.communicate(timeout=timeout) for proc in procs]
     failed = [f"node {r} exit {proc.returncode}:\n{err[-3000:]}" for r, (proc, (_, err)) in enumerate(zip(procs, outs))

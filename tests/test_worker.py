@@ -22,6 +22,7 @@ from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker.pipeline.codec_threads import plan_threads
 from support import env_for, plane_env
 from workers.step_worker import rank_gradient
+from workers.warm_start import start_worker, run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +35,8 @@ CLUSTER_SETTINGS = dict(shards=2, round_timeout=8)  # the tests' shared shards p
 def run_workers(script: Path, world: int, servers: list[str], args_for, timeout: float = 240,
                 env_extra: dict | None = None) -> list[subprocess.CompletedProcess]:
     job = {"CGX_PS_JOB_ID": f"test-{uuid.uuid4().hex[:8]}", **(env_extra or {})}
-    procs = [subprocess.Popen([sys.executable, str(script), *args_for(r)], env=env_for(r, world, servers, **job),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [start_worker([sys.executable, str(script), *args_for(r)], env=env_for(r, world, servers, **job),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -182,8 +183,8 @@ def test_a_node_started_alone_says_whom_it_waits_for_and_names_them_when_it_give
     the root's broadcast ("was not put within ... did the root rank fail"). Node 0 never joined."""
     c = local_cluster(1, round_timeout=3)
     env = env_for(1, 2, c.addresses, CGX_PS_JOB_ID=f"test-{uuid.uuid4().hex[:8]}")
-    alone = subprocess.run([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
-                            str(tmp_path / "1.pt")], env=env, capture_output=True, text=True, timeout=120)
+    alone = run_worker([sys.executable, str(ROOT / "tests/workers/step_worker.py"), "--out",
+                        str(tmp_path / "1.pt")], env=env, capture_output=True, text=True, timeout=120)
     assert alone.returncode != 0
     assert "waiting for blob 'broadcast/0': 1 of 2 nodes have joined shard" in alone.stderr, alone.stderr[-800:]
     assert "not yet: node-0" in alone.stderr
@@ -261,8 +262,8 @@ def run_nodes(cluster, nodes: int, local: int, args_for, timeout: float = 240, e
                        WORLD_SIZE=str(local), CGX_PS_NODE_RANK=str(node), CGX_PS_NUM_NODES=str(nodes),
                        CGX_PS_SERVERS=",".join(cluster.addresses), CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1",
                        CGX_PS_CONNECT_TIMEOUT="20", **(env_extra or {}))
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args_for(rank)],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(start_worker([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args_for(rank)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -351,8 +352,8 @@ def test_stalled_local_rank_fails_its_node_within_the_timeout(tmp_path, local_cl
                    CGX_PS_NODE_RANK="0", CGX_PS_NUM_NODES="1", CGX_PS_SERVERS=c.addresses[0],
                    CGX_PS_JOB_ID=job, OMP_NUM_THREADS="1", CGX_PS_CONNECT_TIMEOUT="20")
         args = ["--steps", "3", "--out", str(tmp_path / f"{lr}.pt"), *(["--stall-at-step", "1"] if lr else [])]
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_worker([sys.executable, str(ROOT / "tests/workers/step_worker.py"), *args],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     stalled, survivor = procs[1], procs[0]
     try:
         deadline = time.monotonic() + 60

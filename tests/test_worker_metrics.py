@@ -4,7 +4,6 @@ records, and a real worker process serving them while it trains against a real s
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -14,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cgx_ps.worker import StepStats
 from cgx_ps.worker.metrics import WorkerMetrics, after_step
 from support import free_port
+from workers.warm_start import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,8 +64,8 @@ def test_a_training_worker_serves_its_metrics(local_cluster):
     env = dict(os.environ, **cluster.worker_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                LOCAL_WORLD_SIZE="1", CGX_PS_JOB_ID=uuid.uuid4().hex[:8], OMP_NUM_THREADS="1",
                CGX_PS_WORKER_METRICS_PORT=str(port), CGX_PS_WORKER_METRICS_HOST="127.0.0.1")
-    res = subprocess.run([sys.executable, str(ROOT / "tests/workers/metrics_worker.py"), "--compression",
-                          "adaptive:2", "--steps", "5"], env=env, capture_output=True, text=True, timeout=240)
+    res = run_worker([sys.executable, str(ROOT / "tests/workers/metrics_worker.py"), "--compression",
+                      "adaptive:2", "--steps", "5"], env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     got = samples(res.stdout)
     assert got[("cgx_ps_worker_steps_total", ())] == 5

@@ -4,7 +4,6 @@ behaviour plain PyTorch would have, never silently diverging replicas or a hang.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -20,6 +19,7 @@ from cgx_ps.worker import runtime
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
 from prometheus_client.parser import text_string_to_metric_families
 from support import env_for, free_port
+from workers.warm_start import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -31,8 +31,8 @@ CLUSTER_SETTINGS = dict(shards=2, round_timeout=5)  # the tests' shared shards (
 def run(cluster, scenario: str, servers: list[str] | None = None, **env_vars: str) -> dict:
     env = env_for(0, 1, servers or cluster.addresses, CGX_PS_JOB_ID=uuid.uuid4().hex[:8], CGX_PS_CONNECT_TIMEOUT="10",
                   **env_vars)
-    res = subprocess.run([sys.executable, str(ROOT / "tests/workers/misuse_worker.py"), scenario], env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = run_worker([sys.executable, str(ROOT / "tests/workers/misuse_worker.py"), scenario], env=env,
+                     capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
