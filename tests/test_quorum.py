@@ -79,6 +79,25 @@ def test_a_stalled_node_does_not_hold_the_others_and_catches_up_to_identical_par
 
 
 @pytest.mark.slow
+def test_checkpoints_saved_after_a_catch_up_resume_every_node_to_identical_parameters(local_cluster, tmp_path):
+    # node 2 stalls and catches up, then every node saves its state_dict(); the job restarted (as
+    # torchrun restarts it: the same job) loads each node's own file, and the shards resume the
+    # blocks at the checkpoint's rounds, which the caught-up node's counters must match
+    cluster = local_cluster(2, round_timeout=30)
+    settings = dict(CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", CGX_PS_JOB_ID=f"quorum-{uuid.uuid4().hex[:8]}")
+    ckpt = [tmp_path / f"ckpt{r}.pt" for r in range(3)]
+    first = run_nodes(cluster, 3, lambda r: node_2_stalls(16, 4, 0.8)(r) + ["--save", str(ckpt[r])], tmp_path,
+                      **settings)
+    assert first[2]["caught_up"] and len({r["digest"] for r in first}) == 1, first
+    assert len({json.dumps(r["checkpoint"]) for r in first}) == 1, [r["checkpoint"] for r in first]
+    resumed = run_nodes(cluster, 3, lambda r: ["--steps", "22", "--resume", str(ckpt[r])], tmp_path, **settings)
+    assert [r["steps"] for r in resumed] == [22] * 3
+    assert all(r["computed"] + len(r["caught_up"]) == 6 for r in resumed), resumed  # counted on from step 16
+    assert len({r["digest"] for r in resumed}) == 1 and resumed[0]["digest"] != first[0]["digest"], resumed
+    assert resumed[0]["checkpoint"]["rounds"] == [22] * len(first[0]["checkpoint"]["rounds"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("front_end", ["optimizer", "ddp hook"])
 def test_a_sigstopped_node_is_passed_by_the_others_and_after_sigcont_catches_up_to_identical_parameters(
         local_cluster, tmp_path, front_end):

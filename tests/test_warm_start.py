@@ -23,7 +23,8 @@ def unreachable_env(**extra: str) -> dict[str, str]:
 
 
 def test_a_warm_worker_takes_its_argv_environment_and_directory_and_exits_with_its_code(tmp_path):
-    usage = run_worker([sys.executable, str(WORKER), "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    usage = run_worker([sys.executable, str(WORKER), "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
     assert usage.returncode == 0 and usage.stdout.startswith("usage: quorum_worker.py"), usage
     bad = run_worker([sys.executable, str(WORKER), "--steps", "many"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "invalid int value: 'many'" in bad.stderr, bad

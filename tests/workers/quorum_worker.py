@@ -1,8 +1,10 @@
-"""A worker for tests/test_quorum.py: a small model trained with DistributedOptimizer (or, with --ddp, DDP over
-gloo with the cgx-ps comm hook, its SGD caught up by cgx.catch_up_with) until the job has taken --steps steps, with seeded per-node data; --stall-at/--stall-s make this node stall (a sleep) before one of
-the steps it computes; --sigstop-at makes it SIGSTOP itself there instead (the whole process frozen, its gRPC
-threads too, until the test sends SIGCONT); --die-at makes it SIGKILL itself after that step's backward (its pushes
-under way).
+"""A worker for tests/test_quorum.py: a small model trained with DistributedOptimizer (or, with
+--ddp, DDP over gloo with the cgx-ps comm hook, its SGD caught up by cgx.catch_up_with) until the
+job has taken --steps steps, with seeded per-node data; --stall-at/--stall-s make this node stall
+(a sleep) before one of the steps it computes; --sigstop-at makes it SIGSTOP itself there instead
+(the whole process frozen, its gRPC threads too, until the test sends SIGCONT); --die-at makes it
+SIGKILL itself after that step's backward (its pushes under way); --save/--resume write and load
+a checkpoint (the model's and the optimizer's state_dict()).
 
 Prints one JSON line: the node's steps, how many it computed itself and which it caught up on,
 a digest of its final parameters, the seconds its training loop took, and what the tuner left
@@ -84,6 +86,8 @@ def main() -> None:
     p.add_argument("--via", default="shards", help="uncompressed_via (auto mode's uncompressed steps)")
     p.add_argument("--out", required=True)
     p.add_argument("--progress", help="a file this node writes its finished step count to after each step")
+    p.add_argument("--save", help="a file the model's and the optimizer's state_dict() go to at the end")
+    p.add_argument("--resume", help="a --save file to load before training (the steps count on from its own)")
     args = p.parse_args()
     try:
         if args.ddp:
@@ -93,6 +97,10 @@ def main() -> None:
             config, model, opt, data = small_job(args.compression, args.via)
             driver = lambda: opt._cgx_driver  # noqa: E731
         steps_taken = lambda: driver().pipe.steps  # noqa: E731
+        if args.resume:
+            saved = torch.load(args.resume)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
         steps_taken()
     except cgx.ConfigError as refused:  # the DDP hook's driver opens at the first backward
         print(json.dumps({"refused": str(refused)}), flush=True)
@@ -129,6 +137,8 @@ def main() -> None:
     params.update({f"momentum/{i}": opt.state[p]["momentum_buffer"].clone()
                    for i, p in enumerate(model.parameters()) if p in opt.state})
     torch.save(params, args.out)
+    if args.save:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, args.save)
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in params.values())).hexdigest()
     # what the tuner left: the settings and mode each round travels with, and the checkpoint's state
     pipe, saved = driver().pipe, driver().state_dict()

@@ -37,8 +37,8 @@ class _Zygote:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.process = subprocess.Popen([sys.executable, __file__], pass_fds=[theirs.fileno()],
-                                        stdin=subprocess.DEVNULL, env={**os.environ, "CGX_PS_ZYGOTE_FD": str(theirs.fileno())})
+        self.process = subprocess.Popen([sys.executable, __file__], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                        env={**os.environ, "CGX_PS_ZYGOTE_FD": str(theirs.fileno())})
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()  # one spawn request at a time: its reply is the next "pid" message
@@ -67,7 +67,8 @@ class _Zygote:
             if not data:
                 return
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, new_session: bool, fds: list[int]) -> tuple[int, int]:
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, new_session: bool,
+              fds: list[int]) -> tuple[int, int]:
         """Fork a child running ``argv`` (python, script, args...) with ``fds`` as its stdin,
         stdout and stderr; its pid and its spawn id."""
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "new_session": new_session}).encode()
