@@ -43,6 +43,8 @@ class Cell:
     option: str
     measured_s: float
     model: str = "mlp17m"  # or a shaped model (benchmarks/shaped_model.py): its compute slept, not run
+    scale: float = 1.0  # a shaped model's cluster.py --scale: its tensors, links, buckets and blocks times this
+    block_mb: float = 4.0  # cluster.py --block-mb (cgx-ps's blocks at full size)
 
 
 # compute: 0.100 and 0.139 (the two 1 Gbit/s runs' own), 0.138 (benchmarks/results/cluster-10gbit-150steps-3runs-
@@ -50,6 +52,7 @@ class Cell:
 # "comm cut vs DDP fp32": (ddp - x) / (cgx - x) = cut
 FASTER, SLOWER, AUTO, THREE = ("Commodity cluster: faster host", "Commodity cluster: slower host",
                                "Auto mode: 10 Gbit/s", "Three worker hosts")
+SHAPES4, SHAPES8 = "Real model shapes: 4 hosts, 1 Gbit/s", "Real model shapes: 8 hosts"
 CELLS = (
     Cell(FASTER, 2, 1e9, None, 0.100, "ddp-fp32", 0.685),
     Cell(FASTER, 2, 1e9, None, 0.100, "ddp-fp16", 0.420),
@@ -65,23 +68,23 @@ CELLS = (
               (1e10, None, 0.165, (0.630, 0.579, 0.543)), (1e10, 2, 0.194, (0.545, 0.646, 0.644)))
           for option, measured in zip(("ddp-fp32", "ddp-fp16", "cgx-4bit"), steps)) + (
     # shaped models (cluster.py --scale): the published RTX 3090 compute, slept
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.619, "ddp-fp32", 1.546, "resnet50"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.619, "ddp-powersgd", 0.830, "resnet50"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.619, "cgx-4bit", 0.650, "resnet50"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "ddp-fp32", 5.882, "bert-base"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "ddp-powersgd", 0.951, "bert-base"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.558, "cgx-4bit", 1.189, "bert-base"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.361, "ddp-fp32", 6.669, "gpt2"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.361, "ddp-powersgd", 0.660, "gpt2"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.361, "cgx-4bit", 1.127, "gpt2"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.490, "ddp-fp32", 4.702, "vit-b16"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.490, "ddp-powersgd", 0.845, "vit-b16"),
-    Cell("Real model shapes: 4 hosts, 1 Gbit/s", 4, 1e9, None, 0.490, "cgx-4bit", 0.837, "vit-b16"),
-    Cell("Real model shapes: 8 hosts", 8, 1e9, None, 0.558, "ddp-fp32", 6.707, "bert-base"),
-    Cell("Real model shapes: 8 hosts", 8, 1e9, None, 0.558, "ddp-powersgd", 1.107, "bert-base"),
-    Cell("Real model shapes: 8 hosts", 8, 1e9, None, 0.558, "cgx-4bit", 1.624, "bert-base"),
-    Cell("Real model shapes: 8 hosts", 8, 1e8, None, 0.619, "ddp-fp32", 15.700, "resnet50"),
-    Cell("Real model shapes: 8 hosts", 8, 1e8, None, 0.619, "cgx-4bit", 3.624, "resnet50"),
+    Cell(SHAPES4, 4, 1e9, None, 0.619, "ddp-fp32", 1.546, "resnet50", 0.05),
+    Cell(SHAPES4, 4, 1e9, None, 0.619, "ddp-powersgd", 0.830, "resnet50", 0.05),
+    Cell(SHAPES4, 4, 1e9, None, 0.619, "cgx-4bit", 0.650, "resnet50", 0.05),
+    Cell(SHAPES4, 4, 1e9, None, 0.558, "ddp-fp32", 5.882, "bert-base", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.558, "ddp-powersgd", 0.951, "bert-base", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.558, "cgx-4bit", 1.189, "bert-base", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.361, "ddp-fp32", 6.669, "gpt2", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.361, "ddp-powersgd", 0.660, "gpt2", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.361, "cgx-4bit", 1.127, "gpt2", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.490, "ddp-fp32", 4.702, "vit-b16", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.490, "ddp-powersgd", 0.845, "vit-b16", 0.04, 16.0),
+    Cell(SHAPES4, 4, 1e9, None, 0.490, "cgx-4bit", 0.837, "vit-b16", 0.04, 16.0),
+    Cell(SHAPES8, 8, 1e9, None, 0.558, "ddp-fp32", 6.707, "bert-base", 0.04, 16.0),
+    Cell(SHAPES8, 8, 1e9, None, 0.558, "ddp-powersgd", 1.107, "bert-base", 0.04, 16.0),
+    Cell(SHAPES8, 8, 1e9, None, 0.558, "cgx-4bit", 1.624, "bert-base", 0.04, 16.0),
+    Cell(SHAPES8, 8, 1e8, None, 0.619, "ddp-fp32", 15.700, "resnet50", 0.05, 16.0),
+    Cell(SHAPES8, 8, 1e8, None, 0.619, "cgx-4bit", 3.624, "resnet50", 0.05, 16.0),
 )
 
 
@@ -94,17 +97,24 @@ def mlp17m(compute_s: float) -> Workload:
 
 
 def predicted(cell: Cell) -> tuple[float, float]:
-    """The model's step for a cell, and the same on the emulation's shared cores: the workers compute at the
+    """The model's step for a cell, and the model of the run as the emulation made it.
+
+    An mlp17m cell's second figure is the step on the emulation's shared cores: the workers compute at the
     same time, so with more hosts than cores each one's compute stretches by hosts / cores, and no step is
     shorter than all hosts' CPU (compute plus the model's communication CPU, shards included) over the cores.
 
-    A shaped model's cell is the full-size model's step (its tensors and links scaled together, its published
-    GPU compute slept: ``cluster.py --scale``), so it is predicted as ``cgx-ps plan`` predicts that model, with
-    the default (GPU) speeds; its compute sleeps, so nothing stretches, and the shared-cores column is the same."""
-    cluster = Cluster(cell.nodes, cell.rate, shards=cell.shards)
+    A shaped model's cell stands for the full-size model's step (its tensors and links scaled together, its
+    published GPU compute slept: ``cluster.py --scale``), so its first figure is what ``cgx-ps plan`` predicts
+    for that model, with the default (GPU) speeds. Its second is the run itself: the scaled tensors on the
+    scaled link, with the benchmark's DDP bucket caps (explicit, so no small first bucket; PowerSGD's one
+    bucket) and its blocks. The two differ where bytes do not scale with the tensors: PowerSGD's factors
+    (n + m per matrix, and scaling a matrix's largest dimension by s leaves the other) and DDP's bucketing."""
     if cell.model != "mlp17m":
-        step = predict(workload(cell.model, cell.compute_s), cluster, Speeds(), cell.option).step_s
-        return step, step
+        full = workload(cell.model, cell.compute_s)
+        step = predict(full, Cluster(cell.nodes, cell.rate, shards=cell.shards), Speeds(), cell.option).step_s
+        return step, predict(emulated_run(full, cell), Cluster(cell.nodes, max(1.0, round(cell.rate * cell.scale)),
+                                                                  shards=cell.shards), Speeds(), cell.option).step_s
+    cluster = Cluster(cell.nodes, cell.rate, shards=cell.shards)
     model = predict(mlp17m(cell.compute_s), cluster, EMULATED, cell.option)
     stretched = cell.compute_s * max(1.0, cell.nodes / CORES)
     shared = predict(mlp17m(stretched), cluster, EMULATED, cell.option)
@@ -112,9 +122,21 @@ def predicted(cell: Cell) -> tuple[float, float]:
     return model.step_s, max(shared.step_s, hosts_cpu / CORES)
 
 
+def emulated_run(full: Workload, cell: Cell) -> Workload:
+    """A shaped model as ``cluster.py --scale`` runs it (``benchmarks/cluster_models.ModelRun``): every tensor
+    scaled, DDP's bucket cap and cgx-ps's blocks times the scale, PowerSGD in its one bucket."""
+    from benchmarks.cluster_models import DDP_BUCKET_MB
+    from benchmarks.ddp_step import POWERSGD_BUCKET_CAP_MB
+    from benchmarks.shaped_model import scaled_workload  # torch: only for the shaped cells
+
+    bucket_mb = POWERSGD_BUCKET_CAP_MB if cell.option == "ddp-powersgd" else DDP_BUCKET_MB * cell.scale
+    return replace(scaled_workload(full, cell.scale), ddp_bucket_bytes=int(bucket_mb * 2**20),
+                   block_bytes=int(cell.block_mb * cell.scale * 2**20))
+
+
 def error_table() -> str:
     lines = ["| BENCHMARKS.md section: run | hosts | link | shards | compute (s) | option | measured (s) | model (s) | error "
-             "| model, shared cores (s) | error |", "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
+             "| model of the run as emulated (s) | error |", "|---|---:|---|---|---:|---|---:|---:|---:|---:|---:|"]
     errors, floored = [], []
     for c in CELLS:
         model, floor = predicted(c)
@@ -126,7 +148,7 @@ def error_table() -> str:
         source = f"{c.source} ({c.model})" if c.model else c.source
         lines.append(f"| {source} | {c.nodes} | {rate} | {shards} | {c.compute_s:.3f} | {c.option} | "
                      f"{c.measured_s:.3f} | {model:.3f} | {e:+.0%} | {floor:.3f} | {f:+.0%} |")
-    lines.append(f"\nMedian |error|: model {statistics.median(errors):.0%}, on shared cores "
+    lines.append(f"\nMedian |error|: model {statistics.median(errors):.0%}, of the run as emulated "
                  f"{statistics.median(floored):.0%}; within 15%: {sum(e <= 0.15 for e in errors)} and "
                  f"{sum(f <= 0.15 for f in floored)} of {len(CELLS)} cells.")
     return "\n".join(lines)

@@ -194,6 +194,21 @@ def test_a_model_given_by_size():
     assert {r.name: r for r in rows}["cgx-4bit"].step_s < {r.name: r for r in rows}["ddp-fp32"].step_s
 
 
+def test_an_explicit_ddp_bucket_cap_and_block_size_are_the_workloads():
+    job = Workload("w", tuple(Tensor(f"t{i}", (1024, 1024)) for i in range(8)), 0.3)  # 8 x 4 MiB of fp32
+    cluster = Cluster(4, 1e9)
+    default, one_bucket = (predict(j, cluster, Speeds(), "ddp-fp32")
+                           for j in (job, replace(job, ddp_bucket_bytes=1 << 30)))
+    # the same bytes, all of them sent after backward: nothing of it hidden
+    assert one_bucket.link_s == pytest.approx(default.link_s) and one_bucket.step_s > default.step_s
+    assert one_bucket.exposed_comm_s > one_bucket.link_s
+    small_blocks = predict(replace(job, block_bytes=1 << 20), cluster, Speeds(), "cgx-4bit")
+    assert small_blocks.bytes_per_host > predict(job, cluster, Speeds(), "cgx-4bit").bytes_per_host  # more headers
+    for bad in (dict(block_bytes=0), dict(ddp_bucket_bytes=0)):
+        with pytest.raises(ValueError, match="positive bucket and block sizes"):
+            replace(job, **bad)
+
+
 def test_calibration_measures_this_machine():
     from cgx_ps.planning.calibrate import measure
 
@@ -256,3 +271,17 @@ def test_every_cell_is_where_its_source_says():
         rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
         assert any(f" {measured:.3f} " in row or f"**{measured:.3f}**" in row
                    for row in rows), f"{source}: no table row there holds {option}'s {measured:.3f} s"
+
+
+def test_powersgds_shaped_cells_are_the_emulated_run_not_the_full_size_model():
+    # cluster.py --scale shrinks each tensor's largest dimension and the links alike, but PowerSGD's factors
+    # (n + m per matrix) keep the other dimension, and the benchmark runs PowerSGD in one DDP bucket: modelled
+    # as it ran, every PowerSGD cell is within 15%; the full-size model is faster by a fifth or more
+    from benchmarks.plan_chart import CELLS, predicted
+
+    cells = [c for c in CELLS if c.option == "ddp-powersgd"]
+    assert len(cells) == 5
+    for cell in cells:
+        full, as_run = predicted(cell)
+        assert abs(as_run / cell.measured_s - 1) <= 0.15, (cell, as_run)
+        assert full < 0.8 * cell.measured_s, (cell, full)

@@ -73,10 +73,14 @@ class Workload:
     tensors: tuple[Tensor, ...]
     compute_s: float
     overlap: float = 2 / 3
+    ddp_bucket_bytes: int | None = None  # DDP's bucket_cap_mb; None: its default (a 1 MiB first bucket, then 25)
+    block_bytes: int = CGX_BLOCK_BYTES  # cgx-ps's block size (block_bytes=), fp32 bytes
 
     def __post_init__(self) -> None:
-        if not self.tensors or self.compute_s < 0 or not 0 <= self.overlap <= 1:
-            raise ValueError(f"a workload needs tensors, compute_s >= 0 and overlap in [0, 1]: {self.name}")
+        if not self.tensors or self.compute_s < 0 or not 0 <= self.overlap <= 1 or self.block_bytes < 4 \
+                or (self.ddp_bucket_bytes is not None and self.ddp_bucket_bytes < 1):
+            raise ValueError(f"a workload needs tensors, compute_s >= 0, overlap in [0, 1] and positive bucket and "
+                             f"block sizes: {self.name}")
 
     @property
     def params(self) -> int:
@@ -202,27 +206,29 @@ def _ready_times(workload: Workload) -> list[float]:
 
 
 def _ddp_buckets(workload: Workload) -> list[tuple[list[Tensor], float]]:
-    """DDP's buckets in backward order: whole tensors, closed once a bucket reaches its cap (1 MiB for the
-    first, 25 MiB after); each is ready when its last tensor is."""
-    buckets, current, size, cap = [], [], 0, DDP_FIRST_BUCKET_BYTES
+    """DDP's buckets in backward order: whole tensors, closed once a bucket reaches its cap (by default 1 MiB
+    for the first, 25 MiB after; an explicit cap for every bucket, as torch's DDP does); each is ready when its
+    last tensor is."""
+    explicit = workload.ddp_bucket_bytes
+    buckets, current, size, cap = [], [], 0, DDP_FIRST_BUCKET_BYTES if explicit is None else explicit
     times = _ready_times(workload)
     for tensor, ready in zip(workload.tensors, times):
         current.append(tensor)
         size += 4 * tensor.numel
         if size >= cap:
             buckets.append((current, ready))
-            current, size, cap = [], 0, DDP_BUCKET_BYTES
+            current, size, cap = [], 0, DDP_BUCKET_BYTES if explicit is None else explicit
     if current:
         buckets.append((current, times[-1]))
     return buckets
 
 
 def _cgx_blocks(workload: Workload, compress: bool = True) -> list[tuple[int, bool, float]]:
-    """cgx-ps's blocks of at most ``CGX_BLOCK_BYTES`` of fp32, compressed and uncompressed tensors apart (as
+    """cgx-ps's blocks of at most ``workload.block_bytes`` of fp32, compressed and uncompressed tensors apart (as
     the layout groups them by codec), cut in backward order: (elements, compressed, ready time). The layout
     orders tensors by name; backward order is the approximation that lets blocks go as backward produces them.
     ``compress=False``: every tensor travels as fp32 (compression off)."""
-    cap = CGX_BLOCK_BYTES // 4
+    cap = workload.block_bytes // 4
     blocks: list[tuple[int, bool, float]] = []
     fill, last = {True: 0, False: 0}, {True: 0.0, False: 0.0}
     for tensor, ready in zip(workload.tensors, _ready_times(workload)):
