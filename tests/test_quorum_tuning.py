@@ -100,13 +100,13 @@ def run_with_a_stall(cluster, tmp_path: Path, args: list[str], steps: int, stop_
     Node 2 stays stopped until the others have finished 10 rounds without it (their progress files):
     several decision boundaries, and fewer rounds than the 16 a shard keeps for late nodes, however
     fast or slow the machine runs the others' rounds. Rank 0 (node 0) holds the others at its next
-    decision, so it stays stopped 0.6 s."""
+    decision, so it stays stopped 1 s: 10 or more of the others' rounds, were they not held."""
     progress = [tmp_path / f"progress{r}" for r in range(3)]
     procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), "--progress", str(progress[r]), *args]
                         + (["--sigstop-at-step", str(stop_at)] if r == node else []),
                         tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **env)
     if node == 0:
-        stop_then_continue(procs, node, 0.6)
+        stop_then_continue(procs, node, 1.0)
     else:  # the stopped node's file holds its steps (it may have caught up on rounds before it stopped)
         stop_then_continue(procs, node, 60.0,
                            until=lambda: steps_done(progress[0]) >= steps_done(progress[node]) + 10)
@@ -162,8 +162,10 @@ def test_a_stalled_rank_0_holds_the_others_at_the_next_decision_and_decides_as_i
         assert len({json.dumps(r[key]) for r in results}) == 1, (key, [r[key] for r in results])
     caught_up = results[0]["caught_up"]
     assert any(s % 2 == 1 for s in caught_up), caught_up  # a decision made by rank 0 while catching up
-    # the others waited for it there: they computed no more than a couple of rounds without it
-    assert all(r["computed"] >= steps - 4 for r in results[1:]), results
+    # the others waited for it there: it caught up on a few rounds, not on the 10 or more of its 1 s
+    # stop (each node may also be late now and then by the 20 ms grace on a loaded machine: a round
+    # or two each time, hence the margin)
+    assert len(caught_up) <= 6, results
 
 
 @pytest.mark.slow
