@@ -21,6 +21,8 @@ import secrets
 import time
 from concurrent.futures import Executor
 
+import grpc
+
 from ... import __version__
 from ...net.channel_options import chunks
 from ...v1 import ps_pb2, ps_pb2_grpc
@@ -37,7 +39,7 @@ from ...rate_limited_log import RateLimitedLog
 from .gate import discard_rest, grpc_status, read_message
 from ..session.job_session import Session
 from ..session.outbound import NodeStream
-from .stream_context import EOF, StreamContext
+from .stream_context import EOF, StreamContext, StreamEnded
 
 __all__ = ["ParameterServerService"]
 
@@ -160,6 +162,8 @@ class ParameterServerService(ps_pb2_grpc.ParameterServerServicer):
             raise
         except ProtocolError as exc:
             stream.fail(self._rejected(stream, exc))  # the first cause ("replaced by a newer stream") stands
+        except (grpc.aio.AbortError, StreamEnded):
+            pass  # the call has ended with its status (the stream's writer aborted it): nothing to read or tell
         except ConnectionError as exc:
             # the client is gone and the context's read noticed first (stream_context.py: on the
             # raw data plane, every way a peer goes is one ConnectionResetError): an event of the
