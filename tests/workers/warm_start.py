@@ -167,8 +167,9 @@ def run_worker(args: list[str], *, timeout: float | None = None, capture_output:
 # --- the zygote ---------------------------------------------------------------------------------
 
 def _run_child(request: dict, fds: list[int], sock: socket.socket, wakeup: tuple[int, int]) -> None:
-    """In the forked child: become the worker ``request`` describes, and run it (never returns:
-    its end, exception or SystemExit included, is the end of this process, as in a fresh one)."""
+    """In the forked child: become the worker ``request`` describes and run it. Its exception or
+    SystemExit ends this process as it would a fresh one; when the script runs to its end, the
+    caller exits with 0."""
     import random
     import runpy
     import signal
