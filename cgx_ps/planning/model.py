@@ -209,15 +209,16 @@ def _ddp_buckets(workload: Workload) -> list[tuple[list[Tensor], float]]:
     """DDP's buckets in backward order: whole tensors, closed once a bucket reaches its cap (by default 1 MiB
     for the first, 25 MiB after; an explicit cap for every bucket, as torch's DDP does); each is ready when its
     last tensor is."""
-    explicit = workload.ddp_bucket_bytes
-    buckets, current, size, cap = [], [], 0, DDP_FIRST_BUCKET_BYTES if explicit is None else explicit
+    first, later = ((DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES) if workload.ddp_bucket_bytes is None
+                    else (workload.ddp_bucket_bytes,) * 2)
+    buckets, current, size, cap = [], [], 0, first
     times = _ready_times(workload)
     for tensor, ready in zip(workload.tensors, times):
         current.append(tensor)
         size += 4 * tensor.numel
         if size >= cap:
             buckets.append((current, ready))
-            current, size, cap = [], 0, DDP_BUCKET_BYTES if explicit is None else explicit
+            current, size, cap = [], 0, later
     if current:
         buckets.append((current, times[-1]))
     return buckets
