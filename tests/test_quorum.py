@@ -339,12 +339,14 @@ def test_a_node_late_in_a_quarter_of_its_pushes_is_named_once_per_window():
     assert watch.total["node-3"] == 8
 
 
-async def test_a_late_push_is_answered_with_its_rounds_result_and_summed_once_into_the_next_round(start_shard,
-                                                                                                 tmp_path):
-    """Exact, with fp32 blocks: round 0 closes with A and B (contributors 2); C's late push of
-    round 0 gets that result and a LateNotice, and is summed into round 1 (A1 + B1 + C0, 3);
-    a retry of it is not summed again; a fetch of round 0 gets the same bytes. The timeline (shard
-    and workers in this one process) shows the notice and the carried sum."""
+async def test_a_late_push_is_answered_with_its_rounds_result_and_carried_once_into_the_next_round(start_shard,
+                                                                                                  tmp_path):
+    """Exact, with fp32 blocks: round 1 closes with A and B (contributors 2); C's late push of
+    round 1 gets that result and a LateNotice, and is carried into round 2 as the change it makes
+    to round 1's average: round 2 averages A2, B2, C2 (contributors 3) plus (C1 - (A1 + B1) / 2) / 3,
+    so over rounds 1 and 2 the nodes apply what they would have had C1 been in time; a retry of it
+    is not carried again; a fetch of round 1 gets the same bytes. The timeline (shard and workers
+    in this one process) shows the notice and the carried push."""
     import asyncio
 
     from cgx_ps import timeline
@@ -383,9 +385,14 @@ async def test_a_late_push_is_answered_with_its_rounds_result_and_summed_once_in
         grads.update({(i, 2): torch.randn(1000, generator=torch.Generator().manual_seed(100 + i)) for i in range(3)})
         pushes = [encode(grads[(i, 2)], Codec.FP32, bits=32, bucket_size=0).to_bytes() for i in range(3)]
         results = await asyncio.gather(*[c.exchange(block, 2, pushes[i]) for i, c in enumerate(clients)])
-        assert len(set(map(bytes, results))) == 1 and contributors_of(results[0]) == 4  # three nodes + C's carried
-        expected = grads[(0, 2)] + grads[(1, 2)] + grads[(2, 2)] + grads[(2, 1)]
-        assert torch.allclose(dequantize(bytes(results[0])), expected, atol=1e-5, rtol=0)
+        assert len(set(map(bytes, results))) == 1 and contributors_of(results[0]) == 3  # the three nodes in time
+        in_time = {2: sum(grads[(i, 2)] for i in range(3)) / 3}
+        round_1 = (grads[(0, 1)] + grads[(1, 1)]) / 2
+        assert torch.allclose(dequantize(bytes(results[0])) / 3, in_time[2] + (grads[(2, 1)] - round_1) / 3,
+                              atol=1e-5, rtol=0)
+        # rounds 1 and 2 together: what they would have been with C1 in time (the same sum, one round later)
+        applied = round_1 + dequantize(bytes(results[0])) / 3
+        assert torch.allclose(applied, sum(grads[(i, 1)] for i in range(3)) / 3 + in_time[2], atol=1e-5, rtol=0)
         trace = timeline.load(timeline.stop(recorder))
         events = [(e["name"], e["args"]) for e in trace["traceEvents"] if e.get("ph") == "X"]
         assert [a for n, a in events if n == "late"] == [{"block": block, "next_round": 2, "step": 1}]

@@ -27,7 +27,8 @@ async def test_a_late_push_encoded_before_two_setcodecs_changes_is_carried_into_
     """Rank 0 announces new bits before each round (3, 2, 5, 6 bits in rounds 1..4); node C stalls
     in round 1, which closes without it, and so do rounds 2 and 3. C's late push of round 1, in
     round 1's 3 bits, is checked against round 1's settings (which the shard keeps as long as it
-    keeps round 1's result for late nodes) and summed into round 4 with A's and B's 6-bit pushes."""
+    keeps round 1's result for late nodes) and carried into round 4 with A's and B's 6-bit pushes,
+    as the change it makes to round 1's average (rounds/late_rounds.py)."""
     import asyncio
 
     from cgx_ps.kernels import contributors_of, dequantize, quantize
@@ -67,8 +68,10 @@ async def test_a_late_push_encoded_before_two_setcodecs_changes_is_carried_into_
         assert contributors_of(late) == 2 and clients[2].stream.late == {block: 4}
         results = await asyncio.gather(clients[0].exchange(block, 4, push(0, 4, 6)),
                                        clients[1].exchange(block, 4, push(1, 4, 6)))
-        assert bytes(results[0]) == bytes(results[1]) and contributors_of(results[0]) == 3  # A4 + B4 + C's round 1
-        expected = sum(dequantize(p) for p in (push(0, 4, 6), push(1, 4, 6), push(2, 1, 3)))
+        assert bytes(results[0]) == bytes(results[1]) and contributors_of(results[0]) == 2  # A4 + B4, in time
+        # + C's round 1, as its change to round 1's average (of 3 expected), times the divisor 2
+        correction = 2 * (dequantize(push(2, 1, 3)) - dequantize(bytes(late)) / 2) / 3
+        expected = dequantize(push(0, 4, 6)) + dequantize(push(1, 4, 6)) + correction
         got = dequantize(bytes(results[0]))
         unit = (expected.max() - expected.min()) / 63  # the result's 6-bit step, at most, per bucket
         assert torch.allclose(got, expected, atol=float(unit), rtol=0)
@@ -186,3 +189,96 @@ def test_auto_mode_with_uncompressed_steps_on_an_allreduce_is_refused_under_a_qu
     refused = json.loads(done.stdout.strip().splitlines()[-1])["refused"]
     assert refused.startswith('CGX_PS_QUORUM=1 with compression="auto" needs uncompressed_via="shards"'), refused
     assert "all_reduce, which waits for every rank" in refused
+
+
+def test_late_gradients_are_weighted_as_their_share_of_the_round_they_were_late_for():
+    from cgx_ps.server.rounds.late_rounds import correction_weights, expected_gradients, result_divisor
+
+    assert expected_gradients(8, left={}, absent=set()) == 8
+    assert expected_gradients(8, left={"a": 3, "b": 5}, absent={"b"}) == 6  # b left in this round
+    assert expected_gradients(2, left={"a": 1, "b": 1}, absent={"a", "b"}) == 1  # never 0
+    assert result_divisor(7, carried=1) == 7 and result_divisor(0, carried=2) == 1 and result_divisor(0, 0) == 0
+    # round t: 7 of 8 in time; the 8th, late, into a round of 7 in time: 7 (g - sum_t / 7) / 8 in its sum
+    assert correction_weights(7, expected=8, closed_contributors=7) == (7 / 8, -1 / 8)
+    assert correction_weights(4, expected=5, closed_contributors=2) == (4 / 5, -2 / 5)
+
+
+class Fp32Job:
+    """``nodes`` ShardClients of one quorum-2 job on a shard, one fp32 block of ``numel``, and each
+    node's seeded gradient per round: a late push's arithmetic is exact."""
+
+    def __init__(self, shard, nodes: int, numel: int) -> None:
+        from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
+        from cgx_ps.worker.shards.client import ShardClient
+        from support import SECURITY
+
+        layout = build_layout([TensorInfo("w", (numel,))], 1, Compression(bits=None), block_bytes=1 << 20)
+        self.block, job = layout.blocks[0].block_id, f"fp32-late-{uuid.uuid4().hex[:6]}"
+        self.clients = [ShardClient(f"127.0.0.1:{shard.port}", f"node-{i}", nodes, layout, connect_timeout_s=5,
+                                    security=SECURITY, job_id=job, quorum=2, grace_ms=50) for i in range(nodes)]
+        self.grads = {(i, r): torch.randn(numel, generator=torch.Generator().manual_seed(10 * i + r))
+                      for i in range(nodes) for r in range(4)}
+
+    def push(self, i: int, r: int) -> bytes:
+        from cgx_ps.kernels import Codec, encode
+
+        return encode(self.grads[(i, r)], Codec.FP32, bits=32, bucket_size=0).to_bytes()
+
+    async def exchange(self, nodes, round_: int, payloads: dict[int, bytes] | None = None) -> list:
+        """Each of ``nodes`` pushes ``round_`` (its gradient, or ``payloads[node]``) at once; their results."""
+        import asyncio
+
+        payloads = payloads or {}
+        return await asyncio.gather(*[self.clients[i].exchange(self.block, round_, payloads.get(i) or self.push(i, round_))
+                                      for i in nodes])
+
+    async def __aenter__(self) -> "Fp32Job":
+        for c in self.clients:
+            await c.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for c in self.clients:
+            await c.close()
+
+
+async def test_two_late_gradients_of_a_round_make_it_the_average_of_all_four_one_round_later(start_shard):
+    """fp32, 4 nodes, quorum 2: round 1 closes with A and B; C's and D's pushes of it come late and
+    are carried into round 2. Rounds 1 and 2 together then apply exactly the average of all four
+    round-1 gradients plus round 2's own average: nothing lost, nothing weighted twice."""
+    from cgx_ps.kernels import contributors_of, dequantize
+
+    async with Fp32Job(await start_shard(round_timeout_s=30), 4, 500) as job:
+        await job.exchange(range(4), 0)
+        one = await job.exchange((0, 1), 1)
+        assert contributors_of(one[0]) == 2
+        for i in (2, 3):  # late, one after the other: each gets round 1's result
+            assert bytes((await job.exchange((i,), 1))[0]) == bytes(one[0])
+        two = await job.exchange(range(4), 2)
+        assert len(set(map(bytes, two))) == 1 and contributors_of(two[0]) == 4
+        applied = dequantize(bytes(one[0])) / 2 + dequantize(bytes(two[0])) / 4
+        exact = sum(job.grads[(i, 1)] for i in range(4)) / 4 + sum(job.grads[(i, 2)] for i in range(4)) / 4
+        assert torch.allclose(applied, exact, atol=1e-5, rtol=0)
+
+
+async def test_a_late_gradient_of_a_round_every_scaler_skipped_and_an_overflowed_one_are_not_carried(start_shard):
+    """fp32, 3 nodes, quorum 2. Round 1: A overflowed (a non-finite push), so the result every
+    node's loss scaler skips is non-finite; C's finite push of it comes late and corrects nothing
+    (no node applied round 1). Round 2: C's overflowed push comes late, and is not carried either.
+    Rounds 2 and 3 are then exactly the averages of their gradients in time."""
+    from cgx_ps.kernels import Codec, contributors_of, decode_header, dequantize, non_finite_block
+
+    overflowed = non_finite_block(Codec.FP32, 32, 0, 300).to_bytes()
+    async with Fp32Job(await start_shard(round_timeout_s=30), 3, 300) as job:
+        await job.exchange(range(3), 0)
+        one = await job.exchange((0, 1), 1, {0: overflowed})
+        assert decode_header(bytes(one[0])).non_finite
+        assert bytes((await job.exchange((2,), 1))[0]) == bytes(one[0])  # late: the same bytes
+        two = await job.exchange((0, 1), 2)
+        assert contributors_of(two[0]) == 2
+        assert torch.allclose(dequantize(bytes(two[0])), job.grads[(0, 2)] + job.grads[(1, 2)], atol=1e-6, rtol=0)
+        assert bytes((await job.exchange((2,), 2, {2: overflowed}))[0]) == bytes(two[0])  # late, overflowed
+        three = await job.exchange(range(3), 3)
+        assert contributors_of(three[0]) == 3
+        assert torch.allclose(dequantize(bytes(three[0])), sum(job.grads[(i, 3)] for i in range(3)), atol=1e-6,
+                              rtol=0)

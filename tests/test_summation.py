@@ -153,3 +153,26 @@ def test_a_sum_holds_its_kept_pushes_or_its_accumulator_not_both() -> None:
         assert many.held_bytes <= acc_bytes
     assert many.encode(Codec.MAXMIN, bits=4, bucket_size=64, stochastic=True, seed=9).to_bytes() == \
         accumulator_path(payloads, numel, Codec.MAXMIN, 4, 64, True, 9, None)
+
+
+@pytest.mark.parametrize("codec,bits,bucket", [(Codec.MAXMIN, 4, 64), (Codec.FP32, 32, 0)])
+def test_scaled_additions_join_the_kept_pushes_and_a_bad_one_changes_nothing(codec: Codec, bits: int,
+                                                                              bucket: int) -> None:
+    """A shard's late-push corrections (server/rounds/late_rounds.py): ``add_scaled`` of payloads
+    with any weights, before or after kept pushes, sums what an accumulator of fp32 values would
+    (to the float rounding of the weights); a bad payload raises and changes nothing."""
+    numel, gen = 3000, torch.Generator().manual_seed(11)
+    kept = pushes(gen, 3, numel, codec, bits, bucket, 1)
+    late = pushes(gen, 2, numel, Codec.MAXMIN, 3, 64, 2)  # a late push may be in its own round's bits
+    total = EncodedSum(numel, parts=3)
+    total.add_scaled(late[0], 0.75)
+    for payload in kept:
+        total.add(payload)
+    with pytest.raises(CodecError):
+        total.add_scaled(late[1][:-1], 2.0)
+    total.add_scaled(late[1], -0.25)
+    assert total.count == 5
+    expected = sum(dequantize(p) for p in kept) + 0.75 * dequantize(late[0]) - 0.25 * dequantize(late[1])
+    got = dequantize(total.encode(Codec.FP32, bits=32, bucket_size=0, stochastic=False, seed=0).to_bytes())
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, sum(dequantize(p) for p in kept), atol=1e-3)

@@ -76,10 +76,11 @@ async def test_rounds_go_on_without_a_node_out_of_data_and_end_when_every_node_h
             await cl.close()
 
 
-async def test_a_round_every_node_left_still_sums_a_gradient_carried_into_it(start_shard):
+async def test_a_round_every_node_left_still_carries_a_late_gradient_into_it(start_shard):
     """Quorum rounds: C's push of round 1 comes after the round closed without it, and is
     carried into round 2, which every node then pushes out of data: round 2's result is C's
-    gradient alone (contributors 1), encoded as the block's settings say; round 3 ends the epoch."""
+    correction alone (contributors 1), the change C1 makes to round 1's average of A1 and B1,
+    (C1 - (A1 + B1) / 2) / 3, encoded as the block's settings say; round 3 ends the epoch."""
     shard = await start_shard(round_timeout_s=30)
     clients, block = await clients_for(shard, "uneven-carried", quorum=2, grace_ms=50)
     a, b, c = clients
@@ -90,7 +91,8 @@ async def test_a_round_every_node_left_still_sums_a_gradient_carried_into_it(sta
         assert bytes(await c.exchange(block, 1, push(2, 1))) == bytes(closed[0])  # late: carried into round 2
         two = await asyncio.gather(*[cl.fetch(block, 2, out_of_data=True) for cl in clients])
         assert len(set(map(bytes, two))) == 1 and contributors_of(two[0]) == 1
-        assert torch.equal(dequantize(bytes(two[0])), grad(2, 1))
+        correction = (grad(2, 1) - dequantize(bytes(closed[0])) / 2) / 3
+        assert torch.allclose(dequantize(bytes(two[0])), correction, atol=1e-6, rtol=0)
         three = await asyncio.gather(*[cl.fetch(block, 3, out_of_data=True) for cl in clients])
         assert [bytes(r) for r in three] == [b""] * 3
     finally:

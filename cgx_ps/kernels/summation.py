@@ -106,6 +106,29 @@ class EncodedSum:
         self._kept_format = fmt
         return header
 
+    def add_scaled(self, payload: BytesLike, scale: float) -> Header:
+        """Add ``scale`` times a wire payload (validated first, as ``add``): a shard's correction
+        for a late push (server/rounds/late_rounds.py). It goes into the accumulator, onto which
+        an encode then adds the kept pushes, so it needs no fold; it costs one temporary block of
+        fp32 while it is decoded."""
+        header = check_payload(payload)
+        if header.numel != self.numel:
+            raise CodecError(f"block holds {header.numel} elements, the sum {self.numel}")
+        self.count += 1
+        if header.non_finite:
+            self.non_finite = True
+            return header
+        values = np.empty(self.numel, dtype=np.float32)
+        dequantize(EncodedBlock(header, _as_array(payload)), out=values)
+        values *= np.float32(scale)
+        acc = self._accumulator()
+        if self._acc_holds_sum:
+            acc += values
+        else:
+            acc[:] = values
+        self._acc_holds_sum = True
+        return header
+
     def keeps(self, header: Header) -> bool:
         """Would ``add`` of a valid payload with this header only check and keep it, or note a
         non-finite block: no decoding and no fold of kept pushes? (A shard keeps such a push

@@ -47,9 +47,10 @@ WIRE_VERSION = 1
 # magic, version, codec, bits, flags, numel, bucket_size, crc32(body), contributors, 4 reserved
 # zero bytes
 _HEADER = struct.Struct("<4sBBBBQIII4s")
-# A shard's result of a quorum round (server/rounds/quorum.py) says how many gradients it sums:
-# the nodes that pushed in time and the late pushes carried into it. 0: every node's, once (a
-# push, and every result of a job without a quorum). Outside the crc, which covers the body.
+# A shard's result of a quorum round (server/rounds/quorum.py) says what every node divides it
+# by: the gradients pushed in time (late pushes carried into it come as corrections already
+# weighted: server/rounds/late_rounds.py). 0: every node's, once (a push, and every result of a
+# job without a quorum). Outside the crc, which covers the body.
 CONTRIBUTORS_OFFSET = 24
 HEADER_SIZE = _HEADER.size  # 32: keeps the float32 metadata that follows 8-byte aligned
 FLAG_STOCHASTIC = 0x01
@@ -83,7 +84,7 @@ class Header:
     numel: int
     bucket_size: int
     crc32: int
-    contributors: int = 0  # gradients a shard's quorum round summed (CONTRIBUTORS_OFFSET); 0: every node's
+    contributors: int = 0  # what a shard's quorum round is divided by (CONTRIBUTORS_OFFSET); 0: every node's
 
     @property
     def stochastic(self) -> bool:

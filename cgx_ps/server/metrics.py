@@ -22,7 +22,7 @@ class ShardMetrics:
         self.bytes_out = Counter("cgx_ps_bytes_out", "Aggregated block bytes sent, all nodes",
                                  ["shard"], registry=r).labels(**labels)
         self.pushes = Counter("cgx_ps_pushes", "Block pushes by node and outcome (accepted, duplicate, rejected; "
-                              "late: after a quorum round closed without it, carried into the next)",
+                              "late: after a quorum round closed without it, carried into a later one)",
                               ["shard", "node", "outcome"], registry=r)
         self.rounds = Counter("cgx_ps_rounds", "Block rounds aggregated", ["shard"],
                               registry=r).labels(**labels)

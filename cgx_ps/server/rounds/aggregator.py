@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Executor
 from typing import Callable, Collection
 
-from ...kernels import HEADER_SIZE, Codec, CodecError, EncodedSum, body_size, decode_header, set_contributors
+from ...kernels import HEADER_SIZE, Codec, CodecError, EncodedSum, body_size, decode_header
 from ...kernels.wire import validate_settings
 from ...model_layout import block_payload_size, codec_of
 from ...v1 import ps_pb2
@@ -38,7 +38,7 @@ from .block_state import (MAX_PENDING_CODEC_CHANGES, MAX_RESUME_ROUND, BlockStat
 from ..errors import BadRequest, LimitExceeded, SessionEnded, WrongRound
 from ..metrics import ShardMetrics
 from .kernel_threads import keeps_on_loop
-from .late_rounds import carry_late_push, fetch_round
+from .late_rounds import carry_late_push, expected_gradients, fetch_round, quorum_encoder
 from .quorum import ClosedRound, QuorumRule, RoundAction, RoundHistory
 from .restored import adopt_restored
 from .uneven import close_without_gradients, gradients_in, refuse_after_leaving, round_encoding
@@ -328,14 +328,7 @@ class Aggregator:
                                    allow_non_finite=non_finite, scratch=scratch)
         if not self.rule.active and not block.absent:
             return lambda: encode().stamped()
-        contributors = pushed + block.carried  # the gradients it sums (rounds/quorum.py, uneven.py)
-
-        def stamped_with_contributors() -> memoryview:
-            result = encode().stamped()
-            set_contributors(result, contributors)
-            return result
-
-        return stamped_with_contributors
+        return quorum_encoder(encode, block.sum, list(block.carried), pushed)  # contributors: rounds/quorum.py
 
     def _finish(self, block: BlockState, round_: int, summed: RoundSum, last_arrived: float) -> None:
         for timer in (block.timer, block.grace):
@@ -349,9 +342,10 @@ class Aggregator:
         block.sum.clear()
         block.last_result = summed.result
         block.last_pushed = block.pushed
-        block.pushed, block.absent, block.carried, block.grace = {}, set(), 0, None
+        expected = expected_gradients(self.num_nodes, block.left, block.absent)
+        block.pushed, block.absent, block.carried, block.grace = {}, set(), [], None
         if block.history is not None:
-            block.history.add(ClosedRound(round_, summed.result, dict(block.last_pushed)))
+            block.history.add(ClosedRound(round_, summed.result, dict(block.last_pushed), expected=expected))
         block.round_encoding = None
         block.round_non_finite = False
         block.round += 1

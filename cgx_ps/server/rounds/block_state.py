@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ...kernels import Codec, CodecError, EncodedSum, ErrorFeedback, Header, PayloadScratch, decode_header
 from ...model_layout import codec_of
@@ -19,6 +19,9 @@ from ...v1 import ps_pb2
 from ..errors import BadRequest, Conflict, ProtocolError, WrongRound
 from ..rpc.push_frames import ResultFrames
 from .quorum import RoundHistory
+
+if TYPE_CHECKING:
+    from .late_rounds import CarriedPush
 
 __all__ = ["BlockState", "MAX_PENDING_CODEC_CHANGES", "MAX_RESUME_ROUND", "PushOutcome", "adoption_conflict",
            "check_header", "check_result", "check_round", "prune_schedule", "result_seed", "resume_conflict"]
@@ -68,10 +71,10 @@ class BlockState:
     restored: bool = False
     summed_here: bool = False  # a round was summed here: a restore now comes too late
     resumed_at: int | None = None  # the checkpoint round the session resumed this block at
-    # quorum rounds (rounds/quorum.py): late pushes summed into this round, the timer that closes
-    # it without the slowest nodes, the closed rounds late nodes may still need, and the nodes
-    # that fetch a round not closed yet (round -> node -> member)
-    carried: int = 0
+    # quorum rounds (rounds/quorum.py): late pushes carried into this round (late_rounds.py), the
+    # timer that closes it without the slowest nodes, the closed rounds late nodes may still need,
+    # and the nodes that fetch a round not closed yet (round -> node -> member)
+    carried: list["CarriedPush"] = field(default_factory=list)
     last_rounds: dict[str, int] = field(default_factory=dict)  # node -> its latest round pushed, in time or late
     grace: asyncio.TimerHandle | None = None
     history: RoundHistory | None = None

@@ -10,11 +10,13 @@ bytes for each (block, round), so replicas stay bit-identical.
 
 A node whose push comes after its round closed (*late*) is told so at once (ps.proto LateNotice)
 and gets that round's result, kept for late nodes a bounded number of rounds back
-(``RoundHistory``). Its gradient is not dropped: it is summed into the round under way (it is
-*carried*), so every gradient is summed exactly once, at most ``keep_rounds`` rounds late. A
-result's header says how many gradients it sums (``kernels.wire.set_contributors``), and every
-node divides by that. A node that fell several rounds behind fetches the results it missed
-(PushChunk.fetch) and applies them without recomputing them (the worker's catch-up).
+(``RoundHistory``). Its gradient is not dropped: it is *carried* into the round under way, as
+the change it makes to the average of the round it was computed for (late_rounds.py), so every
+gradient counts exactly once, with the weight it would have had in time, at most
+``keep_rounds`` rounds late. A result's header says how many gradients in time it averages
+(``kernels.wire.set_contributors``), and every node divides by that. A node that fell several
+rounds behind fetches the results it missed (PushChunk.fetch) and applies them without
+recomputing them (the worker's catch-up).
 
 The decisions are small functions of their inputs: ``cgx_ps.quorum_settings.quorum_problem``
 (the settings), ``QuorumRule.after_push`` (whether a round waits, starts its grace or closes)
@@ -84,6 +86,9 @@ class ClosedRound:
     result: ResultFrames
     pushers: dict[str, int]  # node -> member, in time
     late: dict[str, int] = field(default_factory=dict)  # node -> member, after the round closed
+    # the gradients its average would have had if every node still in the rounds had pushed in
+    # time: a late gradient's share of it (rounds/late_rounds.py)
+    expected: int = 1
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def refuse_after_leaving(block: BlockState, node_id: str, round_: int) -> None:
 
 def gradients_in(block: BlockState, pushed: int) -> int:
     """The gradients a round of ``pushed`` pushes sums: those not out of data, and carried ones."""
-    return pushed - len(block.absent) + block.carried
+    return pushed - len(block.absent) + len(block.carried)
 
 
 def close_without_gradients(block: BlockState) -> dict[str, int]:
@@ -41,7 +41,7 @@ def close_without_gradients(block: BlockState) -> dict[str, int]:
             timer.cancel()
     told = {**block.fetchers.pop(block.round, {}), **block.pushed}
     block.last_pushed, block.last_result = block.pushed, None
-    block.pushed, block.absent, block.left, block.carried, block.grace = {}, set(), {}, 0, None
+    block.pushed, block.absent, block.left, block.carried, block.grace = {}, set(), {}, [], None
     block.round_encoding, block.round_non_finite = None, False
     block.round += 1
     return told

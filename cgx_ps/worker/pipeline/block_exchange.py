@@ -78,8 +78,8 @@ def block_seed(node_rank: int, block_id: int, round_: int) -> int:
 
 def average_scale(result: bytes | memoryview, config: WorkerConfig) -> float:
     """What a block's result (a sum) is multiplied by to make the average: 1 / the world size, or,
-    for a quorum round's result, 1 / the gradients it sums (its header's contributors: nodes,
-    each the sum of its local ranks)."""
+    for a quorum round's result, 1 / its header's contributors (the nodes in time, each the sum of
+    its local ranks; late gradients carried into it are already weighted: server/rounds/late_rounds.py)."""
     contributors = contributors_of(result) if len(result) >= HEADER_SIZE else 0
     return 1.0 / (contributors * config.local_world_size if contributors else config.world_size)
 
