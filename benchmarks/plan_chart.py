@@ -53,6 +53,7 @@ class Cell:
 FASTER, SLOWER, AUTO, THREE = ("Commodity cluster: faster host", "Commodity cluster: slower host",
                                "Auto mode: 10 Gbit/s", "Three worker hosts")
 SHAPES4, SHAPES8 = "Real model shapes: 4 hosts, 1 Gbit/s", "Real model shapes: 8 hosts"
+SHAPES16 = "Real model shapes: 16 hosts"
 CELLS = (
     Cell(FASTER, 2, 1e9, None, 0.100, "ddp-fp32", 0.685),
     Cell(FASTER, 2, 1e9, None, 0.100, "ddp-fp16", 0.420),
@@ -80,11 +81,15 @@ CELLS = (
     Cell(SHAPES4, 4, 1e9, None, 0.490, "ddp-fp32", 4.702, "vit-b16", 0.04, 16.0),
     Cell(SHAPES4, 4, 1e9, None, 0.490, "ddp-powersgd", 0.845, "vit-b16", 0.04, 16.0),
     Cell(SHAPES4, 4, 1e9, None, 0.490, "cgx-4bit", 0.837, "vit-b16", 0.04, 16.0),
-    Cell(SHAPES8, 8, 1e9, None, 0.558, "ddp-fp32", 6.707, "bert-base", 0.04, 16.0),
+    Cell(SHAPES8, 8, 1e9, None, 0.558, "ddp-fp32", 6.704, "bert-base", 0.04, 16.0),
     Cell(SHAPES8, 8, 1e9, None, 0.558, "ddp-powersgd", 1.107, "bert-base", 0.04, 16.0),
-    Cell(SHAPES8, 8, 1e9, None, 0.558, "cgx-4bit", 1.624, "bert-base", 0.04, 16.0),
-    Cell(SHAPES8, 8, 1e8, None, 0.619, "ddp-fp32", 15.700, "resnet50", 0.05, 16.0),
-    Cell(SHAPES8, 8, 1e8, None, 0.619, "cgx-4bit", 3.624, "resnet50", 0.05, 16.0),
+    Cell(SHAPES8, 8, 1e9, None, 0.558, "cgx-4bit", 1.631, "bert-base", 0.04, 16.0),
+    Cell(SHAPES8, 8, 1e8, None, 0.619, "ddp-fp32", 15.729, "resnet50", 0.05),
+    Cell(SHAPES8, 8, 1e8, None, 0.619, "cgx-4bit", 2.996, "resnet50", 0.05),
+    Cell(SHAPES8, 8, 1e8, None, 0.619, "ddp-fp32", 15.719, "resnet50", 0.05, 16.0),
+    Cell(SHAPES8, 8, 1e8, None, 0.619, "cgx-4bit", 3.618, "resnet50", 0.05, 16.0),
+    Cell(SHAPES16, 16, 1e8, None, 0.619, "ddp-fp32", 16.319, "resnet50", 0.05),
+    Cell(SHAPES16, 16, 1e8, None, 0.619, "cgx-4bit", 3.813, "resnet50", 0.05),
 )
 
 
@@ -145,7 +150,8 @@ def error_table() -> str:
         floored.append(abs(f))
         rate = f"{c.rate / 1e9:g} Gbit/s" if c.rate >= 1e9 else f"{c.rate / 1e6:g} Mbit/s"
         shards = "colocated" if c.shards is None else f"{c.shards} dedicated"
-        source = f"{c.source} ({c.model})" if c.model else c.source
+        blocks = "" if c.block_mb == 4.0 else f", {c.block_mb:g} MB blocks"
+        source = f"{c.source} ({c.model}{blocks})" if c.model else c.source
         lines.append(f"| {source} | {c.nodes} | {rate} | {shards} | {c.compute_s:.3f} | {c.option} | "
                      f"{c.measured_s:.3f} | {model:.3f} | {e:+.0%} | {floor:.3f} | {f:+.0%} |")
     lines.append(f"\nMedian |error|: model {statistics.median(errors):.0%}, of the run as emulated "
