@@ -315,7 +315,7 @@ def test_round_history_keeps_the_last_rounds_and_tells_a_late_push_from_a_retry(
 
     history = RoundHistory(keep=3)
     for r in range(5):
-        history.add(ClosedRound(r, f"result-{r}", {"node-0": 0, "node-1": 0}))
+        history.add(ClosedRound(r, f"result-{r}", {"node-0": 0, "node-1": 0}, expected=2))
     with pytest.raises(WrongRound, match="keeps the last 3 rounds"):
         history.late_outcome(0, 5, "node-2", 0, 1)
     late = history.late_outcome(0, 5, "node-2", 0, 3)
@@ -326,7 +326,7 @@ def test_round_history_keeps_the_last_rounds_and_tells_a_late_push_from_a_retry(
     assert not history.late_outcome(0, 5, "node-2", 0, 4, fetch=True).carry
     with pytest.raises(BadRequest, match="member 0 of node node-0"):
         history.late_outcome(0, 5, "node-0", 1, 4)
-    history.add(ClosedRound(7, "result-7", {}))  # round 6 had no result (every node had left it)
+    history.add(ClosedRound(7, "result-7", {}, expected=2))  # round 6 had no result (every node had left it)
     assert history.get(7).result == "result-7" and history.get(6) is None
 
 

@@ -345,7 +345,7 @@ class Aggregator:
         expected = expected_gradients(self.num_nodes, block.left, block.absent)
         block.pushed, block.absent, block.carried, block.grace = {}, set(), [], None
         if block.history is not None:
-            block.history.add(ClosedRound(round_, summed.result, dict(block.last_pushed), expected=expected))
+            block.history.add(ClosedRound(round_, summed.result, dict(block.last_pushed), expected))
         block.round_encoding = None
         block.round_non_finite = False
         block.round += 1

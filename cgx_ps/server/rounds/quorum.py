@@ -85,10 +85,10 @@ class ClosedRound:
     round: int
     result: ResultFrames
     pushers: dict[str, int]  # node -> member, in time
-    late: dict[str, int] = field(default_factory=dict)  # node -> member, after the round closed
     # the gradients its average would have had if every node still in the rounds had pushed in
     # time: a late gradient's share of it (rounds/late_rounds.py)
-    expected: int = 1
+    expected: int
+    late: dict[str, int] = field(default_factory=dict)  # node -> member, after the round closed
 
 
 @dataclass(frozen=True)
