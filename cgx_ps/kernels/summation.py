@@ -109,8 +109,8 @@ class EncodedSum:
     def add_scaled(self, payload: BytesLike, scale: float) -> Header:
         """Add ``scale`` times a wire payload (validated first, as ``add``): a shard's correction
         for a late push (server/rounds/late_rounds.py). It goes into the accumulator, onto which
-        an encode then adds the kept pushes, so it needs no fold; it costs one temporary block of
-        fp32 while it is decoded."""
+        an encode then adds the kept pushes, so it needs no fold; added to a sum already there, it
+        costs one temporary block of fp32 while it is decoded."""
         header = check_payload(payload)
         if header.numel != self.numel:
             raise CodecError(f"block holds {header.numel} elements, the sum {self.numel}")
@@ -118,14 +118,11 @@ class EncodedSum:
         if header.non_finite:
             self.non_finite = True
             return header
-        values = np.empty(self.numel, dtype=np.float32)
-        dequantize(EncodedBlock(header, _as_array(payload)), out=values)
-        values *= np.float32(scale)
-        acc = self._accumulator()
-        if self._acc_holds_sum:
-            acc += values
+        block, acc = EncodedBlock(header, _as_array(payload)), self._accumulator()
+        if self._acc_holds_sum:  # the decode scales in its own pass (dequantize's scale=), then one addition
+            acc += dequantize(block, out=np.empty(self.numel, dtype=np.float32), scale=scale)
         else:
-            acc[:] = values
+            dequantize(block, out=acc, scale=scale)
         self._acc_holds_sum = True
         return header
 

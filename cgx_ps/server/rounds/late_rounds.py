@@ -64,11 +64,15 @@ def correction_weights(divisor: int, expected: int, closed_contributors: int) ->
 def add_late_corrections(total: EncodedSum, carried: list[CarriedPush], divisor: int) -> None:
     """On a kernel thread, before the round under way is encoded: each carried push's correction
     added into its sum (module doc)."""
+    mean_weights: dict[int, tuple[ClosedRound, float]] = {}  # closed round -> its result's weight, summed
     for push in carried:
-        result = push.closed.result.payload
-        weight, mean_weight = correction_weights(divisor, push.closed.expected, decode_header(result).contributors)
+        closed = push.closed
+        weight, mean_weight = correction_weights(divisor, closed.expected,
+                                                 decode_header(closed.result.payload).contributors)
         total.add_scaled(push.payload, weight)
-        total.add_scaled(result, mean_weight)
+        mean_weights[closed.round] = (closed, mean_weights.get(closed.round, (closed, 0.0))[1] + mean_weight)
+    for closed, mean_weight in mean_weights.values():  # each closed round's result decoded once
+        total.add_scaled(closed.result.payload, mean_weight)
 
 
 def quorum_encoder(encode: Callable[[], EncodedBlock], total: EncodedSum, carried: list[CarriedPush],
