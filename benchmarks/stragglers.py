@@ -90,9 +90,8 @@ def worker(args: argparse.Namespace) -> None:
     stalls = random.Random(args.seed * 1000 + config.node_rank)
     compute_s = args.compute_ms / 1000 * (2.0 if config.node_rank == args.slow_node else 1.0)
     computed, started = 0, None
-    pipe = opt._cgx_pipe  # the job's finished steps, those a late node caught up on included
-    while pipe.steps < args.steps:
-        if started is None and pipe.steps >= 1:
+    while opt.steps_done < args.steps:  # the job's finished steps, those a late node caught up on included
+        if started is None and opt.steps_done >= 1:
             started = time.perf_counter()  # from the first finished step: start-up is not timed
         if args.stall_p and stalls.random() < args.stall_p:
             time.sleep(args.stall_s)
@@ -106,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
         computed += 1
     wall = time.perf_counter() - started
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values())).hexdigest()
-    print(json.dumps({"node": config.node_rank, "steps": pipe.steps, "computed": computed, "wall_s": wall,
+    print(json.dumps({"node": config.node_rank, "steps": opt.steps_done, "computed": computed, "wall_s": wall,
                       "eval_loss": eval_loss(model, teacher), "digest": digest}), flush=True)
     cgx.shutdown()
 

@@ -72,6 +72,8 @@ def main() -> None:
                                  error_feedback=args.error_feedback)
         ddp.register_comm_hook(state, cgx.ddp_comm_hook)                   # cgx
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    if state is not None:  # under a quorum, a late node steps it for the rounds it missed
+        cgx.catch_up_with(optimizer, hook_state=state)                     # cgx
     checkpoints = cgx.Checkpoints(args.checkpoint) if args.checkpoint else None   # cgx
     start, saved = checkpoints.load_latest() if checkpoints else (0, None)
     if saved is not None:  # before the first backward: the hook resumes at the checkpoint's rounds
@@ -84,29 +86,34 @@ def main() -> None:
     steps_per_epoch = len(y_train) // args.batch_size
     total = args.epochs * steps_per_epoch
     total = min(total, args.max_steps) if args.max_steps else total
-    step, step_times = start, []
-    for epoch in range(start // steps_per_epoch, args.epochs):
-        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
-        for i in range(step - epoch * steps_per_epoch, min(steps_per_epoch, total - epoch * steps_per_epoch)):
-            t0 = time.perf_counter()
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            optimizer.zero_grad()
-            loss = F.cross_entropy(ddp(x_train[idx]), y_train[idx])
-            loss.backward()  # the hook runs here, bucket by bucket, as DDP's allreduce would
-            optimizer.step()
-            step_times.append(time.perf_counter() - t0)
-            step += 1
-            if args.json and config.rank == 0:
-                print(json.dumps({"event": "step", "step": step, "loss": loss.item(), "step_s": step_times[-1],
-                                  "total_steps": total}), flush=True)
-            if checkpoints is not None and step % args.checkpoint_every == 0:
-                checkpoints.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                        **({"cgx_ps": state.state_dict()} if state else {})})   # cgx
+    step, step_times, shuffled = start, [], (-1, None)
+    hook_base = start - (state.steps_done if state is not None else 0)  # start: a --plain-ddp checkpoint
+    # by the job's step count, not the batches: a late node skips the batches of the rounds it
+    # caught up on (CGX_PS_QUORUM; cgx_ps.examples.train)
+    while step < total:
+        epoch, i = divmod(step, steps_per_epoch)
+        if shuffled[0] != epoch:
+            shuffled = epoch, torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
+        t0 = time.perf_counter()
+        idx = shuffled[1][i * args.batch_size:(i + 1) * args.batch_size]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(ddp(x_train[idx]), y_train[idx])
+        loss.backward()  # the hook runs here, bucket by bucket, as DDP's allreduce would
+        optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+        step = hook_base + state.steps_done if state is not None else step + 1   # cgx
+        if args.json and config.rank == 0:
+            print(json.dumps({"event": "step", "step": step, "loss": loss.item(), "step_s": step_times[-1],
+                              "total_steps": total}), flush=True)
+        if checkpoints is not None and step % args.checkpoint_every == 0:
+            checkpoints.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                    **({"cgx_ps": state.state_dict()} if state else {})})   # cgx
 
     with torch.no_grad():
         logits = model(x_test.to(device))
         accuracy = (logits.argmax(1) == y_test.to(device)).float().mean().item()
-    summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "steps": step, "resumed_from": start,
+    summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "steps": step,
+               "computed_steps": len(step_times), "resumed_from": start,
                **replica_fingerprint(model), "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else 0.0,
                **(hook_report(state) if state else {})}
     print(json.dumps(summary) if args.json else f"rank {config.rank}: accuracy {accuracy:.3f} after {step} steps",

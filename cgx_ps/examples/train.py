@@ -102,26 +102,32 @@ def main() -> None:
     cgx.broadcast_optimizer_state(optimizer, root_rank=0)                  # cgx
 
     steps_per_epoch = len(y_train) // args.batch_size
-    step, pushed, fp32, step_times = start, 0, 0, []
-    for epoch in range(start // steps_per_epoch, args.epochs):
-        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
-        for i in range(step - epoch * steps_per_epoch, steps_per_epoch):
-            t0 = time.perf_counter()
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
-            loss.backward()
-            optimizer.step()
-            step_times.append(time.perf_counter() - t0)
-            stats = optimizer.stats
-            pushed, fp32, step = pushed + stats.bytes_pushed, fp32 + stats.fp32_bytes, step + 1
-            if args.json and config.rank == 0:
-                print(json.dumps({"event": "step", "step": step, "epoch": epoch, "loss": loss.item(),
-                                  "bytes": stats.bytes_pushed, "fp32_bytes": stats.fp32_bytes,
-                                  "exposed_s": stats.exposed_comm_s, "step_s": step_times[-1],
-                                  "total_steps": args.epochs * steps_per_epoch}), flush=True)
-            if checkpoints is not None and step % args.checkpoint_every == 0:
-                checkpoints.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    total = args.epochs * steps_per_epoch
+    step, pushed, fp32, step_times, shuffled = start, 0, 0, [], (-1, None)
+    # Driven by the job's step count, not by the batches: under a quorum (CGX_PS_QUORUM) a node that
+    # was late applies the rounds it missed without computing them, and skips their batches
+    while step < total:
+        epoch, i = divmod(step, steps_per_epoch)
+        if shuffled[0] != epoch:
+            shuffled = epoch, torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
+        t0 = time.perf_counter()
+        idx = shuffled[1][i * args.batch_size:(i + 1) * args.batch_size]
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+        loss.backward()
+        optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+        stats = optimizer.stats
+        pushed, fp32, step = pushed + stats.bytes_pushed, fp32 + stats.fp32_bytes, optimizer.steps_done   # cgx
+        if args.json and config.rank == 0:
+            print(json.dumps({"event": "step", "step": step, "epoch": epoch, "loss": loss.item(),
+                              "bytes": stats.bytes_pushed, "fp32_bytes": stats.fp32_bytes,
+                              "exposed_s": stats.exposed_comm_s, "step_s": step_times[-1],
+                              "total_steps": total}), flush=True)
+        # a node that caught up past a checkpoint's step never held that step's state: it skips
+        # that checkpoint, and a restart resumes from the newest step every rank saved
+        if checkpoints is not None and step % args.checkpoint_every == 0:
+            checkpoints.save(step, {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
 
     with torch.no_grad():
         logits = model(x_test)
@@ -129,7 +135,7 @@ def main() -> None:
         test_loss = F.cross_entropy(logits, y_test).item()
     checksum = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "test_loss": test_loss,
-               "steps": step, "bytes_pushed": pushed, "fp32_bytes": fp32, "param_sha256": checksum,
+               "steps": step, "computed_steps": len(step_times), "bytes_pushed": pushed, "fp32_bytes": fp32, "param_sha256": checksum,
                "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else 0.0,
                "resumed_from": start}
     print(json.dumps(summary) if args.json else

@@ -83,7 +83,7 @@ def join_uneven_run(rank: int) -> dict:
         refusals.append(str(exc))
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     final.update({f"{n}.momentum": opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()})
-    return {"final": final, "computed": computed, "steps": state.open().pipe.steps, "train_s": took, "marks": marks,
+    return {"final": final, "computed": computed, "steps": state.steps_done, "train_s": took, "marks": marks,
             "refusals": refusals, "rebuilt": bool(ddp._has_rebuilt_buckets)}
 
 

@@ -47,7 +47,7 @@ def main() -> None:
     took = time.monotonic() - started
     state = [t for t in model.state_dict().values()] + [s["momentum_buffer"] for s in opt.state.values()]
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in state)).hexdigest()
-    print(json.dumps({"node": config.node_rank, "steps": opt._cgx_pipe.steps, "computed": computed,
+    print(json.dumps({"node": config.node_rank, "steps": opt.steps_done, "computed": computed,
                       "digest": digest, "train_s": took, "refusals": refusals}), flush=True)
     cgx.shutdown()
 

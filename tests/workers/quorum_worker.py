@@ -92,17 +92,16 @@ def main() -> None:
     try:
         if args.ddp:
             config, model, opt, data, state = ddp_job(args.compression, args.via)
-            driver = lambda: state.open()  # noqa: E731
+            steps_taken = lambda: state.steps_done  # noqa: E731
+            driver = state.open()  # here, not at the first backward: a refusal comes now
         else:
             config, model, opt, data = small_job(args.compression, args.via)
-            driver = lambda: opt._cgx_driver  # noqa: E731
-        steps_taken = lambda: driver().pipe.steps  # noqa: E731
+            steps_taken, driver = (lambda: opt.steps_done), opt._cgx_driver  # noqa: E731
         if args.resume:
             saved = torch.load(args.resume)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["optimizer"])
-        steps_taken()
-    except cgx.ConfigError as refused:  # the DDP hook's driver opens at the first backward
+    except cgx.ConfigError as refused:  # settings refused (the DDP hook: at open())
         print(json.dumps({"refused": str(refused)}), flush=True)
         return
     computed, caught_up = 0, []
@@ -141,13 +140,13 @@ def main() -> None:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, args.save)
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in params.values())).hexdigest()
     # what the tuner left: the settings and mode each round travels with, and the checkpoint's state
-    pipe, saved = driver().pipe, driver().state_dict()
+    pipe, saved = driver.pipe, driver.state_dict()
     print(json.dumps({"node": config.node_rank, "rank": config.rank, "steps": steps_taken(), "computed": computed,
                       "caught_up": caught_up, "digest": digest, "train_s": time.monotonic() - started,
                       "bits": [pipe.settings(b).bits for b in range(pipe.num_blocks)], "compress": pipe.compress,
                       "decisions": [{k: d[k] for k in ("from_round", "compress", "bits") if k in d}
-                                    for d in (d.as_dict() for d in driver().tuner.history)]
-                      if driver().tuner is not None else [],
+                                    for d in (d.as_dict() for d in driver.tuner.history)]
+                      if driver.tuner is not None else [],
                       "checkpoint": {k: saved["pipeline"][k] for k in ("steps", "compress", "rounds", "settings")}}),
           flush=True)
     cgx.shutdown()

@@ -98,8 +98,8 @@ class DDPHookState(FrontEndView):
 
     ``ddp.register_comm_hook(DDPHookState(ddp, compression="4bit"), ddp_comm_hook)``. Create the
     states of every DDP model of the process before training starts: the first backward
-    registers them all with the shards as one session (``open()``). Shows ``stats``,
-    ``layout``, ``intranode`` and ``tuning_history`` once registered (``FrontEndView``).
+    registers them all with the shards as one session (``open()``). Shows ``steps_done``, and
+    ``stats``, ``layout``, ``intranode`` and ``tuning_history`` once registered (``FrontEndView``).
 
     Fastest: give it the DDP wrapper built with ``gradient_as_bucket_view=True`` and keep torch's
     ``zero_grad()``: gradients are then handed over early, without DDP's copy into its bucket, and
@@ -336,7 +336,7 @@ class DDPHookState(FrontEndView):
         Raises:
             CgxPsError: the state has not registered yet (no backward, no ``open()``).
         """
-        return self._opened().state_dict()
+        return self._cgx_step_driver().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``'s output, before the first step (registers with the
@@ -352,12 +352,8 @@ class DDPHookState(FrontEndView):
 
     # ---- what it shows -----------------------------------------------------------------------
 
-    def _opened(self) -> StepDriver:
-        if self._driver is None:
-            raise CgxPsError("the DDPHookState registers with the shards at the first backward (or open())")
+    def _cgx_registered(self) -> StepDriver | None:
         return self._driver
-
-    _cgx_step_driver = _opened
 
 
 def _alive(module_ref: Callable[[], torch.nn.Module | None]) -> torch.nn.Module:

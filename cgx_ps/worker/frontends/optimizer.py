@@ -125,7 +125,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     Returns:
         The same optimizer as an instance of a subclass of its class (``DistributedSGD`` for an
         ``SGD``: LR schedulers and ``isinstance`` keep working), sharing its ``param_groups``
-        and state, with ``synchronize()``, ``skip_synchronize()``, ``stats``, ``layout``,
+        and state, with ``synchronize()``, ``skip_synchronize()``, ``steps_done``, ``stats``, ``layout``,
         ``intranode`` and ``tuning_history`` added. It registers with the shards here.
 
     Raises:

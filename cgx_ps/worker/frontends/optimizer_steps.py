@@ -30,8 +30,8 @@ class DistributedMixin(FrontEndView):
     Mixed into a dynamic subclass of the wrapped optimizer's class (so LR schedulers and
     ``isinstance(opt, torch.optim.SGD)`` keep working); ``DistributedOptimizer`` (optimizer.py)
     builds it and documents its options. The front end of the block pipeline: it knows the
-    parameters, their hooks and ``.grad``; the pipeline knows blocks. Also shows ``stats``,
-    ``layout``, ``intranode`` and ``tuning_history`` (``FrontEndView``).
+    parameters, their hooks and ``.grad``; the pipeline knows blocks. Also shows ``steps_done``,
+    ``stats``, ``layout``, ``intranode`` and ``tuning_history`` (``FrontEndView``).
     """
 
     def _cgx_setup(self, named_parameters: list[tuple[str, torch.nn.Parameter]], options: SyncOptions,
@@ -311,7 +311,7 @@ class DistributedMixin(FrontEndView):
             self._cgx_driver.load_state_dict(ours)
         super().load_state_dict(state)
 
-    def _cgx_step_driver(self) -> StepDriver:
+    def _cgx_registered(self) -> StepDriver | None:
         return self._cgx_driver
 
 

@@ -299,11 +299,29 @@ class StepDriver:
 
 class FrontEndView:
     """What both front ends show of their steps, read from their driver's pipeline and tuner.
-    On a ``DDPHookState`` that has not registered yet (no backward, no ``open()``), each raises
-    ``CgxPsError``."""
+    On a ``DDPHookState`` that has not registered yet (no backward, no ``open()``), each but
+    ``steps_done`` raises ``CgxPsError``."""
+
+    def _cgx_registered(self) -> StepDriver | None:
+        """The front end's driver once it has registered with the shards, else None."""
+        raise NotImplementedError
 
     def _cgx_step_driver(self) -> StepDriver:
-        raise NotImplementedError
+        driver = self._cgx_registered()
+        if driver is None:
+            raise CgxPsError("the DDPHookState registers with the shards at the first backward (or open())")
+        return driver
+
+    @property
+    def steps_done(self) -> int:
+        """The job's steps this rank has finished: those it computed and, under a quorum
+        (``CGX_PS_QUORUM``), the rounds it applied without computing them after it was late
+        (counted on from a loaded checkpoint's steps; 0 before a ``DDPHookState`` registers).
+        Drive a training loop under a quorum by it rather than by the batches: a node that
+        caught up skips the batches of those rounds, and ends at the same step as the others
+        (a loop over every batch would push rounds no other node takes part in)."""
+        driver = self._cgx_registered()
+        return driver.pipe.steps if driver is not None else 0
 
     @property
     def stats(self) -> StepStats:
