@@ -101,11 +101,14 @@ def test_checkpoints_saved_after_a_catch_up_resume_every_node_to_identical_param
 @pytest.mark.parametrize("front_end", ["optimizer", "ddp hook"])
 def test_a_sigstopped_node_is_passed_by_the_others_and_after_sigcont_catches_up_to_identical_parameters(
         local_cluster, tmp_path, front_end):
+    # with a learning rate that falls every step (a per-step scheduler given to cgx.catch_up_with):
+    # a round caught up on at another step's rate would part the replicas in their last bits
     cluster = local_cluster(2, round_timeout=30)
     steps = 40
     ddp = ["--ddp"] if front_end == "ddp hook" else []
     gloo = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())) if ddp else {}
-    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), *ddp] + (["--sigstop-at", "5"] if r == 2 else []),
+    procs = start_nodes(cluster, 3, lambda r: ["--steps", str(steps), "--scheduler", *ddp]
+                        + (["--sigstop-at", "5"] if r == 2 else []),
                         tmp_path, CGX_PS_QUORUM="2", CGX_PS_GRACE_MS="20", **gloo)
     try:
         wait_until_stopped(procs[2].pid, timeout=120)
@@ -122,6 +125,7 @@ def test_a_sigstopped_node_is_passed_by_the_others_and_after_sigcont_catches_up_
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [r["steps"] for r in results] == [steps] * 3
     assert len({r["digest"] for r in results}) == 1, results  # replicas bit-identical
+    assert [r["lr"] for r in results] == [pytest.approx(0.05 / (1 + 0.1 * steps))] * 3  # every schedule at its end
     # the others went on while it was stopped (waiting for it, it would have computed every step),
     # and it applied the rounds it missed without computing them
     assert results[2]["computed"] < steps - 3 and results[2]["computed"] < min(r["computed"] for r in results[:2])
@@ -418,3 +422,23 @@ def test_catch_up_with_refuses_what_it_cannot_step():
     with pytest.raises(cgx.CgxPsError, match="already called"):
         cgx.catch_up_with(opt, hook_state=state)
     opt.step()  # not registered with the shards yet: the post-hook has nothing to catch up on
+
+
+def test_catch_up_with_refuses_a_scheduler_it_cannot_step_per_round():
+    import cgx_ps.worker as cgx
+    from cgx_ps.worker.frontends.schedulers import scheduler_problem
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_step = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    assert scheduler_problem(per_step, opt) is None
+    assert "steps another optimizer" in scheduler_problem(per_step, other)
+    assert "ReduceLROnPlateau steps on a metric" in scheduler_problem(
+        torch.optim.lr_scheduler.ReduceLROnPlateau(opt), opt)
+    assert "got function" in scheduler_problem(lambda: None, opt)
+    state = cgx.DDPHookState(model)
+    with pytest.raises(cgx.ConfigError, match="cgx.catch_up_with: the LambdaLR given steps another optimizer"):
+        cgx.catch_up_with(other, hook_state=state, schedulers=[per_step])
+    assert state._catch_up is None  # refused whole: it can still be called right
+    cgx.catch_up_with(opt, hook_state=state, schedulers=[per_step])

@@ -51,9 +51,16 @@ def small_job(compression: str = "4bit", via: str = "allreduce"
     return config, model, opt, torch.Generator().manual_seed(1000 + config.rank)
 
 
-def ddp_job(compression: str = "4bit", via: str = "allreduce"
+def per_step_schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A learning rate that falls every step (as a warm-up or a cosine decay moves it): a round
+    applied at another step's rate shows in the parameters' last bits."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.1 * step))
+
+
+def ddp_job(compression: str = "4bit", via: str = "allreduce", schedulers: list | None = None
             ) -> tuple[cgx.WorkerConfig, torch.nn.Module, torch.optim.Optimizer, torch.Generator, cgx.DDPHookState]:
-    """``small_job``'s model and data under DDP (gloo: MASTER_ADDR/PORT from the test) with the cgx-ps hook."""
+    """``small_job``'s model and data under DDP (gloo: MASTER_ADDR/PORT from the test) with the cgx-ps hook;
+    with ``schedulers`` (a list), a per-step scheduler of the optimizer is appended to it and caught up with."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -65,7 +72,9 @@ def ddp_job(compression: str = "4bit", via: str = "allreduce"
     state = cgx.DDPHookState(ddp, compression=compression, block_bytes=4096, uncompressed_via=via)
     ddp.register_comm_hook(state, cgx.ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    cgx.catch_up_with(opt, hook_state=state)
+    if schedulers is not None:
+        schedulers.append(per_step_schedule(opt))
+    cgx.catch_up_with(opt, hook_state=state, schedulers=schedulers or [])
     return config, ddp, opt, torch.Generator().manual_seed(1000 + config.rank), state
 
 
@@ -84,19 +93,24 @@ def main() -> None:
     p.add_argument("--ddp", action="store_true", help="DDP with the cgx-ps comm hook instead of DistributedOptimizer")
     p.add_argument("--compression", default="4bit", help="e.g. adaptive:3, auto:3 (tuned every 3 steps)")
     p.add_argument("--via", default="shards", help="uncompressed_via (auto mode's uncompressed steps)")
+    p.add_argument("--scheduler", action="store_true", help="a per-step LR scheduler, given to cgx.catch_up_with")
     p.add_argument("--out", required=True)
     p.add_argument("--progress", help="a file this node writes its finished step count to after each step")
     p.add_argument("--save", help="a file the model's and the optimizer's state_dict() go to at the end")
     p.add_argument("--resume", help="a --save file to load before training (the steps count on from its own)")
     args = p.parse_args()
+    schedulers: list = []  # stepped after every opt.step() of the loop, and for every round caught up on
     try:
         if args.ddp:
-            config, model, opt, data, state = ddp_job(args.compression, args.via)
+            config, model, opt, data, state = ddp_job(args.compression, args.via, schedulers if args.scheduler else None)
             steps_taken = lambda: state.steps_done  # noqa: E731
             driver = state.open()  # here, not at the first backward: a refusal comes now
         else:
             config, model, opt, data = small_job(args.compression, args.via)
             steps_taken, driver = (lambda: opt.steps_done), opt._cgx_driver  # noqa: E731
+            if args.scheduler:
+                schedulers.append(per_step_schedule(opt))
+                cgx.catch_up_with(opt, schedulers=schedulers)
         if args.resume:
             saved = torch.load(args.resume)
             model.load_state_dict(saved["model"])
@@ -128,6 +142,8 @@ def main() -> None:
         time.sleep(args.step_s)
         before = steps_taken()
         opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
         caught_up += range(before + 1, steps_taken())  # the steps of the rounds it applied without computing
         computed += 1
         if args.progress:  # a test that stalls another node waits on it (test_quorum_tuning.run_with_a_stall)
@@ -142,7 +158,7 @@ def main() -> None:
     # what the tuner left: the settings and mode each round travels with, and the checkpoint's state
     pipe, saved = driver.pipe, driver.state_dict()
     print(json.dumps({"node": config.node_rank, "rank": config.rank, "steps": steps_taken(), "computed": computed,
-                      "caught_up": caught_up, "digest": digest, "train_s": time.monotonic() - started,
+                      "caught_up": caught_up, "digest": digest, "lr": opt.param_groups[0]["lr"], "train_s": time.monotonic() - started,
                       "bits": [pipe.settings(b).bits for b in range(pipe.num_blocks)], "compress": pipe.compress,
                       "decisions": [{k: d[k] for k in ("from_round", "compress", "bits") if k in d}
                                     for d in (d.as_dict() for d in driver.tuner.history)]

@@ -1,4 +1,5 @@
-"""Quorum rounds under the DDP hook: ``cgx.catch_up_with(optimizer, hook_state=state)``.
+"""Quorum rounds under the DDP hook: ``cgx.catch_up_with(optimizer, hook_state=state)`` (and a
+``DistributedOptimizer``'s per-step schedulers: ``cgx.catch_up_with(opt, schedulers=[...])``).
 
     ddp = DDP(model)
     state = cgx.DDPHookState(ddp, compression="4bit")
@@ -25,13 +26,16 @@ applied after the next step that is taken.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ... import timeline
-from ..errors import CgxPsError
+from ..errors import CgxPsError, ConfigError
 from ..pipeline.buffers import TensorOf
 from .ddp_hook import DDPHookState
 from .optimizer_steps import DistributedMixin
+from .schedulers import LRScheduler, checked_schedulers, step_schedulers
 
 __all__ = ["catch_up_with", "foreign_tensors", "gradients_of"]
 
@@ -56,39 +60,61 @@ def foreign_tensors(optimizer: torch.optim.Optimizer, params: dict[str, torch.Te
     return sum(1 for g in optimizer.param_groups for p in g["params"] if p.requires_grad and id(p) not in known)
 
 
-def catch_up_with(optimizer: torch.optim.Optimizer, hook_state: DDPHookState) -> None:
-    """Under quorum rounds, let a late node step ``optimizer`` for the rounds it missed.
+def catch_up_with(optimizer: torch.optim.Optimizer, hook_state: DDPHookState | None = None,
+                  schedulers: Sequence[LRScheduler] = ()) -> None:
+    """Under quorum rounds, let a late node step ``optimizer`` (and ``schedulers``) for the
+    rounds it missed.
 
-    Call it once per ``DDPHookState``, before the first backward; without a quorum it does
-    nothing but run the step's after-work (metrics) a little earlier.
+    Under the DDP hook, call it once per ``DDPHookState``, before the first backward; without a
+    quorum it does nothing but run the step's after-work (metrics) a little earlier. A
+    ``DistributedOptimizer`` catches up by itself: call it (without ``hook_state``) only to give
+    it the learning-rate schedulers your loop steps once per batch (``schedulers.py``).
 
     Args:
-        optimizer: the torch optimizer that steps the DDP model (its parameters alone).
-        hook_state: the ``DDPHookState`` registered with ``ddp_comm_hook``.
+        optimizer: the torch optimizer that steps the DDP model (its parameters alone), or a
+            ``DistributedOptimizer``.
+        hook_state: the ``DDPHookState`` registered with ``ddp_comm_hook`` (None with a
+            ``DistributedOptimizer``).
+        schedulers: the torch LR schedulers of ``optimizer`` that the loop steps after every
+            ``optimizer.step()``: each is stepped before each round caught up on, so the node
+            applies every round at the rate the other nodes did (not ``ReduceLROnPlateau``, nor
+            schedulers stepped per epoch).
 
     Raises:
         CgxPsError: ``hook_state`` is not a ``DDPHookState``, already has an optimizer, or
             ``optimizer`` is not a plain torch optimizer; at its first step, ``optimizer`` holds
             tensors that are not the DDP model's (a catch-up step would apply their stale
             gradients on this node alone).
+        ConfigError: a scheduler that is not a per-step torch LR scheduler of ``optimizer``;
+            a ``DistributedOptimizer`` with a ``hook_state``, or given schedulers twice.
     """
+    if isinstance(optimizer, DistributedMixin):
+        if hook_state is not None:
+            raise ConfigError("cgx.catch_up_with: a DistributedOptimizer catches up by itself; hook_state is for "
+                              "the torch optimizer of a DDP model under the hook")
+        if optimizer._cgx_catch_up_schedulers:
+            raise ConfigError("cgx.catch_up_with was already given this DistributedOptimizer's schedulers")
+        optimizer._cgx_catch_up_schedulers = checked_schedulers(schedulers, optimizer)
+        return
     if not isinstance(hook_state, DDPHookState):
         raise CgxPsError(f"cgx.catch_up_with's hook_state takes the DDPHookState registered with ddp_comm_hook, "
                          f"got {type(hook_state).__name__}")
-    if isinstance(optimizer, DistributedMixin) or not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer):
         raise CgxPsError(f"cgx.catch_up_with takes the torch optimizer that steps the DDP model, got "
-                         f"{type(optimizer).__name__} (a DistributedOptimizer catches up by itself)")
+                         f"{type(optimizer).__name__}")
     if hook_state._catch_up is not None:
         raise CgxPsError("cgx.catch_up_with was already called for this DDPHookState")
-    hook_state._catch_up = _CatchUp(hook_state, optimizer)
+    hook_state._catch_up = _CatchUp(hook_state, optimizer, checked_schedulers(schedulers, optimizer))
 
 
 class _CatchUp:
     """The step post-hook: after the user's step, one more step per round this node missed."""
 
-    def __init__(self, state: DDPHookState, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, state: DDPHookState, optimizer: torch.optim.Optimizer,
+                 schedulers: list[LRScheduler]) -> None:
         self._state = state
         self._optimizer = optimizer
+        self._schedulers = schedulers
         # its own steps run the post-hook too, and so do cgx.join's shadow steps (rounds already)
         self.paused = False
         self._checked = False
@@ -114,6 +140,7 @@ class _CatchUp:
                 for block in range(pipe.num_blocks):
                     pipe.copy_out(block, grad_out)
                 with timeline.span("catch-up", round_):
+                    step_schedulers(self._schedulers)  # each round at the rate the others used
                     self._optimizer.step()
         finally:
             self.paused = False
