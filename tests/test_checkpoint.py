@@ -172,6 +172,24 @@ def test_checkpoint_files_resume_from_the_newest_step_every_rank_saved(tmp_path)
     assert Checkpoints(tmp_path / "none", rank=0, world_size=1).load_latest() == (0, None)
 
 
+def test_files_without_a_step_every_rank_saved_restart_from_zero_with_a_warning(tmp_path, caplog):
+    # under a quorum: node 1 caught up across step 6, and nodes 0 and 2 deleted step 3 on saving 9
+    ranks = [Checkpoints(tmp_path, rank=r, world_size=3) for r in range(3)]
+    ranks[1].save(3, {})
+    for step in (3, 6, 9):
+        for r in (0, 2):
+            ranks[r].save(step, {})
+    with caplog.at_level("WARNING", logger="cgx_ps.worker.checkpoint"):
+        assert ranks[1].load_latest() == (0, None)
+    assert "holds checkpoint files but no step that every rank saved" in caplog.text
+    kept = [Checkpoints(tmp_path / "kept", rank=r, world_size=3, keep=3) for r in range(3)]
+    kept[1].save(3, {"step": 3})
+    for step in (3, 6, 9):
+        for r in (0, 2):
+            kept[r].save(step, {"step": step})
+    assert kept[1].load_latest() == (3, {"step": 3})  # keep=3, as under a quorum: step 3 is still there
+
+
 # ---- real restarted jobs --------------------------------------------------------------------------
 
 def _free_port() -> int:

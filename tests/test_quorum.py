@@ -4,6 +4,7 @@ settings checked on both ends."""
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import subprocess
@@ -419,7 +420,7 @@ def test_catch_up_with_refuses_what_it_cannot_step():
     with pytest.raises(cgx.CgxPsError, match="takes the torch optimizer that steps the DDP model, got Linear"):
         cgx.catch_up_with(model, hook_state=state)
     cgx.catch_up_with(opt, hook_state=state)
-    with pytest.raises(cgx.CgxPsError, match="already called"):
+    with pytest.raises(cgx.ConfigError, match="already called"):
         cgx.catch_up_with(opt, hook_state=state)
     opt.step()  # not registered with the shards yet: the post-hook has nothing to catch up on
 
@@ -437,6 +438,9 @@ def test_catch_up_with_refuses_a_scheduler_it_cannot_step_per_round():
     assert "ReduceLROnPlateau steps on a metric" in scheduler_problem(
         torch.optim.lr_scheduler.ReduceLROnPlateau(opt), opt)
     assert "got function" in scheduler_problem(lambda: None, opt)
+    assert scheduler_problem(per_step, copy.copy(opt)) is None  # DistributedOptimizer's: the same param_groups
+    with pytest.raises(cgx.ConfigError, match="needs hook_state"):
+        cgx.catch_up_with(opt, schedulers=[per_step])
     state = cgx.DDPHookState(model)
     with pytest.raises(cgx.ConfigError, match="cgx.catch_up_with: the LambdaLR given steps another optimizer"):
         cgx.catch_up_with(other, hook_state=state, schedulers=[per_step])

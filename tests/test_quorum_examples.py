@@ -70,18 +70,17 @@ def test_the_example_under_a_quorum_ends_on_every_node_after_a_stalled_node_caug
     procs = start_nodes(cluster, EXAMPLES[front_end], gloo)
     try:
         progress = Progress(procs[0])
-        for at in (30, 120, 210):  # a few of the others' rounds each (~6 ms): fewer than the 16 a shard keeps
+        for at in (30, 120, 210):  # a few of the others' rounds each (~6 ms): far fewer than the 16 a shard keeps
             progress.wait_for(at)
-            pause(procs[STALLED], 0.04)
+            pause(procs[STALLED], 0.025)
         progress.wait_for(progress.total - 3)  # and once as the others end
         pause(procs[STALLED], 0.3)
-        summaries = [progress.done(timeout=120)]
-        for proc in procs[1:]:
-            out, _ = proc.communicate(timeout=120)
-            summaries.append(json.loads(out.strip().splitlines()[-1]))
-        for rank, proc in enumerate(procs):
-            proc.wait(timeout=30)
-            assert proc.returncode == 0, f"rank {rank} exit {proc.returncode}:\n{proc.stderr.read()[-4000:]}"
+        outs = [proc.communicate(timeout=120) for proc in procs[1:]]  # (stdout, stderr)
+        procs[0].wait(timeout=120)
+        errs = [procs[0].stderr.read()] + [err for _, err in outs]
+        for rank, proc in enumerate(procs):  # a node that failed says why before its output is read
+            assert proc.returncode == 0, f"rank {rank} exit {proc.returncode}:\n{errs[rank][-4000:]}"
+        summaries = [progress.done(timeout=30)] + [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     finally:
         for proc in procs:
             proc.kill()

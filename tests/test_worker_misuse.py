@@ -50,6 +50,8 @@ def run(cluster, scenario: str, servers: list[str] | None = None, **env_vars: st
     ("after_shutdown", "CgxPsError: cgx_ps.worker.shutdown() has closed the connection to the shards"),
     ("skip_unsynchronized", "CgxPsError: step() inside skip_synchronize() needs synchronize() first"),
     ("second_optimizer", "ConfigError: one DistributedOptimizer per process"),
+    ("catch_up_twice", "ConfigError: cgx.catch_up_with was already called for this DistributedOptimizer"),
+    ("catch_up_with_hook_state", "ConfigError: cgx.catch_up_with: a DistributedOptimizer catches up by itself"),
 ])
 def test_misuse_is_named(cluster, scenario, error):
     out = run(cluster, scenario)

@@ -13,13 +13,16 @@ Why a file per rank: error-feedback residuals belong to one node and one local r
 of the blocks it pushes), so rank 0's file alone cannot resume the others bit for bit. Why the
 newest *complete* step: a job killed while saving leaves some ranks' files of that step missing;
 ranks of a synchronous job are never a step apart, so the checkpoint before it is complete, and
-``keep=2`` keeps it. After a restart with another number of ranks (an elastic restart), rank r
+``keep=2`` keeps it. Under quorum rounds a node that caught up across a checkpoint's step skips
+it, so the others may already have deleted the last step it saved: keep 3 there
+(docs/stragglers.md). After a restart with another number of ranks (an elastic restart), rank r
 reads rank r's file if there was one, else rank 0's: model and optimizer state are the same on
 every rank, and the DistributedOptimizer drops the residuals that are not its own.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -32,6 +35,8 @@ from .errors import CheckpointError
 from .runtime import current_config
 
 __all__ = ["Checkpoints"]
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{9})\.rank-(\d+)-of-(\d+)\.pt$")
 
@@ -83,6 +88,9 @@ class Checkpoints:
         (rank 0's if the saving job had fewer ranks), or (0, None) when there is none."""
         found = self.latest()
         if found is None:
+            if self._files():  # a restart from step 0 over files of the job's: say why
+                log.warning("%s holds checkpoint files but no step that every rank saved: starting from step 0",
+                            self.directory)
             return 0, None
         step, world = found
         path = self.path(step, self.rank if self.rank < world else 0, world)

@@ -64,6 +64,15 @@ def scenario(name: str) -> dict:
         model(x).pow(2).sum().backward()
         opt.step()
         return out
+    if name in ("catch_up_twice", "catch_up_with_hook_state"):
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0)  # built before wrapping: accepted
+        opt = cgx.DistributedOptimizer(inner, model.named_parameters())
+        if name == "catch_up_with_hook_state":
+            cgx.catch_up_with(opt, hook_state=cgx.DDPHookState(model))
+        cgx.catch_up_with(opt, schedulers=[sched])
+        cgx.catch_up_with(opt)  # the second call: refused
+        return out
     if name == "thawed":  # frozen when wrapped, trained later
         model[0].bias.requires_grad_(False)
     if name == "nan_by_default":  # no allow_non_finite: NaN travels, is counted and said once a minute

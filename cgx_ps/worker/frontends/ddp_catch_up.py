@@ -29,13 +29,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from ... import timeline
 from ..errors import CgxPsError, ConfigError
 from ..pipeline.buffers import TensorOf
 from .ddp_hook import DDPHookState
 from .optimizer_steps import DistributedMixin
-from .schedulers import LRScheduler, checked_schedulers, step_schedulers
+from .schedulers import checked_schedulers, step_schedulers
 
 __all__ = ["catch_up_with", "foreign_tensors", "gradients_of"]
 
@@ -81,21 +82,25 @@ def catch_up_with(optimizer: torch.optim.Optimizer, hook_state: DDPHookState | N
             schedulers stepped per epoch).
 
     Raises:
-        CgxPsError: ``hook_state`` is not a ``DDPHookState``, already has an optimizer, or
-            ``optimizer`` is not a plain torch optimizer; at its first step, ``optimizer`` holds
+        CgxPsError: ``hook_state`` is not a ``DDPHookState``, or ``optimizer`` is not a torch
+            optimizer; at its first step, ``optimizer`` holds
             tensors that are not the DDP model's (a catch-up step would apply their stale
             gradients on this node alone).
-        ConfigError: a scheduler that is not a per-step torch LR scheduler of ``optimizer``;
-            a ``DistributedOptimizer`` with a ``hook_state``, or given schedulers twice.
+        ConfigError: called twice for the same optimizer or state; a scheduler that is not a
+            per-step torch LR scheduler of ``optimizer``; a ``DistributedOptimizer`` with a
+            ``hook_state``, or a torch optimizer without one.
     """
     if isinstance(optimizer, DistributedMixin):
         if hook_state is not None:
             raise ConfigError("cgx.catch_up_with: a DistributedOptimizer catches up by itself; hook_state is for "
                               "the torch optimizer of a DDP model under the hook")
-        if optimizer._cgx_catch_up_schedulers:
-            raise ConfigError("cgx.catch_up_with was already given this DistributedOptimizer's schedulers")
+        if optimizer._cgx_catch_up_schedulers is not None:
+            raise ConfigError("cgx.catch_up_with was already called for this DistributedOptimizer")
         optimizer._cgx_catch_up_schedulers = checked_schedulers(schedulers, optimizer)
         return
+    if hook_state is None:
+        raise ConfigError("cgx.catch_up_with: a torch optimizer under the DDP hook needs hook_state (the "
+                          "DDPHookState registered with ddp_comm_hook)")
     if not isinstance(hook_state, DDPHookState):
         raise CgxPsError(f"cgx.catch_up_with's hook_state takes the DDPHookState registered with ddp_comm_hook, "
                          f"got {type(hook_state).__name__}")
@@ -103,7 +108,7 @@ def catch_up_with(optimizer: torch.optim.Optimizer, hook_state: DDPHookState | N
         raise CgxPsError(f"cgx.catch_up_with takes the torch optimizer that steps the DDP model, got "
                          f"{type(optimizer).__name__}")
     if hook_state._catch_up is not None:
-        raise CgxPsError("cgx.catch_up_with was already called for this DDPHookState")
+        raise ConfigError("cgx.catch_up_with was already called for this DDPHookState")
     hook_state._catch_up = _CatchUp(hook_state, optimizer, checked_schedulers(schedulers, optimizer))
 
 

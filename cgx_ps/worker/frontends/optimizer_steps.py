@@ -12,12 +12,13 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
 from ... import timeline
 from .uncompressed import group_size_problem
 from ..errors import CgxPsError, ConfigError
 from .route import collective_group
-from .schedulers import LRScheduler, step_schedulers
+from .schedulers import step_schedulers
 from .step_driver import FrontEndView, StepDriver, SyncOptions
 from ..runtime import current_config
 
@@ -70,7 +71,7 @@ class DistributedMixin(FrontEndView):
         self._cgx_synchronized = False
         self._cgx_skip = False
         self._cgx_passes: dict[int, int] = {}  # backward passes seen this step, per parameter
-        self._cgx_catch_up_schedulers: list[LRScheduler] = []  # per-step schedulers (cgx.catch_up_with)
+        self._cgx_catch_up_schedulers: list[LRScheduler] | None = None  # per-step ones (cgx.catch_up_with)
         self._cgx_hooks = [p.register_post_accumulate_grad_hook(self._cgx_on_grad)
                            for p in self._cgx_params.values() if p.requires_grad]
 
@@ -274,7 +275,7 @@ class DistributedMixin(FrontEndView):
             for block in range(self._cgx_pipe.num_blocks):
                 self._cgx_pipe.copy_out(block, self._cgx_grad_out)
             with timeline.span("catch-up", round_):
-                step_schedulers(self._cgx_catch_up_schedulers)  # each round at the rate the others used
+                step_schedulers(self._cgx_catch_up_schedulers or [])  # each round at the rate the others used
                 super().step()
         return result
 

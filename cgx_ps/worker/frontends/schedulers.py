@@ -7,7 +7,9 @@ those rounds at the learning rate of the step it computed, and go on r steps beh
 schedule, and its replica would part from theirs without an error. Given to
 ``cgx.catch_up_with(..., schedulers=[...])``, each is stepped before each caught-up round, as the
 other nodes' loops stepped it after each of theirs; the loop's own ``scheduler.step()`` after
-``opt.step()`` then brings it to the round under way, as on every other node.
+``opt.step()`` then brings it to the round under way, as on every other node. A rate changed any
+other way (a scheduler stepped per epoch, ``ReduceLROnPlateau``, a write to ``param_groups``) is
+not replayed: a node that caught up across the change applied some rounds at the old rate.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..errors import ConfigError
 
-__all__ = ["LRScheduler", "checked_schedulers", "scheduler_problem", "step_schedulers"]
+__all__ = ["checked_schedulers", "scheduler_problem", "step_schedulers"]
 
 
 def scheduler_problem(scheduler: object, optimizer: torch.optim.Optimizer) -> str | None:
@@ -29,7 +31,9 @@ def scheduler_problem(scheduler: object, optimizer: torch.optim.Optimizer) -> st
     if isinstance(scheduler, ReduceLROnPlateau):
         return ("ReduceLROnPlateau steps on a metric (once per epoch), which a caught-up round has none of: "
                 "leave it out and step it per epoch as before")
-    if scheduler.optimizer is not optimizer:
+    # the same param_groups, not the same object: a scheduler built on the torch optimizer before
+    # DistributedOptimizer wrapped it sets the rates the wrapped one steps with
+    if scheduler.optimizer.param_groups is not optimizer.param_groups:
         return f"the {type(scheduler).__name__} given steps another optimizer than the one given with it"
     return None
 
