@@ -162,7 +162,7 @@ def run_group(model: str, rate: str, topology: str, args: argparse.Namespace, ru
     _log(f"== run {run}/{args.repeat}: {model}, {rate}" + (f" (emulated at {link_rate})" if link_rate != rate else "")
          + f", {topology}: {workers} worker hosts"
          + (f" + {args.shard_hosts} shard hosts" if shard_hosts else "") + f" (load {_loadavg():.2f})")
-    with nc.Cluster(config=nc.ClusterConfig(hosts=hosts, rate=link_rate)) as cluster:
+    with nc.Cluster(config=nc.ClusterConfig(hosts=hosts, rate=link_rate, host_queue_ms=args.host_queue_ms)) as cluster:
         if args.wait_idle > 0:
             wait_idle(args.wait_idle)
         singles = [_single(cluster, base, kw, args, "start", shaped)]
@@ -278,6 +278,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "decisions within a short run); 0: auto's own default (100 steps), for runs long enough "
                         "to hold a few")
     p.add_argument("--block-mb", type=float, default=None, help="cgx-ps block size (default: cgx_step.py's)")
+    p.add_argument("--host-queue-ms", type=float, default=None, metavar="MS",
+                   help="each host's uplink queue in ms of line rate (default: a switch port's, the emulator's "
+                        "latency_ms); a real host's NIC queue is far deeper than a switch port's")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     p.add_argument("--powersgd-timeout", type=float, default=120.0, help="seconds for ddp-powersgd")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",

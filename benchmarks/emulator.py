@@ -71,6 +71,9 @@ class ClusterConfig:
     rate: str = "1gbit"        # per host link, each direction (tc units)
     burst_ms: float = 2.0      # token bucket depth, in ms of line rate (>= 128 KiB)
     latency_ms: float = 5.0    # queue depth beyond the bucket, in ms of line rate
+    # a host's own uplink queue, if not latency_ms: a real host's NIC queue (pfifo_fast's 1000
+    # packets, fq's 10000) is far deeper than a switch port's, and drops there cost TCP a retransmit
+    host_queue_ms: float | None = None
     mtu: int = 1500
     disable_ipv6: bool = True  # no router solicitations etc. in the byte counters
 
@@ -160,6 +163,9 @@ class Cluster:
         cfg = self.config
         burst, limit = tbf_params(cfg.rate_bps, cfg.burst_ms, cfg.latency_ms)
         tbf = ["tbf", "rate", cfg.rate, "burst", str(burst), "limit", str(limit)]
+        host_queue_ms = cfg.latency_ms if cfg.host_queue_ms is None else cfg.host_queue_ms
+        host_tbf = ["tbf", "rate", cfg.rate, "burst", str(burst),
+                    "limit", str(tbf_params(cfg.rate_bps, cfg.burst_ms, host_queue_ms)[1])]
         run_cmd("ip", "netns", "add", SWITCH_NS)
         run_cmd("ip", "-n", SWITCH_NS, "link", "set", "lo", "up")
         run_cmd("ip", "-n", SWITCH_NS, "link", "add", BRIDGE, "type", "bridge", "stp_state", "0", "forward_delay", "0")
@@ -178,7 +184,7 @@ class Cluster:
             run_cmd("ip", "-n", ns, "link", "set", "lo", "up")
             run_cmd("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", HOST_IFACE)
             run_cmd("ip", "-n", ns, "link", "set", HOST_IFACE, "up")
-            run_cmd("tc", "-n", ns, "qdisc", "replace", "dev", HOST_IFACE, "root", *tbf)     # host -> switch
+            run_cmd("tc", "-n", ns, "qdisc", "replace", "dev", HOST_IFACE, "root", *host_tbf)  # host -> switch
             run_cmd("tc", "-n", SWITCH_NS, "qdisc", "replace", "dev", port, "root", *tbf)  # switch -> host
 
     def close(self) -> None:
