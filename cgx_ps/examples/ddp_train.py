@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgx_ps.worker as cgx
-from cgx_ps.examples.train import build_parser, load_data
+from cgx_ps.examples.train import batch_indices, build_parser, load_data
 
 
 def replica_fingerprint(model: torch.nn.Module) -> dict[str, object]:
@@ -87,16 +87,11 @@ def main() -> None:
     steps_per_epoch = len(y_train) // args.batch_size
     total = args.epochs * steps_per_epoch
     total = min(total, args.max_steps) if args.max_steps else total
-    step, step_times, shuffled = start, [], (-1, None)
+    step, step_times = start, []
     hook_base = start - (state.steps_done if state is not None else 0)  # start: a --plain-ddp checkpoint
-    # by the job's step count, not the batches: a late node skips the batches of the rounds it
-    # caught up on (CGX_PS_QUORUM; cgx_ps.examples.train)
-    while step < total:
-        epoch, i = divmod(step, steps_per_epoch)
-        if shuffled[0] != epoch:
-            shuffled = epoch, torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
+    while step < total:  # by the job's step count (a late node skips the batches it caught up on)
         t0 = time.perf_counter()
-        idx = shuffled[1][i * args.batch_size:(i + 1) * args.batch_size]
+        idx = batch_indices(step, len(y_train), args.batch_size)
         optimizer.zero_grad()
         loss = F.cross_entropy(ddp(x_train[idx]), y_train[idx])
         loss.backward()  # the hook runs here, bucket by bucket, as DDP's allreduce would

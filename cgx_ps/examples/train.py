@@ -24,6 +24,7 @@ the job when a worker dies (each restart is a new incarnation: the shards drop t
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import time
@@ -76,6 +77,19 @@ def load_data(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return x[train], y[train], x[test], y[test]
 
 
+def batch_indices(step: int, samples: int, batch_size: int) -> torch.Tensor:
+    """The job's step ``step`` in this rank's ``samples``: batch i of epoch e's shuffle, (e, i) =
+    divmod(step, steps per epoch). Picked by the step, not drawn in turn, so a node that caught
+    up on rounds under a quorum skips their batches and ends at the job's last step."""
+    epoch, i = divmod(step, samples // batch_size)
+    return _shuffle(epoch, samples)[i * batch_size:(i + 1) * batch_size]
+
+
+@functools.lru_cache(maxsize=1)  # one epoch's order at a time
+def _shuffle(epoch: int, samples: int) -> torch.Tensor:
+    return torch.randperm(samples, generator=torch.Generator().manual_seed(epoch))
+
+
 def main() -> None:
     args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
@@ -104,15 +118,12 @@ def main() -> None:
 
     steps_per_epoch = len(y_train) // args.batch_size
     total = args.epochs * steps_per_epoch
-    step, pushed, fp32, step_times, shuffled = start, 0, 0, [], (-1, None)
+    step, pushed, fp32, step_times = start, 0, 0, []
     # Driven by the job's step count, not by the batches: under a quorum (CGX_PS_QUORUM) a node that
     # was late applies the rounds it missed without computing them, and skips their batches
     while step < total:
-        epoch, i = divmod(step, steps_per_epoch)
-        if shuffled[0] != epoch:
-            shuffled = epoch, torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
-        t0 = time.perf_counter()
-        idx = shuffled[1][i * args.batch_size:(i + 1) * args.batch_size]
+        t0, epoch = time.perf_counter(), step // steps_per_epoch
+        idx = batch_indices(step, len(y_train), args.batch_size)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
         loss.backward()
@@ -136,7 +147,8 @@ def main() -> None:
         test_loss = F.cross_entropy(logits, y_test).item()
     checksum = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     summary = {"event": "done", "rank": config.rank, "accuracy": accuracy, "test_loss": test_loss,
-               "steps": step, "computed_steps": len(step_times), "bytes_pushed": pushed, "fp32_bytes": fp32, "param_sha256": checksum,
+               "steps": step, "computed_steps": len(step_times), "bytes_pushed": pushed, "fp32_bytes": fp32,
+               "param_sha256": checksum,
                "median_step_s": sorted(step_times)[len(step_times) // 2] if step_times else 0.0,
                "resumed_from": start}
     print(json.dumps(summary) if args.json else
