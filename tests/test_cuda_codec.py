@@ -1,4 +1,4 @@
-"""CUDA codec (cgx_ps/kernels/cuda.py): compiles everywhere nvcc is, and on a GPU writes the same
+"""CUDA codec (cgx_ps/kernels/cuda/): compiles everywhere nvcc is, and on a GPU writes the same
 bytes as the reference and decodes exactly as the CPU kernel does."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_launches_with_wrong_sizes_are_refused_before_cupy_is_touched() -> None:
             cuda_codec.decode_maxmin_async(cp, args["payload"], args["header"], args["out"], True)
         if "out" not in changed:  # the metadata check reads the same payload
             with pytest.raises(CodecError, match=match.replace("maxmin_decode", "maxmin_check_meta")):
-                cuda_codec._check_meta(cp, args["payload"], args["header"])
+                cuda_codec.codec._check_meta(cp, args["payload"], args["header"])
 
     encode_refused(r"maxmin_encode: input is on cpu, expected a CUDA device")  # every size right
     encode_refused(r"input has 999 elements, the header needs exactly 1000", x=torch.zeros(n - 1))

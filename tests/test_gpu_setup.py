@@ -104,7 +104,7 @@ class FakeCupy(types.ModuleType):
 
 @pytest.fixture
 def fresh_kernels(monkeypatch):
-    monkeypatch.setattr(cuda_codec, "_kernels", {})  # RawKernels of the fake, not cached for later tests
+    monkeypatch.setattr(cuda_codec.codec, "_kernels", {})  # RawKernels of the fake, not cached for later tests
 
 
 def test_kernels_compile_for_every_device_that_quantizes(monkeypatch, fresh_kernels):

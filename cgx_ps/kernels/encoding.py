@@ -2,7 +2,7 @@
 (``decoding.py`` reads it back).
 
 The device of the input picks the implementation (``pick_impl``): CUDA tensors use the CuPy
-kernels (``cuda.py``), CPU tensors and numpy arrays the fused numba kernels (``cpu.py``; a shard
+kernels (``cuda/``), CPU tensors and numpy arrays the fused numba kernels (``cpu.py``; a shard
 encodes numpy arrays and never imports torch, which spares each shard process torch's ~190 MiB and
 a second or more of CPU at every start; ``is_tensor`` and ``host_view`` tell the two kinds apart
 without importing it); ``impl="reference"`` forces the plain-torch reference for tests. All three
