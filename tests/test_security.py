@@ -167,13 +167,24 @@ def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer, local_
 # ---- 2. the job token ---------------------------------------------------------------------------------
 
 
+def client_side_race(method: str, code: grpc.StatusCode, details: str) -> grpc.StatusCode:
+    """The status the shard sent. grpc.aio's client replaces it with INTERNAL "Internal error from
+    Core" when its write of a streamed request fails because the server already ended the call
+    (grpc/grpc#36066; about 1 in 80 refused Exchange calls on loopback here). The shard ended the
+    call before taking its one request, which only the token check does."""
+    streamed = method in ("PutBlob", "Probe", "Exchange")
+    if streamed and code == grpc.StatusCode.INTERNAL and details == "Internal error from Core":
+        return grpc.StatusCode.UNAUTHENTICATED
+    return code
+
+
 @pytest.mark.parametrize("metadata", [None, WRONG, (("authorization", "Basic abc"),)], ids=["none", "wrong", "basic"])
 async def test_every_rpc_refuses_a_missing_or_wrong_token_before_parsing(start_shard, metadata):
     server = await start_shard()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         # garbage bodies: UNAUTHENTICATED (not INVALID_ARGUMENT) shows the token is checked first
         statuses = await raw_calls(channel, b"\xff\xfe garbage", metadata)
-        assert {m: code for m, (code, _) in statuses.items()} == \
+        assert {m: client_side_race(m, code, details) for m, (code, details) in statuses.items()} == \
             {m: grpc.StatusCode.UNAUTHENTICATED for m in statuses}, statuses
         # the health service stays open for probes
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
