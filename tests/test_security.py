@@ -34,6 +34,7 @@ from cgx_ps.server.main import exposure_problem, exposure_warning
 from cgx_ps.v1 import ps_pb2, ps_pb2_grpc
 from cgx_ps.worker import ConfigError, WorkerConfig
 from cgx_ps.worker.shards.client import ShardClient
+from cgx_ps.worker.shards.recovery import WRITE_FAILED_DETAILS
 from cgx_ps.worker.shards.exchange_stream import ExchangeStream
 from cgx_ps.worker.errors import ShardRejectedError, ShardUnavailableError
 from cgx_ps.worker.pipeline.blocks import Compression, TensorInfo, build_layout
@@ -170,10 +171,11 @@ def test_a_planted_blob_executes_nothing_and_is_refused(tmp_path, writer, local_
 def client_side_race(method: str, code: grpc.StatusCode, details: str) -> grpc.StatusCode:
     """The status the shard sent. grpc.aio's client replaces it with INTERNAL "Internal error from
     Core" when its write of a streamed request fails because the server already ended the call
-    (grpc/grpc#36066; about 1 in 80 refused Exchange calls on loopback here). The shard ended the
-    call before taking its one request, which only the token check does."""
+    (grpc/grpc#36066, the worker's recovery.WRITE_FAILED_DETAILS; about 1 in 80 refused Exchange
+    calls on loopback here). The shard ended the call before taking its one request, which only the
+    token check does."""
     streamed = method in ("PutBlob", "Probe", "Exchange")
-    if streamed and code == grpc.StatusCode.INTERNAL and details == "Internal error from Core":
+    if streamed and code == grpc.StatusCode.INTERNAL and details == WRITE_FAILED_DETAILS:
         return grpc.StatusCode.UNAUTHENTICATED
     return code
 
