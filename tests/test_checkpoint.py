@@ -190,6 +190,17 @@ def test_files_without_a_step_every_rank_saved_restart_from_zero_with_a_warning(
     assert kept[1].load_latest() == (3, {"step": 3})  # keep=3, as under a quorum: step 3 is still there
 
 
+def test_checkpoints_keep_3_by_default_under_a_quorum(tmp_path, monkeypatch):
+    from cgx_ps.worker import WorkerConfig, runtime
+
+    assert Checkpoints(tmp_path, rank=0, world_size=3).keep == 2  # before init(): no quorum known
+    monkeypatch.setattr(runtime, "_config", WorkerConfig(rank=1, world_size=3, num_nodes=3, servers=("127.0.0.1:1",), quorum=2))
+    assert (Checkpoints(tmp_path).keep, Checkpoints(tmp_path).rank) == (3, 1)
+    assert Checkpoints(tmp_path, keep=5).keep == 5
+    monkeypatch.setattr(runtime, "_config", WorkerConfig(rank=1, world_size=3, num_nodes=3, servers=("127.0.0.1:1",)))
+    assert Checkpoints(tmp_path).keep == 2
+
+
 # ---- real restarted jobs --------------------------------------------------------------------------
 
 def _free_port() -> int:

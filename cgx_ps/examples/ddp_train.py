@@ -74,8 +74,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     if state is not None:  # under a quorum, a late node steps it for the rounds it missed
         cgx.catch_up_with(optimizer, hook_state=state)                     # cgx
-    # under a quorum a late node skips the checkpoints it caught up across: one more kept (docs/stragglers.md)
-    checkpoints = cgx.Checkpoints(args.checkpoint, keep=3 if config.has_quorum else 2) if args.checkpoint else None
+    checkpoints = cgx.Checkpoints(args.checkpoint) if args.checkpoint else None   # cgx
     start, saved = checkpoints.load_latest() if checkpoints else (0, None)
     if saved is not None:  # before the first backward: the hook resumes at the checkpoint's rounds
         model.load_state_dict(saved["model"])  # the same on every rank: no broadcast needed

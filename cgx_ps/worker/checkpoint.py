@@ -14,7 +14,7 @@ of the blocks it pushes), so rank 0's file alone cannot resume the others bit fo
 newest *complete* step: a job killed while saving leaves some ranks' files of that step missing;
 ranks of a synchronous job are never a step apart, so the checkpoint before it is complete, and
 ``keep=2`` keeps it. Under quorum rounds a node that caught up across a checkpoint's step skips
-it, so the others may already have deleted the last step it saved: keep 3 there
+it, so the others may already have deleted the last step it saved: there the default is 3
 (docs/stragglers.md). After a restart with another number of ranks (an elastic restart), rank r
 reads rank r's file if there was one, else rank 0's: model and optimizer state are the same on
 every rank, and the DistributedOptimizer drops the residuals that are not its own.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .runtime import current_config
+from .runtime import configured, current_config
 
 __all__ = ["Checkpoints"]
 
@@ -43,7 +43,10 @@ _NAME = re.compile(r"^step-(\d{9})\.rank-(\d+)-of-(\d+)\.pt$")
 
 class Checkpoints:
     def __init__(self, directory: str | os.PathLike, rank: int | None = None, world_size: int | None = None,
-                 keep: int = 2) -> None:
+                 keep: int | None = None) -> None:
+        if keep is None:  # 2, or 3 under quorum rounds (module doc)
+            config = configured()
+            keep = 3 if config is not None and config.has_quorum else 2
         if keep < 2:
             raise CheckpointError(f"keep={keep}: at least 2, so a save cut short leaves a complete one behind")
         if rank is None or world_size is None:

@@ -54,6 +54,11 @@ def init(config: WorkerConfig | None = None, **overrides: object) -> WorkerConfi
         return _config
 
 
+def configured() -> WorkerConfig | None:
+    """The config ``init()`` set, or None before it."""
+    return _config
+
+
 def current_config() -> WorkerConfig:
     if _config is None:
         raise ConfigError("call cgx_ps.worker.init() first")

@@ -64,15 +64,16 @@ def correction_weights(divisor: int, expected: int, closed_contributors: int) ->
 def add_late_corrections(total: EncodedSum, carried: list[CarriedPush], divisor: int) -> None:
     """On a kernel thread, before the round under way is encoded: each carried push's correction
     added into its sum (module doc)."""
-    mean_weights: dict[int, tuple[ClosedRound, float]] = {}  # closed round -> its result's weight, summed
+    closed_rounds: dict[int, ClosedRound] = {p.closed.round: p.closed for p in carried}
+    weights = {r: correction_weights(divisor, c.expected, decode_header(c.result.payload).contributors)
+               for r, c in closed_rounds.items()}  # (each late gradient's, its round's result's) per round
+    result_weights = dict.fromkeys(closed_rounds, 0.0)  # summed over the round's carried pushes
     for push in carried:
-        closed = push.closed
-        weight, mean_weight = correction_weights(divisor, closed.expected,
-                                                 decode_header(closed.result.payload).contributors)
+        weight, mean_weight = weights[push.closed.round]
         total.add_scaled(push.payload, weight)
-        mean_weights[closed.round] = (closed, mean_weights.get(closed.round, (closed, 0.0))[1] + mean_weight)
-    for closed, mean_weight in mean_weights.values():  # each closed round's result decoded once
-        total.add_scaled(closed.result.payload, mean_weight)
+        result_weights[push.closed.round] += mean_weight
+    for round_, closed in closed_rounds.items():  # each closed round's result decoded once
+        total.add_scaled(closed.result.payload, result_weights[round_])
 
 
 def quorum_encoder(encode: Callable[[], EncodedBlock], total: EncodedSum, carried: list[CarriedPush],
